@@ -1,0 +1,51 @@
+"""The model-adapter interface: what the engine needs from a model family, and nothing else.
+
+Every family (VAR, Infinity, HART) implements it in its own model file. The engine never looks
+inside a model; policies reach the model only through the hook points the adapter calls.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ..policies.base import ScalePlan
+from .schedule import ScaleSchedule
+from .state import RunState
+
+
+class ModelAdapter(Protocol):
+    family: str
+    schedule: ScaleSchedule
+    num_layers: int
+    supports_cuda_graphs: bool
+
+    def begin(self, run: RunState, conditioning: Any) -> None:
+        """Set up a generation: conditioning rows ([cond; uncond]), hoisted per-image projections,
+        the (reused) workspace with its KV cache and latent, the first stage input."""
+
+    def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
+        """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head → guidance.
+        Returns the guided float32 logits of the full map, (B, h·w, V). Reads its inputs only from
+        the workspace, so a dense scale can be captured as a CUDA graph and replayed."""
+
+    def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Draw this scale's codes from the guided logits with ``run.generator``."""
+
+    def residual(self, si: int, codes: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Per-token residual of the sampled codes, (B, h·w, c) (what ``post_residual`` may edit)."""
+
+    def accumulate(self, si: int, residual: torch.Tensor, run: RunState) -> None:
+        """Add the residual into the latent and prepare the next scale's input."""
+
+    def drop_uncond(self, run: RunState) -> None:
+        """Switch to conditional rows only (cond-only mode): slice every per-row state."""
+
+    def latent(self, run: RunState) -> torch.Tensor:
+        """The latent accumulated so far (what decode would turn into images)."""
+
+    def decode(self, run: RunState) -> torch.Tensor:
+        """Images (B, 3, H, W) float32 in [0, 1] from the accumulated latent."""
+
+    def end(self, run: RunState, keep_workspace: bool) -> None:
+        """Release per-run state; drop the workspace too unless asked to keep it."""

@@ -1,0 +1,168 @@
+"""The model-agnostic staged sampler: one scale at a time, policies consulted at every hook point.
+
+``generate`` is the only entry point. It owns the scale loop, the per-scale timing, the policy
+plan, the optional CUDA-graph replay of dense scales and the callback; everything family-specific
+(conditioning, stage inputs, layers, head, guidance, sampling, latent) lives in the adapter.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..policies.base import PolicyStack
+from .adapter import ModelAdapter
+from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
+
+# callback(si, tensors) with tensors = {"codes": (B, l), "logits": guided (B, l, V), "latent": ...}
+ScaleCallback = Callable[[int, dict], None]
+
+
+@dataclass
+class GenerationResult:
+    images: Optional[torch.Tensor]          # (B, 3, H, W) float32 in [0, 1]; None when decode=False
+    latent: torch.Tensor
+    stats: GenerationStats
+
+
+class _ScaleTimer:
+    """Per-scale wall time without host syncs inside the loop (CUDA events, read once at the end)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[int, tuple[Any, Any]] = {}
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self, key: int):
+        self.marks[key] = (self._now(), None)
+
+    def stop(self, key: int):
+        self.marks[key] = (self.marks[key][0], self._now())
+
+    def ms(self) -> dict[int, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: a.elapsed_time(b) for k, (a, b) in self.marks.items()}
+        return {k: (b - a) * 1e3 for k, (a, b) in self.marks.items()}
+
+
+class _GraphRunner:
+    """One CUDA graph per dense scale, stored in the adapter's workspace and replayed later.
+
+    The adapter's ``compute_scale`` reads only static workspace buffers, so a capture taken at the
+    first generation stays valid for every later one of the same shape. The KV cache's host-side
+    fill lengths are not advanced by a replay, so they are recorded at capture and restored.
+    """
+
+    def __init__(self, workspace):
+        if not hasattr(workspace, "graphs"):
+            workspace.graphs = {}
+            workspace.graph_pool = torch.cuda.graph_pool_handle()
+        self.ws = workspace
+
+    def run(self, si: int, fn: Callable[[], torch.Tensor], kv) -> torch.Tensor:
+        entry = self.ws.graphs.get(si)
+        if entry is None:
+            before = list(kv.lengths)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()                                   # warm-up (allocations, cuBLAS handles)
+            torch.cuda.current_stream().wait_stream(stream)
+            kv.lengths = list(before)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.ws.graph_pool):
+                out = fn()
+            entry = (graph, out, list(before), list(kv.lengths))
+            self.ws.graphs[si] = entry
+        graph, out, before, after = entry
+        assert kv.lengths == before, "KV cache state differs from the captured one"
+        graph.replay()
+        kv.lengths = list(after)
+        return out
+
+
+def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
+             settings: SamplingSettings = SamplingSettings(),
+             generator: GeneratorArg = None,
+             policies: Optional[PolicyStack] = None,
+             callback: Optional[ScaleCallback] = None,
+             cuda_graphs: bool = False,
+             decode: bool = True,
+             keep_workspace: bool = True,
+             stop: Optional[Callable[[], bool]] = None) -> GenerationResult:
+    """Run every scale of one generation and decode the result.
+
+    cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
+        given batch size). Scales a policy changes always run eagerly.
+    stop: polled after every scale; when it returns True the remaining scales are skipped and the
+        latent accumulated so far is decoded (an interrupt that still returns an image).
+    keep_workspace: keep the KV cache and graphs for the next call of the same batch size; on an
+        exception (e.g. an interrupt raised by ``callback``) the workspace is always released.
+    """
+    policies = policies if policies is not None else PolicyStack()
+    run = RunState(schedule=adapter.schedule, batch_size=batch_size, settings=settings,
+                   generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
+    use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
+    ok = False
+    try:
+        adapter.begin(run, conditioning)
+        policies.validate(run)
+        policies.begin(run)
+        timer = _ScaleTimer(run.device)
+        graphs = _GraphRunner(run.workspace) if use_graphs else None
+        schedule = run.schedule
+        skipping = False
+        for si in range(schedule.num_scales):
+            h, w = schedule.hw[si]
+            run.si = si
+            plan = policies.plan_scale(si, run) if not skipping else None
+            if skipping or plan.skip:
+                skipping = True
+                run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True))
+                continue
+            run.plan = plan
+            if plan.cond_only and run.cfg_active:
+                adapter.drop_uncond(run)
+                run.cfg_active = False
+            timer.start(si)
+            if graphs is not None and plan.dense and run.cfg_active and not policies.touches_layers \
+                    and not policies.active["post_hidden"]:
+                guided = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
+            else:
+                guided = adapter.compute_scale(si, plan, run)
+            codes = adapter.sample(si, guided, run)
+            residual = adapter.residual(si, codes, run)
+            residual = policies.post_residual(si, residual, run)
+            adapter.accumulate(si, residual, run)
+            policies.after_scale(si, guided, run)
+            timer.stop(si)
+            n = h * w if plan.token_index is None else int(plan.token_index.shape[-1])
+            run.stats.scales.append(ScaleStats(si, h, w, h * w, n))
+            if callback is not None:
+                callback(si, {"codes": codes, "logits": guided, "latent": adapter.latent(run)})
+            if stop is not None and stop():
+                skipping = True
+        scale_ms = timer.ms()                          # the loop's only host sync
+        for s in run.stats.scales:
+            if not s.skipped:
+                s.ms = scale_ms[s.si]
+        images = None
+        if decode:
+            t = _ScaleTimer(run.device)
+            t.start(0)
+            images = adapter.decode(run)
+            t.stop(0)
+            run.stats.decode_ms = t.ms()[0]
+        ok = True
+        return GenerationResult(images=images, latent=adapter.latent(run).clone(), stats=run.stats)
+    finally:
+        adapter.end(run, keep_workspace=keep_workspace and ok)

@@ -1,0 +1,110 @@
+"""Per-generation state. The engine creates a fresh ``RunState`` for every call; nothing outlives it
+except the adapter's reusable workspace (static buffers and CUDA graphs, keyed by batch shape)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from ..policies.base import PolicyStack, ScalePlan
+from .schedule import ScaleSchedule
+
+GeneratorArg = Union[torch.Generator, list, None]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How codes are drawn at every scale.
+
+    guidance_scale: classifier-free guidance strength (>= 0). VAR and HART ramp it linearly with the
+        scale index, from 0 at the first scale to this value at the last; 0 disables guidance.
+        Official VAR demo: 4.0; FID evaluation: 1.5.
+    top_k: keep the k most likely codes per token (0 = no limit). Official: 900.
+    top_p: nucleus mass kept per token, in [0, 1] (0 = off). Official: 0.95-0.96.
+    """
+
+    guidance_scale: float = 4.0
+    top_k: int = 900
+    top_p: float = 0.95
+
+
+@dataclass
+class ScaleStats:
+    """What one scale cost. ``tokens_computed`` counts token rows that ran through the transformer
+    per image (the CFG half is not counted twice)."""
+
+    si: int
+    h: int
+    w: int
+    tokens: int
+    tokens_computed: int
+    ms: float = float("nan")
+    skipped: bool = False
+
+    @property
+    def kept_ratio(self) -> float:
+        return self.tokens_computed / self.tokens if self.tokens else 0.0
+
+
+@dataclass
+class GenerationStats:
+    scales: list[ScaleStats] = field(default_factory=list)
+    decode_ms: float = float("nan")
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.scales)
+
+    @property
+    def tokens_computed(self) -> int:
+        return sum(s.tokens_computed for s in self.scales)
+
+    @property
+    def transformer_ms(self) -> float:
+        return sum(s.ms for s in self.scales if not s.skipped)
+
+    def summary(self) -> str:
+        kept = self.tokens_computed / max(self.tokens, 1)
+        return (f"{len([s for s in self.scales if not s.skipped])}/{len(self.scales)} scales, "
+                f"{self.tokens_computed}/{self.tokens} tokens computed ({kept:.0%}), "
+                f"scale loop {self.transformer_ms:.1f} ms, decode {self.decode_ms:.1f} ms")
+
+    def table(self) -> str:
+        lines = ["scale   size     tokens  computed  kept    ms"]
+        for s in self.scales:
+            ms = "skipped" if s.skipped else f"{s.ms:7.2f}"
+            lines.append(f"{s.si:>5}  {s.h:>3}x{s.w:<3}  {s.tokens:>6}  {s.tokens_computed:>8}  "
+                         f"{s.kept_ratio:4.0%}  {ms}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"scales": [vars(s).copy() for s in self.scales], "decode_ms": self.decode_ms,
+                "tokens": self.tokens, "tokens_computed": self.tokens_computed,
+                "transformer_ms": self.transformer_ms}
+
+
+@dataclass
+class RunState:
+    """Everything one generation owns. Adapters keep family-specific tensors in ``model_state``;
+    policies keep theirs in ``policy_state[policy.name]``."""
+
+    schedule: ScaleSchedule
+    batch_size: int
+    settings: SamplingSettings
+    generator: GeneratorArg
+    policies: PolicyStack
+    device: torch.device
+    dtype: torch.dtype
+    cfg_active: bool = True
+    si: int = -1
+    plan: ScalePlan = field(default_factory=ScalePlan)
+    model_state: dict[str, Any] = field(default_factory=dict)
+    policy_state: dict[str, Any] = field(default_factory=dict)
+    workspace: Optional[Any] = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def rows(self) -> int:
+        """Rows through the transformer: [cond; uncond] while guidance is on, else cond only."""
+        return 2 * self.batch_size if self.cfg_active else self.batch_size

@@ -1,0 +1,220 @@
+"""Official checkpoints → our modules: read safely, recognise, infer the configuration, validate.
+
+Every file is read with ``torch.load(weights_only=True)`` (or safetensors). Keys are mapped
+explicitly (the project's module names are the official key names), derived buffers are
+regenerated instead of loaded, training statistics are dropped, and the remaining key set must
+match exactly: the official loaders accept mismatches silently, ours names them.
+"""
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from .var import VAR_SCHEDULES, VARTransformer
+from .vqvae import MultiScaleVQVAE
+
+# What the official VAR files hold besides parameters: derived buffers, regenerated on load.
+_VAR_DERIVED = ("lvl_1L", "attn_bias_for_masking")
+_VAR_DERIVED_SUFFIX = ".attn.zero_k_bias"
+
+
+def _short(keys, n: int = 6) -> str:
+    keys = sorted(keys)
+    more = f" … ({len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Read a flat {name: tensor} dict from a ``.pth``/``.pt``/``.bin`` or ``.safetensors`` file.
+
+    Accepts the official flat state dicts and the VAR training checkpoint layout
+    (``{'trainer': {'var_wo_ddp': …, 'vae_local': …}}`` — the transformer's is taken unless
+    ``what`` mentions the VAE). Anything else raises a ValueError naming the file.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{what} not found: {p} — put the file there or pass its path")
+    if p.is_dir():
+        raise ValueError(f"{what} {p} is a folder; pass the checkpoint file inside it "
+                         f"(or load a converted folder with from_pretrained)")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        try:
+            return dict(load_file(str(p)))
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{what} {p} is not a readable safetensors file ({e}); re-download or re-convert it") from e
+    try:
+        obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{what} {p} is not a plain state dict of tensors: it holds Python objects that the "
+                         f"safe loader refuses ({str(e).splitlines()[0][:200]}). Re-save it as "
+                         f"torch.save(model.state_dict()) or convert it to safetensors") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        size = p.stat().st_size
+        raise ValueError(f"{what} {p} ({size:,} bytes) could not be read — truncated or corrupt? "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Download it again") from e
+    if isinstance(obj, Mapping) and "trainer" in obj and isinstance(obj["trainer"], Mapping):
+        inner = "vae_local" if "vae" in what.lower() else "var_wo_ddp"
+        if inner in obj["trainer"]:
+            obj = obj["trainer"][inner]
+    if isinstance(obj, Mapping) and set(obj.keys()) == {"vae"}:
+        obj = obj["vae"]
+    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in obj.items()):
+        kind = type(obj).__name__
+        raise ValueError(f"{what} {p} holds a {kind}, not a state dict of tensors; expected the official "
+                         f"checkpoint (a flat dict of tensors saved with torch.save)")
+    sd = dict(obj)
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def detect_family(sd: Mapping[str, torch.Tensor]) -> str:
+    """'var' (class-conditional VAR transformer), 'var-vqvae' (its tokenizer) or 'unknown'."""
+    if "class_emb.weight" in sd and "pos_1LC" in sd and any(k.startswith("blocks.") for k in sd):
+        return "var"
+    if "quantize.embedding.weight" in sd and "encoder.conv_in.weight" in sd and "decoder.conv_out.weight" in sd:
+        return "var-vqvae"
+    return "unknown"
+
+
+def _expect_family(sd, family: str, path, what: str) -> None:
+    found = detect_family(sd)
+    if found == family:
+        return
+    hints = {"var": "a VAR transformer (var_d16.pth … var_d36.pth)",
+             "var-vqvae": "the VAR VQVAE (vae_ch160v4096z32.pth)"}
+    if found in hints:
+        raise ValueError(f"{path} is {hints[found]}, but it was passed as the {what}; "
+                         f"pass it as the {'VAE' if found == 'var-vqvae' else 'transformer'} file instead")
+    raise ValueError(f"{path} is not {hints[family]}: none of its {len(sd)} keys look like one "
+                     f"(first keys: {_short(list(sd)[:6])})")
+
+
+def var_config_from_state_dict(sd: Mapping[str, torch.Tensor], patch_nums: Optional[Sequence[int]] = None,
+                               source: str = "checkpoint") -> dict:
+    """Constructor arguments of :class:`VARTransformer` inferred from official keys and shapes."""
+    try:
+        C = sd["word_embed.weight"].shape[0]
+        depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+        heads = sd["blocks.0.attn.scale_mul_1H11"].shape[1]
+        hidden = sd["blocks.0.ffn.fc1.weight"].shape[0]
+        L, S = sd["pos_1LC"].shape[1], sd["lvl_embed.weight"].shape[0]
+        cfg = dict(vocab_size=sd["head.weight"].shape[0], z_channels=sd["word_embed.weight"].shape[1],
+                   num_classes=sd["class_emb.weight"].shape[0] - 1, depth=depth, embed_dim=C, num_heads=heads,
+                   mlp_ratio=hidden / C, norm_eps=1e-6, shared_aln="shared_ada_lin.1.weight" in sd)
+    except KeyError as e:
+        raise ValueError(f"{source}: missing key {e.args[0]!r} needed to infer the VAR configuration; "
+                         f"is this an official var_d*.pth file?") from None
+    known = {len(pn): None for pn in ()}
+    if patch_nums is not None:
+        pn = tuple(int(p) for p in patch_nums)
+        if sum(p * p for p in pn) != L or len(pn) != S:
+            raise ValueError(f"{source}: patch_nums={list(pn)} gives {sum(p * p for p in pn)} tokens in {len(pn)} "
+                             f"scales, but the checkpoint's pos_1LC/lvl_embed hold {L} tokens in {S} scales")
+    else:
+        matches = [pn for pn in VAR_SCHEDULES.values() if sum(p * p for p in pn) == L and len(pn) == S]
+        if not matches:
+            options = "; ".join(f"{16 * pn[-1]} px: {sum(p * p for p in pn)} tokens in {len(pn)} scales"
+                                for pn in VAR_SCHEDULES.values())
+            raise ValueError(f"{source}: depth {depth}, {L} tokens in {S} scales matches no known VAR patch "
+                             f"schedule ({options}); pass patch_nums=[…] with the schedule it was trained on")
+        pn = matches[0]
+    del known
+    cfg["patch_nums"] = list(pn)
+    return cfg
+
+
+def _load_into(model_cls, cfg: dict, sd: dict, path, what: str):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():                       # parameters on meta, buffers real
+        model = model_cls(**cfg)
+    expected = set(model.state_dict().keys())
+    present = set(sd.keys())
+    missing, unexpected = expected - present, present - expected
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} keys ({_short(missing)})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} keys ({_short(unexpected)})")
+        raise ValueError(f"{what} {path} does not match the architecture inferred from it "
+                         f"({cfg}): {'; '.join(parts)}. The file may be from another model or damaged")
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{what} {path}: tensor shapes do not fit the inferred architecture ({cfg}): "
+                         f"{str(e).splitlines()[-1].strip()[:300]}") from None
+    return model.eval().requires_grad_(False)
+
+
+def load_var_transformer(path, patch_nums: Optional[Sequence[int]] = None,
+                         dtype: torch.dtype = torch.float32) -> VARTransformer:
+    """Load an official ``var_d{16,20,24,30,36}.pth`` (or a fine-tune in the same layout)."""
+    sd = read_state_dict(path, "VAR transformer checkpoint")
+    _expect_family(sd, "var", path, "VAR transformer checkpoint")
+    for k in list(sd):
+        if k in _VAR_DERIVED:
+            del sd[k]
+        elif k.endswith(_VAR_DERIVED_SUFFIX):
+            if torch.count_nonzero(sd[k]).item():
+                raise ValueError(f"{path}: {k} must be zero (the key bias is fixed at 0); the file is not an "
+                                 f"official VAR checkpoint")
+            del sd[k]
+    cfg = var_config_from_state_dict(sd, patch_nums, source=str(path))
+    model = _load_into(VARTransformer, cfg, sd, path, "VAR transformer checkpoint")
+    return torch.nn.Module.to(model, dtype)   # (ModelMixin.to warns spuriously on any dtype)
+
+
+def load_var_vqvae(path, patch_nums: Optional[Sequence[int]] = None,
+                   dtype: torch.dtype = torch.float32) -> MultiScaleVQVAE:
+    """Load the official ``vae_ch160v4096z32.pth`` (or a VQVAE in the same layout)."""
+    sd = read_state_dict(path, "VQVAE checkpoint")
+    _expect_family(sd, "var-vqvae", path, "VQVAE checkpoint")
+    for k in MultiScaleVQVAE.official_extra_keys():   # training statistics
+        sd.pop(k, None)
+    try:
+        cfg = MultiScaleVQVAE.config_from_state_dict(sd, patch_nums=patch_nums)
+    except ValueError as e:
+        raise ValueError(f"VQVAE checkpoint {path}: {e}") from None
+    model = _load_into(MultiScaleVQVAE, cfg, sd, path, "VQVAE checkpoint")
+    return torch.nn.Module.to(model, dtype)   # (ModelMixin.to warns spuriously on any dtype)
+
+
+def describe_checkpoint(path) -> dict:
+    """What a file or a converted folder is: family, configuration, parameter count (for ``info``)."""
+    p = Path(path)
+    if p.is_dir():
+        import json
+        index = p / "model_index.json"
+        if not index.exists():
+            raise ValueError(f"{p} is a folder without model_index.json; pass a checkpoint file or a folder "
+                             f"written by `sparsevar convert` / save_pretrained")
+        info = {"path": str(p), "kind": "pipeline folder", "pipeline": json.loads(index.read_text()).get("_class_name")}
+        for sub in ("transformer", "vqvae"):
+            cfg_path = p / sub / "config.json"
+            if cfg_path.exists():
+                info[sub] = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
+        return info
+    sd = read_state_dict(p, "checkpoint")
+    family = detect_family(sd)
+    n_params = sum(v.numel() for k, v in sd.items()
+                   if k not in _VAR_DERIVED and not k.endswith(_VAR_DERIVED_SUFFIX)
+                   and k not in MultiScaleVQVAE.official_extra_keys())
+    info = {"path": str(p), "family": family, "parameters": n_params,
+            "dtype": str(next(iter(sd.values())).dtype).replace("torch.", "") if sd else None}
+    if family == "var":
+        cfg = var_config_from_state_dict(sd, source=str(p))
+        info.update(cfg)
+        info["resolution"] = 16 * cfg["patch_nums"][-1]
+        info["tokens"] = sum(q * q for q in cfg["patch_nums"])
+    elif family == "var-vqvae":
+        info.update(MultiScaleVQVAE.config_from_state_dict(
+            {k: v for k, v in sd.items() if k not in MultiScaleVQVAE.official_extra_keys()}))
+    return info

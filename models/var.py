@@ -1,0 +1,409 @@
+"""Class-conditional VAR (FoundationVision/VAR): the transformer and its engine adapter.
+
+Architecture (research/var.md §3), reproduced exactly so the official ``var_d*.pth`` files load
+key for key:
+- a class embedding with a null class (row ``num_classes``) that is both the start token and the
+  AdaLN condition; absolute position (``pos_1LC``) and level (``lvl_embed``) embeddings;
+- blocks ``x += γ1·Attn(LN(x)·(1+s1)+b1)``, ``x += γ2·FFN(LN(x)·(1+s2)+b2)`` with the AdaLN chunk
+  order γ1, γ2, s1, s2, b1, b2, LayerNorm without affine (eps 1e-6), a tanh-GELU FFN;
+- cosine attention: q, k L2-normalised, q times the per-head temperature exp(min(τ, ln 100)),
+  softmax scale 1, key bias fixed at zero;
+- head: LN(x)·(1+scale)+shift (AdaLN, order scale, shift) → Linear(C → V), logits in float32;
+- d36 ("shared AdaLN"): one ``shared_ada_lin`` plus a learned per-block ``ada_gss``.
+
+Inference differs from the reference in ways that do not change the numbers: the AdaLN
+projections are computed once per image instead of once per scale, the KV cache is preallocated,
+and the residual stream stays in float32 while the linear layers run in the weight dtype (what
+the reference gets from autocast).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+
+from ..engine.kv_cache import KVCache
+from ..engine.sampling import sample_codes_per_image
+from ..engine.schedule import ScaleSchedule
+from ..engine.state import RunState
+from ..policies.base import ScalePlan, SubLayer, SubLayerContext
+from ..sparse_ops.attention import dense_attention
+from ._blocks import TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+
+# Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
+VAR_SCHEDULES: dict[int, tuple[int, ...]] = {
+    256: (1, 2, 3, 4, 5, 6, 8, 10, 13, 16),
+    512: (1, 2, 3, 4, 6, 9, 13, 18, 24, 32),
+    1024: (1, 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64),
+}
+
+# Official releases: depth d → width 64·d, heads d; d36 is the 512-px shared-AdaLN model.
+VAR_PRESETS: dict[str, dict] = {
+    f"var-d{d}": dict(depth=d, embed_dim=64 * d, num_heads=d, shared_aln=(d == 36),
+                      patch_nums=VAR_SCHEDULES[512 if d == 36 else 256])
+    for d in (16, 20, 24, 30, 36)
+}
+# A small model for smoke tests and the README's first command until a trained demo model ships.
+VAR_PRESETS["var-tiny"] = dict(depth=4, embed_dim=256, num_heads=4, shared_aln=False, patch_nums=VAR_SCHEDULES[256])
+
+MAX_LOG_TEMPERATURE = math.log(100.0)
+
+
+class VARSelfAttention(nn.Module):
+    """Cosine self-attention over this scale's tokens and everything in the KV cache.
+
+    Keys: ``mat_qkv.weight`` (3C, C, no bias), ``q_bias``, ``v_bias`` (C), ``scale_mul_1H11``
+    (1, H, 1, 1), ``proj.{weight,bias}``. The key bias is fixed at zero (the official
+    ``zero_k_bias`` buffer is not kept).
+    """
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} is not divisible by {num_heads} heads")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.mat_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(dim))
+        self.v_bias = nn.Parameter(torch.zeros(dim))
+        self.scale_mul_1H11 = nn.Parameter(torch.full((1, num_heads, 1, 1), math.log(4.0)))
+        self.proj = nn.Linear(dim, dim)
+
+    def qkv(self, x_RlC: torch.Tensor):
+        R, l, C = x_RlC.shape
+        bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+        qkv = F.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, self.num_heads, self.head_dim)
+        q_RHld, k_RHld, v_RHld = qkv.permute(2, 0, 3, 1, 4).unbind(0)            # each (R, H, l, d)
+        temperature_1H11 = self.scale_mul_1H11.clamp_max(MAX_LOG_TEMPERATURE).exp()
+        q_RHld = F.normalize(q_RHld, dim=-1).mul(temperature_1H11)
+        k_RHld = F.normalize(k_RHld, dim=-1)
+        return q_RHld, k_RHld, v_RHld
+
+    def forward(self, x_RlC: torch.Tensor, ctx: Optional["_LayerCall"] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        R, l, C = x_RlC.shape
+        q, k, v = self.qkv(x_RlC)
+        out = None
+        if ctx is not None:
+            k, v = ctx.kv.append(ctx.layer, k, v, ctx.pos_l)
+            if ctx.run.policies.active["attention"]:
+                out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
+        if out is None:
+            out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
+        out_RlC = out.transpose(1, 2).reshape(R, l, C)                            # (R, H, l, d) → (R, l, C)
+        return self.proj(out_RlC)
+
+
+class _LayerCall:
+    """Where a block runs during generation: KV cache, scale, layer, positions and the run."""
+
+    __slots__ = ("kv", "si", "layer", "pos_l", "run")
+
+    def __init__(self, kv: KVCache, si: int, layer: int, pos_l: Optional[torch.Tensor], run: RunState):
+        self.kv, self.si, self.layer, self.pos_l, self.run = kv, si, layer, pos_l, run
+
+
+class VARBlock(nn.Module):
+    """AdaLN self-attention block (``AdaLNSelfAttn``). Keys: ``attn.*``, ``ffn.*`` and either
+    ``ada_lin.1.*`` (per-block AdaLN) or ``ada_gss`` (shared AdaLN)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, norm_eps: float, shared_aln: bool):
+        super().__init__()
+        self.dim, self.norm_eps, self.shared_aln = dim, norm_eps, shared_aln
+        self.attn = VARSelfAttention(dim, num_heads)
+        self.ffn = TanhGeluFFN(dim, round(dim * mlp_ratio))
+        if shared_aln:
+            self.ada_gss = nn.Parameter(torch.zeros(1, 1, 6, dim))
+        else:
+            self.ada_lin = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+
+    def adaln(self, cond_R6C_or_RD: torch.Tensor) -> torch.Tensor:
+        """(R, 6, C) float32 modulation: from the raw condition (R, D), or from the shared
+        projection (R, 6, C) when AdaLN is shared."""
+        if self.shared_aln:
+            return (self.ada_gss[0] + cond_R6C_or_RD).float()                       # (1,6,C)+(R,6,C)
+        R = cond_R6C_or_RD.shape[0]
+        return self.ada_lin(cond_R6C_or_RD).view(R, 6, self.dim).float()            # (R, 6C) → (R, 6, C)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm_no_affine(x, self.norm_eps)
+
+    def forward(self, x_RlC: torch.Tensor, ada_R6C: torch.Tensor, ctx: Optional[_LayerCall] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g1, g2, s1, s2, b1, b2 = ada_R6C.unsqueeze(2).unbind(1)                     # each (R, 1, C)
+        wdtype = self.ffn.fc1.weight.dtype
+
+        def attn_branch(y):
+            return self.attn(y.to(wdtype), ctx, attn_mask).float()
+
+        def ffn_branch(y):
+            return self.ffn(y.to(wdtype)).float()
+
+        if ctx is not None and ctx.run.policies.active["wrap_sublayer"]:
+            stack, run = ctx.run.policies, ctx.run
+            x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), self._norm,
+                                                 s1, b1, g1, attn_branch), x_RlC, run)
+            return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), self._norm,
+                                                s2, b2, g2, ffn_branch), x_RlC, run)
+        x_RlC = x_RlC + attn_branch(self._norm(x_RlC) * (1 + s1) + b1) * g1
+        return x_RlC + ffn_branch(self._norm(x_RlC) * (1 + s2) + b2) * g2
+
+
+class VARTransformer(ModelMixin, ConfigMixin):
+    """The class-conditional VAR transformer (official key layout, derived buffers excluded).
+
+    Args:
+        vocab_size: codebook size V of the tokenizer (4096 for the official VQVAE).
+        z_channels: code dimension Cvae (32).
+        num_classes: real classes; id ``num_classes`` is the null class used for guidance.
+        depth, embed_dim, num_heads, mlp_ratio, norm_eps: transformer size (official: width 64·depth,
+            heads = depth, mlp_ratio 4, eps 1e-6).
+        shared_aln: one AdaLN projection shared by all blocks (the 512-px d36 model).
+        patch_nums: the square patch schedule; it ties the checkpoint to its resolution through
+            ``pos_1LC`` and ``lvl_embed``.
+    """
+
+    _no_split_modules = ["VARBlock"]
+
+    @register_to_config
+    def __init__(self, vocab_size: int = 4096, z_channels: int = 32, num_classes: int = 1000, depth: int = 16,
+                 embed_dim: int = 1024, num_heads: int = 16, mlp_ratio: float = 4.0, norm_eps: float = 1e-6,
+                 shared_aln: bool = False, patch_nums: Sequence[int] = VAR_SCHEDULES[256]):
+        super().__init__()
+        C = embed_dim
+        self.schedule = ScaleSchedule.square(patch_nums)
+        L, S = self.schedule.total_tokens, self.schedule.num_scales
+        first_l = self.schedule.tokens(0)
+        # 1. inputs: start token position, word (code) embedding, class embedding with the null class
+        self.pos_start = nn.Parameter(torch.zeros(1, first_l, C))
+        self.pos_1LC = nn.Parameter(torch.zeros(1, L, C))
+        self.word_embed = nn.Linear(z_channels, C)
+        self.class_emb = nn.Embedding(num_classes + 1, C)
+        self.lvl_embed = nn.Embedding(S, C)
+        # 2. AdaLN (shared for d36) and the blocks
+        if shared_aln:
+            self.shared_ada_lin = nn.Sequential(nn.SiLU(), nn.Linear(C, 6 * C))
+        self.blocks = nn.ModuleList(VARBlock(C, num_heads, mlp_ratio, norm_eps, shared_aln) for _ in range(depth))
+        # 3. head
+        self.head_nm = nn.Module()
+        self.head_nm.ada_lin = nn.Sequential(nn.SiLU(), nn.Linear(C, 2 * C))
+        self.head = nn.Linear(C, vocab_size)
+        self.register_buffer("lvl_1L", self._level_index(), persistent=False)
+
+    def _level_index(self, device=None) -> torch.Tensor:
+        """(1, L) int64 scale index of every token (derived; never loaded from a checkpoint)."""
+        counts = torch.tensor([h * w for h, w in self.schedule.hw], device=device)
+        return torch.repeat_interleave(torch.arange(len(counts), device=device), counts).view(1, -1)
+
+    def rebuild_buffers(self) -> "VARTransformer":
+        """Recompute derived buffers in place (after ``to_empty`` or meta-device construction)."""
+        self.lvl_1L = self._level_index(self.pos_1LC.device)
+        return self
+
+    # ---- pieces shared by teacher forcing and generation ----------------------------------------
+    @property
+    def null_class(self) -> int:
+        return self.config.num_classes
+
+    def block_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
+        """Every block's modulation for the condition rows: (depth, R, 6, C) float32."""
+        R, C = cond_RD.shape[0], self.config.embed_dim
+        shared = self.shared_ada_lin(cond_RD).view(R, 6, C) if self.config.shared_aln else cond_RD
+        return torch.stack([blk.adaln(shared) for blk in self.blocks])
+
+    def head_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
+        """(R, 2, C) float32: scale, shift of the head's AdaLN."""
+        return self.head_nm.ada_lin(cond_RD).view(cond_RD.shape[0], 2, self.config.embed_dim).float()
+
+    def logits(self, h_RlC: torch.Tensor, head_ada_R2C: torch.Tensor) -> torch.Tensor:
+        scale, shift = head_ada_R2C.unsqueeze(2).unbind(1)                          # each (R, 1, C)
+        y = layer_norm_no_affine(h_RlC, self.config.norm_eps) * (1 + scale) + shift
+        return self.head(y.to(self.head.weight.dtype)).float()
+
+    def lvl_pos(self) -> torch.Tensor:
+        """(1, L, C) level + position embedding of every token."""
+        return self.lvl_embed(self.lvl_1L) + self.pos_1LC
+
+    def init_random_weights(self, std: float = 0.02) -> "VARTransformer":
+        """Random weights for a model built by size (benchmarks, smoke tests); draws noise."""
+        trunc_normal_init_(self, std)
+        for p in (self.pos_start, self.pos_1LC):
+            nn.init.trunc_normal_(p, std=std)
+        for blk in self.blocks:
+            nn.init.trunc_normal_(blk.attn.q_bias, std=std)
+            nn.init.trunc_normal_(blk.attn.v_bias, std=std)
+            if self.config.shared_aln:
+                nn.init.trunc_normal_(blk.ada_gss, std=std)
+        return self
+
+    # ---- teacher forcing (training layout; used by the parity tests) --------------------------
+    def forward(self, label_B: torch.Tensor, x_BLCv_wo_first_l: torch.Tensor) -> torch.Tensor:
+        """Logits (B, L, V) for every position given the teacher-forcing inputs (B, L - first_l, Cvae).
+        Position l predicts the code of token l. No label dropout."""
+        B = label_B.shape[0]
+        first_l, L = self.schedule.tokens(0), self.schedule.total_tokens
+        wdtype = self.word_embed.weight.dtype
+        cond_BD = self.class_emb(label_B)
+        sos_BlC = cond_BD.unsqueeze(1).expand(B, first_l, -1) + self.pos_start.expand(B, first_l, -1)
+        x_BLC = torch.cat((sos_BlC, self.word_embed(x_BLCv_wo_first_l.to(wdtype))), dim=1).float()
+        x_BLC = x_BLC + self.lvl_pos().float()
+        lvl = self.lvl_1L[0]
+        visible_LL = lvl.view(L, 1) >= lvl.view(1, L)                               # block-causal
+        ada_NB6C = self.block_adaln(cond_BD)
+        for i, blk in enumerate(self.blocks):
+            x_BLC = blk(x_BLC, ada_NB6C[i], None, attn_mask=visible_LL)
+        return self.logits(x_BLC, self.head_adaln(cond_BD))
+
+
+class _VARWorkspace:
+    """Static buffers of one batch size, reused across generations (CUDA graphs capture them)."""
+
+    def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
+        cfg, sch = model.config, model.schedule
+        R, C = 2 * batch, cfg.embed_dim
+        self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)
+        H, W = sch.latent_hw
+        self.f_hat_BChw = torch.zeros(batch, vae_channels, H, W, device=device, dtype=torch.float32)
+        self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
+        self.head_ada_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
+        self.sos_R1C = torch.zeros(R, sch.tokens(0), C, device=device, dtype=torch.float32)
+        self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
+        self.positions_L = torch.arange(sch.total_tokens, device=device)
+
+
+class VARAdapter:
+    """The engine's view of a VAR transformer + its multi-scale VQVAE (engine/adapter.py).
+
+    Conditioning is a LongTensor of class ids (B,). Rows through the transformer are
+    [cond (B); uncond (B)] while guidance is on. Guidance ramps with the scale index:
+    t = cfg·si/(S−1), guided = (1+t)·cond − t·uncond (so cfg 0 is the only "off").
+    """
+
+    family = "var"
+    supports_cuda_graphs = True
+
+    def __init__(self, transformer: VARTransformer, vqvae):
+        if transformer.config.vocab_size != vqvae.config.vocab_size or \
+                transformer.config.z_channels != vqvae.config.z_channels:
+            raise ValueError(
+                f"transformer and VQVAE do not match: transformer expects vocab {transformer.config.vocab_size} × "
+                f"{transformer.config.z_channels} channels, the VQVAE has {vqvae.config.vocab_size} × "
+                f"{vqvae.config.z_channels}; pass the VQVAE the transformer was trained with")
+        self.transformer, self.vqvae = transformer, vqvae
+        self.schedule = transformer.schedule
+        self.num_layers = transformer.config.depth
+        self._workspaces: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.pos_1LC.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.head.weight.dtype
+
+    def release(self) -> None:
+        """Free every workspace (KV caches, CUDA graphs)."""
+        self._workspaces.clear()
+
+    # ---- adapter interface ----------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, run: RunState, class_labels_B: torch.Tensor) -> None:
+        m, B = self.transformer, run.batch_size
+        key = (B, self.device, self.dtype)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype)
+        labels_B = class_labels_B.to(self.device, torch.long)
+        cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
+        first_l = self.schedule.tokens(0)
+        ws.lvl_pos_1LC.copy_(m.lvl_pos())
+        ws.sos_R1C.copy_(cond_RD.unsqueeze(1).expand(-1, first_l, -1) + m.pos_start + ws.lvl_pos_1LC[:, :first_l])
+        ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
+        ws.head_ada_R2C.copy_(m.head_adaln(cond_RD))
+        ws.f_hat_BChw.zero_()
+        ws.kv.reset()
+        run.workspace = ws
+
+    def stage_input(self, si: int, run: RunState) -> torch.Tensor:
+        """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32."""
+        ws, R = run.workspace, run.rows
+        if si == 0:
+            return ws.sos_R1C[:R]
+        h, w = self.schedule.hw[si]
+        start, end = self.schedule.offsets[si], self.schedule.offsets[si + 1]
+        m = self.transformer
+        next_BChw = F.interpolate(ws.f_hat_BChw, size=(h, w), mode="area")
+        B, c = next_BChw.shape[:2]
+        next_BlC = next_BChw.view(B, c, h * w).transpose(1, 2)                        # (B, Cvae, h, w) → (B, hw, Cvae)
+        x_BlC = m.word_embed(next_BlC.to(m.word_embed.weight.dtype)).float() + ws.lvl_pos_1LC[:, start:end]
+        return x_BlC.repeat(R // B, 1, 1)                                             # same tokens for both CFG halves
+
+    @torch.no_grad()
+    def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
+        ws, R, B = run.workspace, run.rows, run.batch_size
+        stack = run.policies
+        x0_RLC = self.stage_input(si, run)
+        start = self.schedule.offsets[si]
+        idx_Rn = None
+        if plan.token_index is not None:
+            idx_Bn = plan.token_index.to(self.device, torch.long)
+            idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
+            x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
+            pos_l = idx_Bn[0] + start if B == 1 else None
+        else:
+            x_RlC = x0_RLC
+            pos_l = ws.positions_L[start:start + x0_RLC.shape[1]]
+        observe = stack.active["observe"]
+        for i, blk in enumerate(self.transformer.blocks):
+            x_in = x_RlC
+            x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], _LayerCall(ws.kv, si, i, pos_l, run))
+            if observe:
+                stack.observe(si, ("layer", i), x_in, x_RlC, run)
+        if idx_Rn is not None:
+            x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
+        x_RlC = stack.post_hidden(si, x_RlC, run)
+        logits_RlV = self.transformer.logits(x_RlC, ws.head_ada_R2C[:R])
+        if not run.cfg_active:
+            return logits_RlV
+        t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
+        return (1 + t) * logits_RlV[:B] - t * logits_RlV[B:]
+
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
+        s = run.settings
+        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator)
+
+    def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
+        return self.vqvae.quantize.embedding(codes_Bl).float()                       # (B, l, Cvae)
+
+    @torch.no_grad()
+    def accumulate(self, si: int, residual_BlC: torch.Tensor, run: RunState) -> None:
+        ws, sch = run.workspace, self.schedule
+        h, w = sch.hw[si]
+        B, l, c = residual_BlC.shape
+        h_BChw = residual_BlC.transpose(1, 2).reshape(B, c, h, w)                      # (B, l, c) → (B, c, h, w)
+        H, W = sch.latent_hw
+        if (h, w) != (H, W):
+            h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic")
+        ws.f_hat_BChw.add_(self.vqvae.apply_phi(h_BChw, si, sch.num_scales))     # φ in float32
+
+    def drop_uncond(self, run: RunState) -> None:
+        run.workspace.kv.keep_rows(run.batch_size)
+
+    def latent(self, run: RunState) -> torch.Tensor:
+        return run.workspace.f_hat_BChw
+
+    @torch.no_grad()
+    def decode(self, run: RunState) -> torch.Tensor:
+        f_hat = run.workspace.f_hat_BChw
+        img = self.vqvae.fhat_to_img(f_hat.to(self.vqvae.quantize.embedding.weight.dtype)).float()
+        return (img + 1) * 0.5                                                         # [-1, 1] → [0, 1]
+
+    def end(self, run: RunState, keep_workspace: bool) -> None:
+        if not keep_workspace:
+            self._workspaces.pop((run.batch_size, self.device, self.dtype), None)
+        run.workspace = None

@@ -1,0 +1,340 @@
+"""VARPipeline: class-conditional VAR generation, diffusers style.
+
+    pipe = VARPipeline.from_single_file("var_d16.pth", "vae_ch160v4096z32.pth", dtype=torch.bfloat16).to("cuda")
+    out = pipe(["golden retriever", 980], guidance_scale=4.0, generator=torch.Generator("cuda").manual_seed(0))
+    out.images[0].save("dog.png"); print(out.stats[0].summary())
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from ..engine.sampler import generate
+from ..engine.state import GenerationStats, SamplingSettings
+from ..models.loading import load_var_transformer, load_var_vqvae
+from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
+from ..models.vqvae import MultiScaleVQVAE
+from ..policies.base import Policy, PolicyStack
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
+
+
+@dataclass
+class VARPipelineOutput(BaseOutput):
+    """images: list of PIL images, (B, H, W, 3) float array in [0, 1], (B, 3, H, W) tensor in [0, 1],
+    or the latent (B, Cvae, h, w); stats: per-scale statistics of the generation (one entry per call)."""
+
+    images: Union[list, np.ndarray, torch.Tensor]
+    stats: list
+
+
+def _imagenet_classes() -> tuple[str, ...]:
+    from ._imagenet_classes import IMAGENET_CLASSES
+    return IMAGENET_CLASSES
+
+
+class VARPipeline(DiffusionPipeline):
+    """Class-conditional next-scale prediction (VAR d16–d36) with pluggable acceleration policies.
+
+    Components: ``transformer`` (:class:`VARTransformer`) and ``vqvae`` (:class:`MultiScaleVQVAE`).
+    ``id2label`` maps class ids to names; models with 1000 classes default to the ImageNet names.
+    """
+
+    model_cpu_offload_seq = "transformer->vqvae"
+    _callback_tensor_inputs = ["codes", "logits", "latent"]
+
+    def __init__(self, transformer: VARTransformer, vqvae: MultiScaleVQVAE, id2label: Optional[dict] = None):
+        super().__init__()
+        self.register_modules(transformer=transformer, vqvae=vqvae)
+        if id2label is not None:
+            id2label = {str(int(k)): str(v) for k, v in id2label.items()}
+        self.register_to_config(id2label=id2label)
+        self._policies = PolicyStack()
+        self._adapter: Optional[VARAdapter] = None
+        self._interrupt = False
+        self._current_scale = None
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_single_file(cls, var_ckpt, vae_ckpt, dtype: torch.dtype = torch.float32,
+                         vae_dtype: torch.dtype = torch.float32, patch_nums: Optional[Sequence[int]] = None,
+                         id2label: Optional[dict] = None) -> "VARPipeline":
+        """Load the official files: ``var_d{16,20,24,30,36}.pth`` and ``vae_ch160v4096z32.pth``.
+
+        dtype: the transformer's weight dtype (bfloat16 / float16 halve memory and run faster on GPU);
+        vae_dtype: the VQVAE's (float32 keeps the latent arithmetic exact).
+        """
+        transformer = load_var_transformer(var_ckpt, patch_nums=patch_nums, dtype=dtype)
+        vqvae = load_var_vqvae(vae_ckpt, patch_nums=transformer.config.patch_nums, dtype=vae_dtype)
+        return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
+
+    @classmethod
+    def from_random(cls, preset: str = "var-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
+                    dtype: torch.dtype = torch.float32, vae_ch: Optional[int] = None) -> "VARPipeline":
+        """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
+
+        preset: one of ``VAR_PRESETS`` (var-tiny, var-d16 … var-d36); vae_ch: VQVAE width
+        (default 160, the official, except 32 for var-tiny).
+        """
+        if preset not in VAR_PRESETS:
+            raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(VAR_PRESETS)}")
+        from accelerate import init_empty_weights
+
+        cfg = dict(VAR_PRESETS[preset])
+        if vae_ch is None:
+            vae_ch = 32 if preset == "var-tiny" else 160
+        with init_empty_weights():
+            transformer = VARTransformer(**cfg)
+            vqvae = MultiScaleVQVAE(ch=vae_ch, patch_nums=cfg["patch_nums"])
+        fork = torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else [])
+        with fork:
+            torch.manual_seed(seed)
+            transformer = transformer.to_empty(device=device).init_random_weights()
+            vqvae = vqvae.to_empty(device=device)
+            vqvae.init_random_weights()
+        transformer.rebuild_buffers()
+        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval(), vqvae=vqvae.eval())
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,
+                        vae_dtype: torch.dtype = torch.float32, torch_dtype: Optional[torch.dtype] = None,
+                        **kwargs) -> "VARPipeline":
+        """Load a folder written by :meth:`save_pretrained` or ``sparsevar convert``.
+
+        Components are built with this package's own classes (never resolved through module
+        names), so a folder loads the same from a plain Python session and from inside ComfyUI.
+        Nothing is downloaded: the path must be a local folder.
+        """
+        if kwargs:
+            raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
+        dtype = dtype if dtype is not None else torch_dtype
+        path = Path(pretrained_model_name_or_path)
+        index_path = path / "model_index.json"
+        if not index_path.is_file():
+            raise FileNotFoundError(
+                f"{path} is not a VARPipeline folder (no model_index.json). Nothing is downloaded: pass a local "
+                f"folder written by save_pretrained / `sparsevar convert`, or load the official .pth files with "
+                f"VARPipeline.from_single_file(var_ckpt, vae_ckpt)")
+        index = json.loads(index_path.read_text())
+        if index.get("_class_name") not in (cls.__name__, "VARPipeline"):
+            raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not a VARPipeline")
+        for sub in ("transformer", "vqvae"):
+            if not (path / sub / "config.json").is_file():
+                raise FileNotFoundError(f"{path / sub} is missing (config.json + safetensors expected)")
+        transformer = VARTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True,
+                                                     **({"torch_dtype": dtype} if dtype is not None else {}))
+        vqvae = MultiScaleVQVAE.from_pretrained(path, subfolder="vqvae", local_files_only=True, torch_dtype=vae_dtype)
+        return cls(transformer=transformer.eval(), vqvae=vqvae.eval(), id2label=index.get("id2label"))
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
+        """Write ``model_index.json`` + ``transformer/`` + ``vqvae/`` (safetensors).
+
+        The component library is recorded as ``sparsevar`` rather than the defining module's name,
+        which inside ComfyUI is a file-system path that no other process could import.
+        """
+        super().save_pretrained(save_directory, safe_serialization=safe_serialization, **kwargs)
+        index_path = Path(save_directory) / "model_index.json"
+        index = json.loads(index_path.read_text())
+        for name in ("transformer", "vqvae"):
+            index[name] = [LIBRARY_NAME, type(getattr(self, name)).__name__]
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    # ---- labels ---------------------------------------------------------------------------------
+    @property
+    def num_classes(self) -> int:
+        return self.transformer.config.num_classes
+
+    @property
+    def labels(self) -> dict[int, str]:
+        """Class id → name ({} when the model has no names)."""
+        if self.config.id2label:
+            return {int(k): v for k, v in self.config.id2label.items()}
+        if self.num_classes == 1000:
+            return dict(enumerate(_imagenet_classes()))
+        return {}
+
+    def get_label_ids(self, labels: Union[int, str, Sequence[Union[int, str]]]) -> list[int]:
+        """Class ids for ids or names. A name matches a full label or any of its comma-separated
+        synonyms, case-insensitively; an ambiguous or unknown name raises a ValueError with suggestions."""
+        if isinstance(labels, (int, str, np.integer)) or (isinstance(labels, torch.Tensor) and labels.ndim == 0):
+            labels = [labels]
+        if isinstance(labels, torch.Tensor):
+            labels = labels.tolist()
+        names = self.labels
+        ids = []
+        for lab in labels:
+            if isinstance(lab, (bool, np.bool_)):
+                raise TypeError(f"class_labels entries must be ints or names, got {lab!r}")
+            if isinstance(lab, (int, np.integer)):
+                if not 0 <= int(lab) < self.num_classes:
+                    raise ValueError(f"class label {int(lab)} is out of range: this model has classes "
+                                     f"0..{self.num_classes - 1}")
+                ids.append(int(lab))
+                continue
+            if not isinstance(lab, str):
+                raise TypeError(f"class_labels entries must be ints or names, got {type(lab).__name__} {lab!r}")
+            ids.append(self._label_id(lab.strip(), names))
+        return ids
+
+    def _label_id(self, name: str, names: dict[int, str]) -> int:
+        if name.isdigit():
+            return self.get_label_ids(int(name))[0]
+        if not names:
+            raise ValueError(f"class name {name!r} given, but this model has no class names; pass a class id "
+                             f"0..{self.num_classes - 1} (or construct the pipeline with id2label=...)")
+        key = name.lower()
+        full = [i for i, v in names.items() if v.lower() == key]
+        if len(full) == 1:
+            return full[0]
+        syn = sorted({i for i, v in names.items() if key in (s.strip().lower() for s in v.split(","))} | set(full))
+        if len(syn) == 1:
+            return syn[0]
+        if len(syn) > 1:
+            opts = "; ".join(f"{i} = {names[i]!r}" for i in syn)
+            raise ValueError(f"class name {name!r} is ambiguous: {opts}. Pass the id instead")
+        vocab = {s.strip().lower(): i for i, v in names.items() for s in v.split(",")}
+        close = difflib.get_close_matches(key, list(vocab), n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"unknown class name {name!r}.{hint} See pipe.labels for all {len(names)} names, "
+                         f"or pass a class id")
+
+    # ---- policies ---------------------------------------------------------------------------------
+    @property
+    def policies(self) -> PolicyStack:
+        """The acceleration policies applied to every call (empty: dense generation)."""
+        return self._policies
+
+    def add_policy(self, policy: Policy) -> "VARPipeline":
+        """Stack an acceleration policy (raises ValueError when it cannot be combined)."""
+        self._policies = self._policies.with_policy(policy)
+        return self
+
+    def remove_policy(self, name: str) -> "VARPipeline":
+        self._policies = self._policies.without(name)
+        return self
+
+    # ---- diffusers-style properties ----------------------------------------------------------------
+    @property
+    def num_timesteps(self) -> int:
+        return self.transformer.schedule.num_scales
+
+    @property
+    def current_timestep(self):
+        return self._current_scale
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    def adapter(self) -> VARAdapter:
+        """The engine adapter over the current modules (rebuilt when a component was replaced)."""
+        a = self._adapter
+        if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
+            a = self._adapter = VARAdapter(self.transformer, self.vqvae)
+        return a
+
+    def release_memory(self) -> None:
+        """Drop KV caches and CUDA graphs kept for repeated calls."""
+        if self._adapter is not None:
+            self._adapter.release()
+
+    # ---- call -------------------------------------------------------------------------------------
+    def check_inputs(self, class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
+                     generator, callback_on_step_end_tensor_inputs) -> list[int]:
+        if class_labels is None:
+            raise ValueError("class_labels is required: pass a class id, a class name, or a list of them")
+        if isinstance(class_labels, (list, tuple)) and len(class_labels) == 0:
+            raise ValueError("class_labels is empty: pass at least one class id or name")
+        ids = self.get_label_ids(class_labels)
+        if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be a number >= 0 (0 disables guidance), got {guidance_scale!r}")
+        if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 keeps every code), got {top_k!r}")
+        if not isinstance(top_p, (int, float)) or not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
+        if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        B = len(ids) * int(num_images_per_prompt)
+        if isinstance(generator, (list, tuple)) and len(generator) != B:
+            raise ValueError(f"got {len(generator)} generators for {B} images; pass one generator, or one per "
+                             f"image (len(class_labels) × num_images_per_prompt = {B})")
+        bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
+        if bad:
+            raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        return ids
+
+    @torch.no_grad()
+    def __call__(self, class_labels=None, guidance_scale: float = 4.0, top_k: int = 900, top_p: float = 0.95,
+                 num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
+                 callback_on_step_end: Optional[Callable] = None,
+                 callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
+                 use_cuda_graphs: Optional[bool] = None):
+        """Generate images of the given classes.
+
+        Args:
+            class_labels: a class id or name, or a list of them (ImageNet names for 1000-class models).
+            guidance_scale: CFG strength, ramped from 0 at the first scale to this value at the last
+                (official demo 4.0, FID setting 1.5); 0 disables guidance.
+            top_k, top_p: sampling filters per token (official: 900, 0.95–0.96; top_k=1 is greedy).
+            num_images_per_prompt: images per class label.
+            generator: a ``torch.Generator`` or one per image; every random draw comes from it.
+            output_type: "pil", "np" ((B, H, W, 3) in [0, 1]), "pt" ((B, 3, H, W) in [0, 1]) or "latent".
+            callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs) -> dict`` after
+                every scale, with the tensors named in ``callback_on_step_end_tensor_inputs``
+                ("codes", "logits" = guided logits, "latent"). Set ``pipe._interrupt = True`` to stop
+                early: the latent accumulated so far is decoded.
+            use_cuda_graphs: replay dense scales from CUDA graphs (default: on for CUDA models).
+        Returns:
+            :class:`VARPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
+        """
+        ids = self.check_inputs(class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
+                                generator, callback_on_step_end_tensor_inputs)
+        adapter = self.adapter()
+        labels_B = torch.tensor(ids, dtype=torch.long).repeat_interleave(int(num_images_per_prompt))
+        B = labels_B.shape[0]
+        if use_cuda_graphs is None:
+            use_cuda_graphs = adapter.device.type == "cuda"
+        self._interrupt = False
+        settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
+        wanted = tuple(callback_on_step_end_tensor_inputs or ())
+
+        with self.progress_bar(total=adapter.schedule.num_scales) as pbar:
+            def on_scale(si: int, tensors: dict) -> None:
+                self._current_scale = si
+                if callback_on_step_end is not None:
+                    callback_on_step_end(self, si, si, {k: tensors[k] for k in wanted})
+                pbar.update()
+
+            result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=self._policies,
+                              callback=on_scale, cuda_graphs=use_cuda_graphs, decode=output_type != "latent",
+                              stop=lambda: self._interrupt)
+        self._current_scale = None
+        images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, [result.stats]
+        return VARPipelineOutput(images=images, stats=[result.stats])
+
+    @staticmethod
+    def _postprocess(x: torch.Tensor, output_type: str):
+        if output_type in ("pt", "latent"):
+            return x
+        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
+        if output_type == "np":
+            return arr
+        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
+
+
+__all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats"]

@@ -1,0 +1,229 @@
+"""The policy protocol: the hook points an acceleration method may use, and how policies stack.
+
+The engine and the model adapters call these hooks at fixed points of every generation
+(DESIGN.md §2). A policy overrides only the hooks it needs; the others are the neutral defaults
+below. ``PolicyStack`` knows which hooks any of its policies override, so a stack with no policy
+(the dense path) costs one attribute test per hook point.
+
+Every hook receives the scale index ``si``; a policy that needs a resolution-independent key uses
+``run.schedule.from_end(si)`` (0 = last scale) and absolute token positions, never map widths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine.state import RunState
+
+SUBLAYER_KINDS = ("self_attn", "cross_attn", "ffn")
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """What to do at one scale.
+
+    skip:        do not run this scale nor any later one; decode the latent accumulated so far.
+    token_index: (B, n) int64 positions (row-major, inside this scale) of the tokens to run through
+                 the transformer, shared by the conditional and unconditional rows of an image;
+                 None runs every token. Tokens not listed keep their stage input as hidden state.
+    cond_only:   from this scale on, drop the unconditional CFG half (guidance off).
+    """
+
+    skip: bool = False
+    token_index: Optional[torch.Tensor] = None
+    cond_only: bool = False
+
+    @property
+    def dense(self) -> bool:
+        return not self.skip and self.token_index is None
+
+
+DENSE = ScalePlan()
+
+
+@dataclass(frozen=True)
+class SubLayerContext:
+    """Where a sub-layer runs: scale ``si``, transformer layer ``layer``, and its kind."""
+
+    si: int
+    layer: int
+    kind: str
+
+
+class SubLayer:
+    """One residual branch ``x + gate · branch(norm(x) · (1 + scale) + shift)``.
+
+    Exposed piece by piece so a policy can run it on a token subset (gather → ``modulate`` →
+    ``branch`` → gated residual add → restore), e.g. FastVAR's pivotal tokens.
+    ``gate``/``scale``/``shift`` are (R, 1, C) tensors, ``None`` where the branch has no such term.
+    """
+
+    __slots__ = ("ctx", "norm", "scale", "shift", "gate", "branch")
+
+    def __init__(self, ctx: SubLayerContext, norm: Callable, scale, shift, gate, branch: Callable):
+        self.ctx, self.norm, self.scale, self.shift, self.gate, self.branch = ctx, norm, scale, shift, gate, branch
+
+    def modulate(self, x_RlC: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x_RlC)
+        if self.scale is not None:
+            y = y * (1 + self.scale) + self.shift
+        return y
+
+    def residual(self, x_RlC: torch.Tensor) -> torch.Tensor:
+        """The gated branch output (without the skip connection)."""
+        out = self.branch(self.modulate(x_RlC))
+        return out * self.gate if self.gate is not None else out
+
+    def __call__(self, x_RlC: torch.Tensor) -> torch.Tensor:
+        return x_RlC + self.residual(x_RlC)
+
+
+class Policy:
+    """Base class: every hook is neutral. Subclasses override what they need.
+
+    ``name`` identifies the policy in a stack (one policy per name). ``incompatible`` lists the
+    names of policies this one cannot be stacked with (checked both ways).
+    """
+
+    name: str = "policy"
+    incompatible: tuple[str, ...] = ()
+
+    def validate(self, run: "RunState") -> None:
+        """Check the settings against this generation's model and schedule (raise ValueError)."""
+
+    def begin(self, run: "RunState") -> None:
+        """A generation starts; per-run state goes into ``run.policy_state[self.name]``."""
+
+    def plan_scale(self, si: int, run: "RunState") -> Optional[ScalePlan]:
+        return None
+
+    def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run: "RunState") -> torch.Tensor:
+        return sub(x_RlC)
+
+    def observe(self, si: int, unit: tuple[str, int], x_in: torch.Tensor, x_out: torch.Tensor,
+                run: "RunState") -> None:
+        """Read-only tap after a layer (``("layer", i)``) or a block group (``("group", g)``)."""
+
+    def attention(self, ctx: SubLayerContext, q_RHld: torch.Tensor, k_RHLd: torch.Tensor,
+                  v_RHLd: torch.Tensor, run: "RunState") -> Optional[torch.Tensor]:
+        """Return the attention output (R, H, l, d), or None to let the dense backend run."""
+        return None
+
+    def post_hidden(self, si: int, h_RLC: torch.Tensor, run: "RunState") -> torch.Tensor:
+        """Rewrite final hidden states of the full map (after scatter, before the head)."""
+        return h_RLC
+
+    def post_residual(self, si: int, residual_BLc: torch.Tensor, run: "RunState") -> torch.Tensor:
+        """Rewrite this scale's per-token residual (e.g. zero it for excluded tokens)."""
+        return residual_BLc
+
+    def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run: "RunState") -> None:
+        """Store what the next scale needs (maps, logits)."""
+
+
+_HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
+
+
+def _overrides(policy: Policy, hook: str) -> bool:
+    return getattr(type(policy), hook) is not getattr(Policy, hook)
+
+
+class PolicyStack:
+    """An ordered set of policies, called in order at every hook point."""
+
+    def __init__(self, policies: Sequence[Policy] = ()):
+        self.policies: tuple[Policy, ...] = ()
+        self._refresh()
+        for p in policies:
+            self._add(p)
+
+    def _add(self, policy: Policy) -> None:
+        for other in self.policies:
+            if other.name == policy.name:
+                raise ValueError(f"{policy.name} is already enabled; disable it first or enable it once")
+            if policy.name in other.incompatible or other.name in policy.incompatible:
+                raise ValueError(f"{policy.name} cannot be combined with {other.name}: "
+                                 f"call disable_{other.name}() first")
+        self.policies = self.policies + (policy,)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.active = {h: tuple(p for p in self.policies if _overrides(p, h)) for h in _HOOKS}
+        self.touches_layers = bool(self.active["wrap_sublayer"] or self.active["observe"]
+                                   or self.active["attention"])
+
+    def with_policy(self, policy: Policy) -> "PolicyStack":
+        new = PolicyStack(self.policies)
+        new._add(policy)
+        return new
+
+    def without(self, name: str) -> "PolicyStack":
+        return PolicyStack([p for p in self.policies if p.name != name])
+
+    def get(self, name: str) -> Optional[Policy]:
+        return next((p for p in self.policies if p.name == name), None)
+
+    def __len__(self) -> int:
+        return len(self.policies)
+
+    def __iter__(self):
+        return iter(self.policies)
+
+    # ---- hook dispatch -------------------------------------------------------------------------
+    def validate(self, run) -> None:
+        for p in self.policies:
+            p.validate(run)
+
+    def begin(self, run) -> None:
+        for p in self.policies:
+            p.begin(run)
+
+    def plan_scale(self, si: int, run) -> ScalePlan:
+        plan = DENSE
+        for p in self.active["plan_scale"]:
+            q = p.plan_scale(si, run)
+            if q is None:
+                continue
+            if q.token_index is not None and plan.token_index is not None:
+                raise ValueError(f"two policies chose a token subset at scale {si}; "
+                                 f"disable one of {[x.name for x in self.active['plan_scale']]}")
+            plan = ScalePlan(skip=plan.skip or q.skip,
+                             token_index=q.token_index if q.token_index is not None else plan.token_index,
+                             cond_only=plan.cond_only or q.cond_only)
+        return plan
+
+    def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run) -> torch.Tensor:
+        wrappers = self.active["wrap_sublayer"]
+        if not wrappers:
+            return sub(x_RlC)
+        if len(wrappers) == 1:
+            return wrappers[0].wrap_sublayer(sub, x_RlC, run)
+        raise ValueError(f"two policies wrap the same sub-layers: {[p.name for p in wrappers]}; disable one")
+
+    def observe(self, si, unit, x_in, x_out, run) -> None:
+        for p in self.active["observe"]:
+            p.observe(si, unit, x_in, x_out, run)
+
+    def attention(self, ctx, q, k, v, run):
+        for p in self.active["attention"]:
+            out = p.attention(ctx, q, k, v, run)
+            if out is not None:
+                return out
+        return None
+
+    def post_hidden(self, si, h_RLC, run):
+        for p in self.active["post_hidden"]:
+            h_RLC = p.post_hidden(si, h_RLC, run)
+        return h_RLC
+
+    def post_residual(self, si, residual, run):
+        for p in self.active["post_residual"]:
+            residual = p.post_residual(si, residual, run)
+        return residual
+
+    def after_scale(self, si, guided_logits, run) -> None:
+        for p in self.active["after_scale"]:
+            p.after_scale(si, guided_logits, run)

@@ -1,0 +1,1 @@
+"""Plain functions over tensors used by the models and policies (attention dispatch, gather/scatter)."""

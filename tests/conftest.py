@@ -1,0 +1,68 @@
+"""Shared test helpers: where the parity fixture sets live and how their weights are made.
+
+Fixture sets are read from ``$SPARSEVAR_FIXTURES`` (default ``tests/fixtures``), one folder per
+model family (``var/``, later ``infinity/`` and ``hart/``). An absent family folder skips that
+family's parity tests; a present one must pass. The weights of every fixture model are re-created
+from its ``*.weights_manifest.json`` with the recipe in ``tests/fixtures/recipe.py`` and saved in the
+official container format, so the parity tests always go through the project's own loader.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def fixtures_root() -> Path:
+    return Path(os.environ.get("SPARSEVAR_FIXTURES", TESTS_DIR / "fixtures")).resolve()
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("sparsevar_fixture_recipe", TESTS_DIR / "fixtures" / "recipe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_RECIPE = _load_recipe()
+
+
+def materialize(manifest_path: Path, include_derived: bool = True) -> dict[str, torch.Tensor]:
+    """The official-layout state dict of a fixture model (bit-exact, see fixtures/README)."""
+    return _RECIPE.materialize(str(manifest_path), include_derived=include_derived)
+
+
+def family_dir(family: str) -> Path:
+    d = fixtures_root() / family
+    if not d.is_dir():
+        pytest.skip(f"no {family!r} fixture set under {fixtures_root()} (set SPARSEVAR_FIXTURES)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def var_fixture_dir() -> Path:
+    return family_dir("var")
+
+
+@pytest.fixture(scope="session")
+def var_fixture_config(var_fixture_dir) -> dict:
+    return json.loads((var_fixture_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def var_official_files(var_fixture_dir, var_fixture_config, tmp_path_factory) -> dict[str, Path]:
+    """The fixture models written as official checkpoint files: {'vae', 'var', 'var_saln'} -> .pth path."""
+    out = tmp_path_factory.mktemp("var_official")
+    files = {}
+    for name, info in var_fixture_config["weights"].items():
+        sd = materialize(var_fixture_dir / info["manifest"])
+        path = out / f"{name}.pth"
+        torch.save(sd, path)          # flat state dict, like var_d16.pth / vae_ch160v4096z32.pth
+        files[name] = path
+    return files

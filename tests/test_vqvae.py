@@ -1,0 +1,265 @@
+"""Tests of the multi-scale VQVAE (``sparsevar.models.vqvae``).
+
+Parity tests load the fixture VQVAE from an official-format checkpoint (``var_official_files['vae']``)
+and compare with ``vqvae.safetensors``. Schedule, sizes and batch are read from the fixture files,
+so any fixture set in the same format works.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar.models.vqvae import MultiScaleVQVAE, phi_index_table
+
+ATOL_LATENT = 1e-5   # f, fhat_*, x_BLCv_wo_first_l
+ATOL_IMAGE = 1e-4    # decoded images
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return (a.double() - b.double()).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# parity fixtures
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vae(var_official_files) -> MultiScaleVQVAE:
+    sd = torch.load(var_official_files["vae"], map_location="cpu", weights_only=True)
+    for k in MultiScaleVQVAE.official_extra_keys():
+        sd.pop(k, None)
+    model = MultiScaleVQVAE(**MultiScaleVQVAE.config_from_state_dict(sd))
+    model.load_state_dict(sd, strict=True)
+    return model.eval().float()
+
+
+@pytest.fixture(scope="module")
+def vq_expected(var_fixture_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(var_fixture_dir / "vqvae.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def schedule(var_fixture_config) -> list[tuple[int, int]]:
+    return [(int(p), int(p)) for p in var_fixture_config["patch_nums"]]
+
+
+@pytest.fixture(scope="module")
+def img(vq_expected) -> torch.Tensor:
+    x = vq_expected["img_uint8"].float() / 255
+    return x + x - 1  # reference data pipeline, [-1, 1]
+
+
+@pytest.fixture(scope="module")
+def encoded(vae, img, schedule):
+    """(f, idx_list, fhat_list) of our implementation on the fixture images."""
+    with torch.no_grad():
+        f = vae.encode(img)
+        idx_list, fhat_list = vae.quantize_multiscale(f, schedule)
+    return f, idx_list, fhat_list
+
+
+def _expected_idx(vq_expected, schedule) -> list[torch.Tensor]:
+    return [vq_expected[f"idx_s{k}"] for k in range(len(schedule))]
+
+
+@pytest.mark.parity
+def test_phi_table_matches_fixture(vae, var_fixture_config, schedule):
+    want = var_fixture_config["phi_index_per_scale"]
+    assert [vae.phi_index(si, len(schedule)) for si in range(len(schedule))] == want
+
+
+@pytest.mark.parity
+def test_encode(encoded, vq_expected):
+    f, _, _ = encoded
+    err = _max_abs(f, vq_expected["f"])
+    assert err <= ATOL_LATENT, f"f max abs err {err:.3e}"
+
+
+@pytest.mark.parity
+def test_indices_exact(encoded, vq_expected, schedule, vae, img):
+    _, idx_list, _ = encoded
+    want = _expected_idx(vq_expected, schedule)
+    assert len(idx_list) == len(want)
+    for k, (got, exp) in enumerate(zip(idx_list, want)):
+        assert got.dtype == torch.int64
+        assert got.shape == exp.shape, (k, tuple(got.shape), tuple(exp.shape))
+        assert torch.equal(got, exp), f"idx_s{k}: {(got != exp).sum().item()} codes differ"
+    # img_to_idx is the same path
+    with torch.no_grad():
+        again = vae.img_to_idx(img, schedule)
+    assert all(torch.equal(a, b) for a, b in zip(again, idx_list))
+
+
+@pytest.mark.parity
+def test_fhat_per_scale(encoded, vq_expected, schedule):
+    _, _, fhat_list = encoded
+    for k in range(len(schedule)):
+        exp = vq_expected[f"fhat_s{k}"]
+        got = fhat_list[k][: exp.shape[0]]
+        assert got.dtype == torch.float32
+        err = _max_abs(got, exp)
+        assert err <= ATOL_LATENT, f"fhat_s{k} max abs err {err:.3e}"
+
+
+@pytest.mark.parity
+def test_fhat_from_idx(vae, vq_expected, schedule):
+    with torch.no_grad():
+        got = vae.idx_to_fhat(_expected_idx(vq_expected, schedule), schedule)
+    err = _max_abs(got, vq_expected["fhat_from_idx"])
+    assert err <= ATOL_LATENT, f"fhat_from_idx max abs err {err:.3e}"
+
+
+@pytest.mark.parity
+def test_recon_from_idx(vae, vq_expected, schedule):
+    exp = vq_expected["recon_from_idx"]
+    n = exp.shape[0]
+    idx = [i[:n] for i in _expected_idx(vq_expected, schedule)]
+    with torch.no_grad():
+        got = vae.idx_to_img(idx, schedule)
+    assert got.min() >= -1 and got.max() <= 1
+    err = _max_abs(got, exp)
+    assert err <= ATOL_IMAGE, f"recon_from_idx max abs err {err:.3e}"
+
+
+@pytest.mark.parity
+def test_img_from_fhat_non_square(vae, vq_expected):
+    fhat_in = vq_expected["fhat_in"]
+    before = fhat_in.clone()
+    with torch.no_grad():
+        got = vae.fhat_to_img(fhat_in)
+    assert torch.equal(fhat_in, before), "fhat_to_img modified its input"
+    err = _max_abs(got, vq_expected["img_from_fhat"])
+    assert err <= ATOL_IMAGE, f"img_from_fhat max abs err {err:.3e}"
+
+
+@pytest.mark.parity
+def test_var_input(vae, vq_expected, schedule):
+    idx = _expected_idx(vq_expected, schedule)
+    with torch.no_grad():
+        got = vae.idx_to_var_input(idx, schedule)
+        got_short = vae.idx_to_var_input(idx[:-1], schedule)
+    exp = vq_expected["x_BLCv_wo_first_l"]
+    err = _max_abs(got, exp)
+    assert err <= ATOL_LATENT, f"x_BLCv_wo_first_l max abs err {err:.3e}"
+    assert torch.equal(got, got_short)
+
+
+@pytest.mark.parity
+def test_next_stage_input_matches_fhat_from_idx(vae, vq_expected, schedule):
+    """The AR step, fed with the fixture codes, reproduces fhat_from_idx and the TF inputs."""
+    idx = _expected_idx(vq_expected, schedule)
+    B = idx[0].shape[0]
+    H, W = schedule[-1]
+    f_hat = torch.zeros(B, vae.config.z_channels, H, W)
+    nexts = []
+    with torch.no_grad():
+        for si, (ph, pw) in enumerate(schedule):
+            f_hat, nxt = vae.next_stage_input(si, schedule, f_hat, vae.embed(idx[si], ph, pw))
+            if si < len(schedule) - 1:
+                nexts.append(nxt.flatten(2).transpose(1, 2))
+    assert _max_abs(f_hat, vq_expected["fhat_from_idx"]) <= ATOL_LATENT
+    assert _max_abs(torch.cat(nexts, 1), vq_expected["x_BLCv_wo_first_l"]) <= ATOL_LATENT
+
+
+# ------------------------------------------------------------------------------------------------
+# unit tests (no fixtures)
+# ------------------------------------------------------------------------------------------------
+def _small_model(seed: int = 0, **kw) -> MultiScaleVQVAE:
+    torch.manual_seed(seed)
+    kw = {"vocab_size": 16, "z_channels": 8, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1,
+          "patch_nums": (1, 2, 3, 4), **kw}
+    model = MultiScaleVQVAE(**kw).eval()
+    with torch.no_grad():  # O(1) random weights so that every path matters
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def test_phi_index_tables():
+    assert phi_index_table(10) == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert phi_index_table(14) == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3]
+    assert phi_index_table(1) == [0]
+    m = _small_model()
+    assert [m.phi_index(si, 10) for si in range(10)] == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert [m.phi_index(si, 14) for si in range(14)] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="si"):
+        m.phi_index(10, 10)
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"ch_mult": (1, 1, 2), "num_res_blocks": 2, "num_phi": 3},
+    {"ch_mult": (1, 2), "using_sa": False, "using_mid_sa": False, "num_phi": 1},
+])
+def test_config_from_state_dict_roundtrip(kw):
+    m = _small_model(**kw)
+    sd = m.state_dict()
+    cfg = MultiScaleVQVAE.config_from_state_dict(sd)
+    for key, val in cfg.items():
+        want = m.config[key]
+        assert (list(val) if isinstance(val, (list, tuple)) else val) == \
+            (list(want) if isinstance(want, (list, tuple)) else want), key
+    m2 = MultiScaleVQVAE(**cfg, patch_nums=m.config.patch_nums)
+    m2.load_state_dict(sd, strict=True)
+    assert set(m2.state_dict()) == set(sd)
+    assert "quantize.ema_vocab_hit_SV" not in sd
+    assert MultiScaleVQVAE.official_extra_keys() == {"quantize.ema_vocab_hit_SV"}
+
+
+def test_config_lists_accepted():
+    m = MultiScaleVQVAE(vocab_size=16, z_channels=8, ch=32, ch_mult=[1, 2], num_res_blocks=1,
+                        patch_nums=[1, 2, 4])
+    assert m.default_schedule() == [(1, 1), (2, 2), (4, 4)]
+
+
+def test_config_from_state_dict_rejects_other_dicts():
+    with pytest.raises(ValueError, match="not a VAR VQVAE"):
+        MultiScaleVQVAE.config_from_state_dict({"blocks.0.attn.mat_qkv.weight": torch.zeros(3, 3)})
+    sd = {"vae." + k: v for k, v in _small_model().state_dict().items()}
+    with pytest.raises(ValueError, match="prefix"):
+        MultiScaleVQVAE.config_from_state_dict(sd)
+
+
+def test_next_stage_input_non_square():
+    m = _small_model()
+    schedule = [(1, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+    B, C = 2, m.config.z_channels
+    gen = torch.Generator().manual_seed(0)
+    idx = [torch.randint(0, m.config.vocab_size, (B, h * w), generator=gen) for h, w in schedule]
+    H, W = schedule[-1]
+    f_hat = torch.zeros(B, C, H, W)
+    nexts = []
+    with torch.no_grad():
+        for si, (h, w) in enumerate(schedule):
+            f_in = f_hat
+            f_hat, nxt = m.next_stage_input(si, schedule, f_hat, m.embed(idx[si], h, w))
+            assert f_hat is f_in  # in-place accumulation
+            if si < len(schedule) - 1:
+                assert nxt.shape == (B, C, *schedule[si + 1])
+                nexts.append(nxt.flatten(2).transpose(1, 2))
+            else:
+                assert nxt is f_hat
+        ref = m.idx_to_fhat(idx, schedule)
+        var_in = m.idx_to_var_input(idx, schedule)
+        img = m.idx_to_img(idx, schedule)
+    assert f_hat.shape == (B, C, H, W)
+    assert (f_hat - ref).abs().max().item() <= 1e-5
+    L = sum(h * w for h, w in schedule)
+    assert var_in.shape == (B, L - 1, C)
+    assert (torch.cat(nexts, 1) - var_in).abs().max().item() <= 1e-5
+    f = m.downsample_factor
+    assert img.shape == (B, 3, H * f, W * f) and img.abs().max() <= 1
+
+
+def test_quantize_non_square_roundtrip():
+    m = _small_model()
+    schedule = [(1, 1), (2, 3), (4, 6)]
+    img = torch.rand(2, 3, 4 * m.downsample_factor, 6 * m.downsample_factor) * 2 - 1
+    with torch.no_grad():
+        f = m.encode(img)
+        idx, fhats = m.quantize_multiscale(f, schedule)
+        assert [tuple(i.shape) for i in idx] == [(2, h * w) for h, w in schedule]
+        assert (m.idx_to_fhat(idx, schedule) - fhats[-1]).abs().max().item() <= 1e-5
+        with pytest.raises(ValueError, match="schedule"):
+            m.quantize_multiscale(f)  # default square schedule ends at 4x4, latent is 4x6
