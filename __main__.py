@@ -1,0 +1,6 @@
+"""``python -m sparsevar`` = the ``sparsevar`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

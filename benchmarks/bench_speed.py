@@ -1,0 +1,139 @@
+"""Speed benchmark: dense generation of real-size models with random weights.
+
+    sparsevar bench speed --models var-d16 var-d30 --batch 1 8 --runs 10
+
+For each model × batch × method it times whole generations after warm-up and writes one CSV row:
+median / min of the scale loop (sum of per-scale CUDA-event times), end-to-end wall time with
+decode, per-scale medians, peak memory, and the hardware floor of the scale loop
+(research/kernels.md §6: per scale, max(FLOPs / peak, bytes of weights + KV cache / bandwidth)),
+so every number says how far it is from the roof.
+"""
+from __future__ import annotations
+
+import csv
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+# H100 SXM ceilings used for the floor (kernels.md §6): dense bf16 tensor-core peak and HBM copy rate.
+PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
+PEAK_TBPS = {"H100": 3.0, "H200": 4.3}
+
+METHODS = {
+    "dense": dict(use_cuda_graphs=True),
+    "dense-eager": dict(use_cuda_graphs=False),
+}
+
+
+def _gpu_key(name: str) -> Optional[str]:
+    for k in PEAK_TBPS:
+        if k in name:
+            return k
+    return None
+
+
+def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
+    """Lower bound of the scale loop of a VAR model with CFG (2·batch rows), AdaLN hoisted."""
+    key = _gpu_key(gpu)
+    if key is None:
+        return float("nan")
+    C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
+    hidden = round(C * cfg.mlp_ratio)
+    rows = 2 * batch
+    block_w = (4 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + fc1 + fc2
+    head_w = C * V * weight_bytes
+    total, prefix = 0.0, 0
+    for p in cfg.patch_nums:
+        n = p * p
+        prefix += n
+        flops = rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * prefix * C) + 2 * n * C * V)
+        kv_bytes = depth * 2 * rows * prefix * C * weight_bytes
+        t_compute = flops / (PEAK_TFLOPS[key] * 1e12)
+        t_memory = (depth * block_w + head_w + kv_bytes) / (PEAK_TBPS[key] * 1e12)
+        total += max(t_compute, t_memory)
+    return total * 1e3
+
+
+def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
+              methods: Sequence[str] = ("dense", "dense-eager"), dtype: str = "bfloat16",
+              out: Optional[Path] = None, device: str = "cuda", log=print) -> list[dict]:
+    from ..pipelines.var_pipeline import VARPipeline
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench speed measures GPU generation: no CUDA device is available here "
+                           "(pass --device cpu for a functional run without meaningful numbers)")
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {sorted(METHODS)}")
+    torch_dtype = getattr(torch, dtype)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    rows = []
+    for name in models:
+        pipe = VARPipeline.from_random(name, device=device, dtype=torch_dtype)
+        pipe.set_progress_bar_config(disable=True)
+        cfg = pipe.transformer.config
+        res = 16 * cfg.patch_nums[-1]
+        for batch in batches:
+            labels = [i % cfg.num_classes for i in range(batch)]
+            floor = var_floor_ms(cfg, batch, torch.finfo(torch_dtype).bits // 8, gpu)
+            for method in methods:
+                kw = METHODS[method]
+                pipe.release_memory()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                loop_ms, e2e_ms, decode_ms, per_scale = [], [], [], []
+                for i in range(warmup + runs):
+                    gen = torch.Generator(device).manual_seed(i)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    result = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt",
+                                  **kw)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    if i < warmup:
+                        continue
+                    st = result.stats[0]
+                    loop_ms.append(st.transformer_ms)
+                    decode_ms.append(st.decode_ms)
+                    e2e_ms.append((t1 - t0) * 1e3)
+                    per_scale.append([s.ms for s in st.scales])
+                peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                scale_med = [statistics.median(col) for col in zip(*per_scale)]
+                row = dict(model=name, resolution=res, batch=batch, method=method, settings="",
+                           dtype=dtype, ms_median=round(statistics.median(loop_ms), 3),
+                           ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
+                           e2e_ms_median=round(statistics.median(e2e_ms), 3),
+                           decode_ms_median=round(statistics.median(decode_ms), 3),
+                           per_scale_ms=";".join(f"{x:.3f}" for x in scale_med),
+                           peak_mem_gb=round(peak, 3), runs=runs, gpu=gpu, torch=torch.__version__,
+                           triton=triton_version)
+                rows.append(row)
+                log(f"{name:>9} {res}px b{batch:<2} {method:<12} loop {row['ms_median']:8.2f} ms "
+                    f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
+                    f"decode {row['decode_ms_median']:.1f} ms peak {row['peak_mem_gb']:.2f} GB")
+        del pipe
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(out)
+        log(f"wrote {out}")
+    return rows

@@ -1,0 +1,207 @@
+"""``sparsevar generate | convert | info | bench`` — argument parsing only; the work is library calls."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+def _device(name: str):
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: no CUDA device is available on this machine; use --device cpu")
+    return dev
+
+
+def _dtype(name: str, device):
+    import torch
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _load_pipeline(args, device, dtype, say):
+    from .pipelines.var_pipeline import VARPipeline
+
+    if args.model and (args.var_ckpt or args.vae_ckpt):
+        raise CLIError("give either --model FOLDER or --var-ckpt/--vae-ckpt, not both")
+    if args.model:
+        pipe = VARPipeline.from_pretrained(args.model, dtype=dtype)
+    elif args.var_ckpt or args.vae_ckpt:
+        if not (args.var_ckpt and args.vae_ckpt):
+            missing = "--vae-ckpt (vae_ch160v4096z32.pth)" if args.var_ckpt else "--var-ckpt (var_d16.pth … var_d36.pth)"
+            raise CLIError(f"official checkpoints come in pairs: also pass {missing}")
+        pipe = VARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype)
+    else:
+        say("no model given: using var-tiny, a small RANDOMLY INITIALISED model (it draws noise, not pictures). "
+            "Pass --model FOLDER or --var-ckpt/--vae-ckpt for real images.")
+        pipe = VARPipeline.from_random("var-tiny", seed=0, dtype=dtype)
+    return pipe.to(device)
+
+
+def _save_images(images, out: Path, say) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if len(images) == 1:
+        paths = [out]
+    else:
+        paths = [out.with_name(f"{out.stem}_{i}{out.suffix or '.png'}") for i in range(len(images))]
+    for img, p in zip(images, paths):
+        tmp = p.with_name(f".{p.name}.tmp")
+        img.save(tmp, format=(p.suffix.lstrip(".") or "png").upper().replace("JPG", "JPEG"))
+        os.replace(tmp, p)                          # never leave a half-written image behind
+    return paths
+
+
+def cmd_generate(args) -> int:
+    import torch
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    if args.out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+        raise CLIError(f"--out {args.out}: use a .png, .jpg or .webp file name")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    pipe = _load_pipeline(args, device, dtype, say)
+    pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
+    labels = [int(c) if c.strip().lstrip("-").isdigit() else c for c in args.class_labels]
+    gen = torch.Generator(device).manual_seed(args.seed)
+    t0 = time.perf_counter()
+    out = pipe(labels, guidance_scale=args.cfg, top_k=args.top_k, top_p=args.top_p, num_images_per_prompt=args.num,
+               generator=gen)
+    dt = time.perf_counter() - t0
+    paths = _save_images(out.images, args.out, say)
+    st = out.stats[0]
+    print(f"{len(paths)} image(s) → {', '.join(str(p) for p in paths)} | {dt * 1e3:.0f} ms | {st.summary()}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import torch
+    from .pipelines.var_pipeline import VARPipeline
+
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
+    pipe = VARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.partial")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    pipe.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    cfg = pipe.transformer.config
+    print(f"converted → {out} (VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {args.dtype}); "
+          f"load it with VARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out}`")
+    return 0
+
+
+def cmd_info(args) -> int:
+    if args.backends:
+        from .sparse_ops.attention import describe_backends
+        print(describe_backends())
+        if not args.path:
+            return 0
+    if not args.path:
+        raise CLIError("info needs a checkpoint file or model folder (or --backends)")
+    from .models.loading import describe_checkpoint
+    info = describe_checkpoint(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for k, v in info.items():
+        if isinstance(v, dict):
+            print(f"{k}:")
+            for kk, vv in v.items():
+                print(f"  {kk}: {vv}")
+        else:
+            print(f"{k}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}: {v}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "speed":
+        from .benchmarks.bench_speed import run_speed
+        out = args.out
+        if out is None:
+            import torch
+            gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+            out = Path("benchmarks/results") / f"speed_{gpu}.csv"
+        run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=args.methods,
+                  dtype=args.dtype, out=out, device=args.device)
+        return 0
+    raise CLIError(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate images with a VAR model")
+    g.add_argument("--model", help="a folder written by `sparsevar convert` / save_pretrained")
+    g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth")
+    g.add_argument("--vae-ckpt", help="official VQVAE file, vae_ch160v4096z32.pth")
+    g.add_argument("--class", dest="class_labels", nargs="+", default=["207"],
+                   help="class ids or ImageNet names (default 207, golden retriever)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cfg", type=float, default=4.0, help="guidance scale (ramped over scales; 0 = off)")
+    g.add_argument("--top-k", type=int, default=900)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--num", type=int, default=1, help="images per class")
+    g.add_argument("--out", type=Path, default=Path("out.png"), help="image path; several images get _0, _1, …")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--quiet", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder")
+    c.add_argument("--var-ckpt", required=True)
+    c.add_argument("--vae-ckpt", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer weight dtype (auto = float32)")
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("info", help="what a checkpoint file or model folder is")
+    i.add_argument("path", nargs="?")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--backends", action="store_true", help="attention / kernel backends available here")
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    b.add_argument("what", choices=["speed"])
+    b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"])
+    b.add_argument("--batch", type=int, nargs="+", default=[1])
+    b.add_argument("--runs", type=int, default=10)
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--methods", nargs="+", default=["dense", "dense-eager"])
+    b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--out", type=Path, default=None)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CLIError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("SPARSEVAR_DEBUG"):
+            raise
+        print(f"sparsevar {args.command}: error: {e}", file=sys.stderr)
+        return 2

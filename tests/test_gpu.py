@@ -1,0 +1,83 @@
+"""GPU tier: CUDA graphs, half precision and memory hygiene. Needs a CUDA device; CI has none,
+so these run on the GPU machine (``pytest -m gpu``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar import VARPipeline
+from sparsevar.models.loading import load_var_transformer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")]
+
+
+def _codes(pipe, labels, seed, **kw):
+    got = []
+    out = pipe(labels, generator=torch.Generator("cuda").manual_seed(seed), output_type="pt",
+               callback_on_step_end=lambda p, si, t, k: got.append(k["codes"].clone()), **kw)
+    return got, out.images
+
+
+def test_fixture_greedy_run_on_cuda_with_and_without_graphs(var_official_files, var_fixture_dir, var_fixture_config):
+    """fp32 on the GPU with CUDA graphs reproduces the official greedy codes exactly (TF32 is off
+    by default in torch for float32 matmuls, and the fixtures keep a 1e-3 top-1 margin)."""
+    ar = load_file(var_fixture_dir / "var_ar.safetensors")
+    pipe = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"]).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    labels = ar["label_B"].tolist()
+    for i, run in enumerate(var_fixture_config["ar_runs"]):
+        if run["top_k"] != 1:
+            continue
+        for graphs in (False, True, True):          # eager, capture, replay
+            codes, _ = _codes(pipe, labels, 0, guidance_scale=run["cfg"], top_k=1, top_p=0.0, use_cuda_graphs=graphs)
+            for k, c in enumerate(codes):
+                assert torch.equal(c.cpu(), ar[f"r{i}.idx_s{k}"]), (i, graphs, k)
+
+
+def test_cuda_graphs_give_the_same_images_as_eager_in_bfloat16():
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    eager_codes, eager = _codes(pipe, [1, 2, 3], 7, use_cuda_graphs=False)
+    for _ in range(2):                               # first call captures, second replays
+        codes, images = _codes(pipe, [1, 2, 3], 7, use_cuda_graphs=True)
+        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        torch.testing.assert_close(images, eager, atol=0, rtol=0)
+
+
+def test_bfloat16_teacher_forced_logits_stay_close_to_the_reference(var_official_files, var_fixture_dir):
+    """bf16 weights: compare teacher-forced logits only (generation may flip near-tied tokens).
+    Tolerance: the fixture logits have std ≈ 2; cosine attention multiplies q·k (bf16, ~3
+    significant digits) by temperatures up to 100, so errors of a few tenths are expected —
+    we require a mean error under 2.5% of the logit std and a max under 0.75."""
+    tf = load_file(var_fixture_dir / "var_tf.safetensors")
+    x = load_file(var_fixture_dir / "vqvae.safetensors")["x_BLCv_wo_first_l"].cuda()
+    model = load_var_transformer(var_official_files["var"], dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        logits = model(tf["label_B"].cuda(), x).cpu()
+    err = (logits - tf["var.logits_BLV"]).abs()
+    print(f"bf16 teacher-forced logits: max abs err {err.max():.4f}, mean {err.mean():.5f}")
+    assert err.mean() < 0.05 and err.max() < 0.75
+
+
+def test_interrupt_and_release_leave_no_gpu_memory_behind():
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+
+    def boom(p, si, t, kw):
+        if si == 4:
+            raise KeyboardInterrupt("user interrupt")
+        return kw
+
+    with pytest.raises(KeyboardInterrupt):
+        pipe([1], generator=torch.Generator("cuda").manual_seed(0), callback_on_step_end=boom)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base, "the interrupted run left its KV cache allocated"
+    out = pipe([1], generator=torch.Generator("cuda").manual_seed(0), output_type="pt")   # next run works
+    assert out.images.shape[0] == 1
+    pipe.release_memory()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
