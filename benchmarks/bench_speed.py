@@ -58,6 +58,25 @@ def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
     return total * 1e3
 
 
+def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale) -> None:
+    for i in range(warmup + runs):
+        gen = torch.Generator(device).manual_seed(i)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if i < warmup:
+            continue
+        st = result.stats[0]
+        loop_ms.append(st.transformer_ms)
+        decode_ms.append(st.decode_ms)
+        e2e_ms.append((t1 - t0) * 1e3)
+        per_scale.append([s.ms for s in st.scales])
+
+
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
               methods: Sequence[str] = ("dense", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print) -> list[dict]:
@@ -92,23 +111,11 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 loop_ms, e2e_ms, decode_ms, per_scale = [], [], [], []
-                for i in range(warmup + runs):
-                    gen = torch.Generator(device).manual_seed(i)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    result = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt",
-                                  **kw)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    t1 = time.perf_counter()
-                    if i < warmup:
-                        continue
-                    st = result.stats[0]
-                    loop_ms.append(st.transformer_ms)
-                    decode_ms.append(st.decode_ms)
-                    e2e_ms.append((t1 - t0) * 1e3)
-                    per_scale.append([s.ms for s in st.scales])
+                try:
+                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale)
+                except Exception as e:      # record the failure and go on with the other settings
+                    log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
+                    continue
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
                 row = dict(model=name, resolution=res, batch=batch, method=method, settings="",
