@@ -83,6 +83,7 @@ class _GraphRunner:
                 out = fn()
             entry = (graph, out, list(before), list(kv.lengths))
             self.ws.graphs[si] = entry
+            kv.lengths = list(before)                  # capture recorded work but ran none of it
         graph, out, before, after = entry
         assert kv.lengths == before, "KV cache state differs from the captured one"
         graph.replay()
