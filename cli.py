@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
-    b.add_argument("--methods", nargs="+", default=["dense", "dense-eager"])
+    b.add_argument("--methods", nargs="+", default=["dense", "dense-compiled", "dense-eager"])
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     b.add_argument("--device", default="cuda")
     b.add_argument("--out", type=Path, default=None)

@@ -23,9 +23,11 @@ import torch
 PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
 PEAK_TBPS = {"H100": 3.0, "H200": 4.3}
 
+# method → (pipeline call arguments, compiled elementwise ops)
 METHODS = {
-    "dense": dict(use_cuda_graphs=True),
-    "dense-eager": dict(use_cuda_graphs=False),
+    "dense": (dict(use_cuda_graphs=True), False),
+    "dense-compiled": (dict(use_cuda_graphs=True), True),
+    "dense-eager": (dict(use_cuda_graphs=False), False),
 }
 
 
@@ -78,7 +80,7 @@ def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_m
 
 
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
-              methods: Sequence[str] = ("dense", "dense-eager"), dtype: str = "bfloat16",
+              methods: Sequence[str] = ("dense", "dense-compiled", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print) -> list[dict]:
     from ..pipelines.var_pipeline import VARPipeline
 
@@ -105,7 +107,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
             labels = [i % cfg.num_classes for i in range(batch)]
             floor = var_floor_ms(cfg, batch, torch.finfo(torch_dtype).bits // 8, gpu)
             for method in methods:
-                kw = METHODS[method]
+                kw, compiled = METHODS[method]
+                pipe.enable_compiled_elementwise(compiled)
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()

@@ -25,9 +25,13 @@ class ModelAdapter(Protocol):
         the (reused) workspace with its KV cache and latent, the first stage input."""
 
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
-        """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head → guidance.
-        Returns the guided float32 logits of the full map, (B, h·w, V). Reads its inputs only from
-        the workspace, so a dense scale can be captured as a CUDA graph and replayed."""
+        """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head.
+        Returns float32 logits of every row of the full map, (R, h·w, V). Reads its inputs only from
+        the workspace and bakes in no per-call setting, so a dense scale can be captured as a CUDA
+        graph and replayed by later calls."""
+
+    def guide(self, si: int, logits: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Classifier-free guidance (the family's formula) → guided logits (B, h·w, V)."""
 
     def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Draw this scale's codes from the guided logits with ``run.generator``."""

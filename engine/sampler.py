@@ -137,9 +137,10 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             timer.start(si)
             if graphs is not None and plan.dense and run.cfg_active and not policies.touches_layers \
                     and not policies.active["post_hidden"]:
-                guided = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
+                logits = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
             else:
-                guided = adapter.compute_scale(si, plan, run)
+                logits = adapter.compute_scale(si, plan, run)
+            guided = adapter.guide(si, logits, run)
             codes = adapter.sample(si, guided, run)
             residual = adapter.residual(si, codes, run)
             residual = policies.post_residual(si, residual, run)

@@ -31,3 +31,45 @@ def trunc_normal_init_(module: nn.Module, std: float = 0.02) -> None:
             nn.init.trunc_normal_(m.weight, std=std)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+# ---- the elementwise steps of an AdaLN block, as plain functions --------------------------------
+# At batch 1 a VAR layer is dominated by small elementwise kernels, not by its GEMMs. These
+# functions each do one step in as few kernels as eager PyTorch allows; on CUDA the adapter may
+# hand them to torch.compile (one fused kernel each, see ``ElementwiseOps``).
+
+def modulate(x_RlC: torch.Tensor, mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """LN(x)·mul + shift (LayerNorm without affine, in float32), returned in ``out_dtype``.
+    ``mul`` is 1 + scale (precomputed once per image)."""
+    y = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
+    return torch.addcmul(shift_R1C, y, mul_R1C).to(out_dtype)
+
+
+def qk_normalize(qk_Rl2Hd: torch.Tensor, mult_2H1: torch.Tensor) -> torch.Tensor:
+    """L2-normalise q and k over the head dim in one pass and scale q by its temperature:
+    ``mult_2H1`` = [exp(min(τ, ln 100)); 1] per head."""
+    norm = torch.linalg.vector_norm(qk_Rl2Hd, dim=-1, keepdim=True, dtype=torch.float32)
+    return (qk_Rl2Hd * (mult_2H1 / norm.clamp_min(1e-12))).to(qk_Rl2Hd.dtype)
+
+
+def gated_residual(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor) -> torch.Tensor:
+    """x + gate · branch, in x's dtype (float32 residual stream)."""
+    return torch.addcmul(x_RlC, branch_RlC, gate_R1C).to(x_RlC.dtype)
+
+
+class ElementwiseOps:
+    """The elementwise steps, eager or compiled. One instance per adapter (no global cache);
+    compiled lazily at the first call, with dynamic token counts so every scale shares a kernel."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        if compiled:
+            self.modulate = torch.compile(modulate, dynamic=True, fullgraph=True)
+            self.qk_normalize = torch.compile(qk_normalize, dynamic=True, fullgraph=True)
+            self.gated_residual = torch.compile(gated_residual, dynamic=True, fullgraph=True)
+        else:
+            self.modulate, self.qk_normalize, self.gated_residual = modulate, qk_normalize, gated_residual
+
+
+EAGER_OPS = ElementwiseOps(compiled=False)

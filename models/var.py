@@ -33,7 +33,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
-from ._blocks import TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
 VAR_SCHEDULES: dict[int, tuple[int, ...]] = {
@@ -73,20 +73,26 @@ class VARSelfAttention(nn.Module):
         self.scale_mul_1H11 = nn.Parameter(torch.full((1, num_heads, 1, 1), math.log(4.0)))
         self.proj = nn.Linear(dim, dim)
 
-    def qkv(self, x_RlC: torch.Tensor):
-        R, l, C = x_RlC.shape
-        bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
-        qkv = F.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, self.num_heads, self.head_dim)
-        q_RHld, k_RHld, v_RHld = qkv.permute(2, 0, 3, 1, 4).unbind(0)            # each (R, H, l, d)
-        temperature_1H11 = self.scale_mul_1H11.clamp_max(MAX_LOG_TEMPERATURE).exp()
-        q_RHld = F.normalize(q_RHld, dim=-1).mul(temperature_1H11)
-        k_RHld = F.normalize(k_RHld, dim=-1)
-        return q_RHld, k_RHld, v_RHld
+    def qk_multiplier(self) -> torch.Tensor:
+        """(2, H, 1) float32: q's temperature exp(min(τ, ln 100)) and k's 1, per head."""
+        temperature_H = self.scale_mul_1H11.float().clamp_max(MAX_LOG_TEMPERATURE).exp().view(-1)
+        return torch.stack((temperature_H, torch.ones_like(temperature_H))).unsqueeze(-1)
+
+    def qkv_bias(self) -> torch.Tensor:
+        """(3C,) [q_bias; 0; v_bias] — the key bias is fixed at zero."""
+        return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
     def forward(self, x_RlC: torch.Tensor, ctx: Optional["_LayerCall"] = None,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         R, l, C = x_RlC.shape
-        q, k, v = self.qkv(x_RlC)
+        H, d = self.num_heads, self.head_dim
+        ops = ctx.ops if ctx is not None else EAGER_OPS
+        bias = ctx.qkv_bias if ctx is not None else self.qkv_bias()
+        mult = ctx.qk_mult if ctx is not None else self.qk_multiplier()
+        qkv_Rl3Hd = F.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, H, d)
+        qk_Rl2Hd = ops.qk_normalize(qkv_Rl3Hd[:, :, :2], mult)                    # cosine q (×temperature), k
+        q, k = qk_Rl2Hd[:, :, 0].transpose(1, 2), qk_Rl2Hd[:, :, 1].transpose(1, 2)  # (R, H, l, d) views
+        v = qkv_Rl3Hd[:, :, 2].transpose(1, 2)
         out = None
         if ctx is not None:
             k, v = ctx.kv.append(ctx.layer, k, v, ctx.pos_l)
@@ -99,12 +105,15 @@ class VARSelfAttention(nn.Module):
 
 
 class _LayerCall:
-    """Where a block runs during generation: KV cache, scale, layer, positions and the run."""
+    """Where a block runs during generation: KV cache, scale, layer, positions, the run, the
+    elementwise ops (eager or compiled) and the layer's per-image constants."""
 
-    __slots__ = ("kv", "si", "layer", "pos_l", "run")
+    __slots__ = ("kv", "si", "layer", "pos_l", "run", "ops", "qkv_bias", "qk_mult")
 
-    def __init__(self, kv: KVCache, si: int, layer: int, pos_l: Optional[torch.Tensor], run: RunState):
+    def __init__(self, kv: KVCache, si: int, layer: int, pos_l: Optional[torch.Tensor], run: RunState,
+                 ops: ElementwiseOps, qkv_bias: torch.Tensor, qk_mult: torch.Tensor):
         self.kv, self.si, self.layer, self.pos_l, self.run = kv, si, layer, pos_l, run
+        self.ops, self.qkv_bias, self.qk_mult = ops, qkv_bias, qk_mult
 
 
 class VARBlock(nn.Module):
@@ -122,35 +131,36 @@ class VARBlock(nn.Module):
             self.ada_lin = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
 
     def adaln(self, cond_R6C_or_RD: torch.Tensor) -> torch.Tensor:
-        """(R, 6, C) float32 modulation: from the raw condition (R, D), or from the shared
-        projection (R, 6, C) when AdaLN is shared."""
+        """(R, 6, C) float32 modulation γ1, γ2, 1+s1, 1+s2, b1, b2: from the raw condition (R, D),
+        or from the shared projection (R, 6, C) when AdaLN is shared."""
         if self.shared_aln:
-            return (self.ada_gss[0] + cond_R6C_or_RD).float()                       # (1,6,C)+(R,6,C)
-        R = cond_R6C_or_RD.shape[0]
-        return self.ada_lin(cond_R6C_or_RD).view(R, 6, self.dim).float()            # (R, 6C) → (R, 6, C)
+            ada = (self.ada_gss[0] + cond_R6C_or_RD).float()                          # (1,6,C)+(R,6,C)
+        else:
+            R = cond_R6C_or_RD.shape[0]
+            ada = self.ada_lin(cond_R6C_or_RD).view(R, 6, self.dim).float()           # (R, 6C) → (R, 6, C)
+        return torch.cat((ada[:, :2], ada[:, 2:4] + 1, ada[:, 4:]), dim=1)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm_no_affine(x, self.norm_eps)
-
-    def forward(self, x_RlC: torch.Tensor, ada_R6C: torch.Tensor, ctx: Optional[_LayerCall] = None,
+    def forward(self, x_RlC: torch.Tensor, mod_R6C: torch.Tensor, ctx: Optional[_LayerCall] = None,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        g1, g2, s1, s2, b1, b2 = ada_R6C.unsqueeze(2).unbind(1)                     # each (R, 1, C)
+        g1, g2, m1, m2, b1, b2 = mod_R6C.unsqueeze(2).unbind(1)                     # each (R, 1, C)
         wdtype = self.ffn.fc1.weight.dtype
+        ops = ctx.ops if ctx is not None else EAGER_OPS
+        eps = self.norm_eps
 
         def attn_branch(y):
-            return self.attn(y.to(wdtype), ctx, attn_mask).float()
+            return self.attn(y, ctx, attn_mask)
 
-        def ffn_branch(y):
-            return self.ffn(y.to(wdtype)).float()
+        def modulate(x, mul, shift):
+            return ops.modulate(x, mul, shift, eps, wdtype)
 
         if ctx is not None and ctx.run.policies.active["wrap_sublayer"]:
             stack, run = ctx.run.policies, ctx.run
-            x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), self._norm,
-                                                 s1, b1, g1, attn_branch), x_RlC, run)
-            return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), self._norm,
-                                                s2, b2, g2, ffn_branch), x_RlC, run)
-        x_RlC = x_RlC + attn_branch(self._norm(x_RlC) * (1 + s1) + b1) * g1
-        return x_RlC + ffn_branch(self._norm(x_RlC) * (1 + s2) + b2) * g2
+            x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), m1, b1, g1,
+                                                 attn_branch, modulate, ops.gated_residual), x_RlC, run)
+            return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), m2, b2, g2,
+                                                self.ffn, modulate, ops.gated_residual), x_RlC, run)
+        x_RlC = ops.gated_residual(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1)
+        return ops.gated_residual(x_RlC, self.ffn(modulate(x_RlC, m2, b2)), g2)
 
 
 class VARTransformer(ModelMixin, ConfigMixin):
@@ -210,7 +220,8 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return self.config.num_classes
 
     def block_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
-        """Every block's modulation for the condition rows: (depth, R, 6, C) float32."""
+        """Every block's modulation for the condition rows: (depth, R, 6, C) float32, in the order
+        γ1, γ2, 1+s1, 1+s2, b1, b2."""
         R, C = cond_RD.shape[0], self.config.embed_dim
         shared = self.shared_ada_lin(cond_RD).view(R, 6, C) if self.config.shared_aln else cond_RD
         return torch.stack([blk.adaln(shared) for blk in self.blocks])
@@ -273,6 +284,8 @@ class _VARWorkspace:
         self.sos_R1C = torch.zeros(R, sch.tokens(0), C, device=device, dtype=torch.float32)
         self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
         self.positions_L = torch.arange(sch.total_tokens, device=device)
+        self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
+        self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
 
 
 class VARAdapter:
@@ -297,6 +310,17 @@ class VARAdapter:
         self.schedule = transformer.schedule
         self.num_layers = transformer.config.depth
         self._workspaces: dict = {}
+        self.ops = EAGER_OPS
+
+    def set_compiled_elementwise(self, enabled: bool) -> None:
+        """Fuse the blocks' elementwise steps with torch.compile (CUDA + Triton only). Compiled
+        kernels are built at the first call; CUDA graphs then capture them like any kernel."""
+        if enabled and not self.ops.compiled:
+            self.ops = ElementwiseOps(compiled=True)
+            self.release()
+        elif not enabled and self.ops.compiled:
+            self.ops = EAGER_OPS
+            self.release()
 
     @property
     def device(self) -> torch.device:
@@ -324,6 +348,9 @@ class VARAdapter:
         ws.lvl_pos_1LC.copy_(m.lvl_pos())
         ws.sos_R1C.copy_(cond_RD.unsqueeze(1).expand(-1, first_l, -1) + m.pos_start + ws.lvl_pos_1LC[:, :first_l])
         ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
+        for i, blk in enumerate(m.blocks):
+            ws.qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
+            ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
         ws.head_ada_R2C.copy_(m.head_adaln(cond_RD))
         ws.f_hat_BChw.zero_()
         ws.kv.reset()
@@ -345,6 +372,7 @@ class VARAdapter:
 
     @torch.no_grad()
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
+        """Raw float32 logits of every row, (R, h·w, V); reads only workspace buffers."""
         ws, R, B = run.workspace, run.rows, run.batch_size
         stack = run.policies
         x0_RLC = self.stage_input(si, run)
@@ -361,15 +389,20 @@ class VARAdapter:
         observe = stack.active["observe"]
         for i, blk in enumerate(self.transformer.blocks):
             x_in = x_RlC
-            x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], _LayerCall(ws.kv, si, i, pos_l, run))
+            call = _LayerCall(ws.kv, si, i, pos_l, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i])
+            x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
         if idx_Rn is not None:
             x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
         x_RlC = stack.post_hidden(si, x_RlC, run)
-        logits_RlV = self.transformer.logits(x_RlC, ws.head_ada_R2C[:R])
+        return self.transformer.logits(x_RlC, ws.head_ada_R2C[:R])
+
+    def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond."""
         if not run.cfg_active:
             return logits_RlV
+        B = run.batch_size
         t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
         return (1 + t) * logits_RlV[:B] - t * logits_RlV[B:]
 

@@ -63,6 +63,7 @@ class VARPipeline(DiffusionPipeline):
         self._adapter: Optional[VARAdapter] = None
         self._interrupt = False
         self._current_scale = None
+        self._compiled_elementwise = False
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -241,7 +242,23 @@ class VARPipeline(DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
             a = self._adapter = VARAdapter(self.transformer, self.vqvae)
+        a.set_compiled_elementwise(self._compiled_elementwise)
         return a
+
+    def enable_compiled_elementwise(self, enabled: bool = True) -> "VARPipeline":
+        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm, gated
+        residual) into single kernels with torch.compile. CUDA + Triton only; the first call compiles
+        (tens of seconds). At batch 1 these steps, not the matrix products, dominate a VAR step."""
+        if enabled:
+            if self.transformer.device.type != "cuda":
+                raise ValueError("enable_compiled_elementwise needs the model on a CUDA device; call pipe.to('cuda') "
+                                 "first (on CPU the eager path is used)")
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
+        self._compiled_elementwise = bool(enabled)
+        return self
 
     def release_memory(self) -> None:
         """Drop KV caches and CUDA graphs kept for repeated calls."""

@@ -54,31 +54,30 @@ class SubLayerContext:
 
 
 class SubLayer:
-    """One residual branch ``x + gate · branch(norm(x) · (1 + scale) + shift)``.
+    """One residual branch ``x + gate · branch(LN(x) · mul + shift)`` (``mul`` = 1 + AdaLN scale).
 
     Exposed piece by piece so a policy can run it on a token subset (gather → ``modulate`` →
     ``branch`` → gated residual add → restore), e.g. FastVAR's pivotal tokens.
-    ``gate``/``scale``/``shift`` are (R, 1, C) tensors, ``None`` where the branch has no such term.
+    ``mul``/``shift``/``gate`` are (R, 1, C) float32 tensors.
     """
 
-    __slots__ = ("ctx", "norm", "scale", "shift", "gate", "branch")
+    __slots__ = ("ctx", "mul", "shift", "gate", "branch", "_modulate", "_add")
 
-    def __init__(self, ctx: SubLayerContext, norm: Callable, scale, shift, gate, branch: Callable):
-        self.ctx, self.norm, self.scale, self.shift, self.gate, self.branch = ctx, norm, scale, shift, gate, branch
+    def __init__(self, ctx: SubLayerContext, mul, shift, gate, branch: Callable, modulate: Callable,
+                 add: Callable):
+        self.ctx, self.mul, self.shift, self.gate, self.branch = ctx, mul, shift, gate, branch
+        self._modulate, self._add = modulate, add
 
     def modulate(self, x_RlC: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x_RlC)
-        if self.scale is not None:
-            y = y * (1 + self.scale) + self.shift
-        return y
+        """The branch input for tokens ``x_RlC`` (rows must match ``mul``/``shift``)."""
+        return self._modulate(x_RlC, self.mul, self.shift)
 
     def residual(self, x_RlC: torch.Tensor) -> torch.Tensor:
-        """The gated branch output (without the skip connection)."""
-        out = self.branch(self.modulate(x_RlC))
-        return out * self.gate if self.gate is not None else out
+        """The gated branch output (float32, without the skip connection)."""
+        return self.branch(self.modulate(x_RlC)).float() * self.gate
 
     def __call__(self, x_RlC: torch.Tensor) -> torch.Tensor:
-        return x_RlC + self.residual(x_RlC)
+        return self._add(x_RlC, self.branch(self.modulate(x_RlC)), self.gate)
 
 
 class Policy:

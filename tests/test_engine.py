@@ -1,0 +1,492 @@
+"""The staged sampler and the policy hooks (engine/, policies/base.py) on the tiny fixture model,
+plus the engine's building blocks: ScaleSchedule, KVCache, top-k/top-p sampling, GenerationStats."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+from sparsevar.engine import GenerationStats, KVCache, ScaleSchedule, ScaleStats, generate
+from sparsevar.engine.sampling import filter_top_k_top_p, sample_codes, sample_codes_per_image
+from sparsevar.engine.state import SamplingSettings
+from sparsevar.policies import Policy, PolicyStack, ScalePlan
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def modules(var_official_files):
+    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
+    return p.transformer, p.vqvae
+
+
+@pytest.fixture
+def pipe(modules) -> VARPipeline:
+    """A fresh pipeline (empty policy stack) over the shared fixture modules."""
+    p = VARPipeline(transformer=modules[0], vqvae=modules[1])
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _run(pipe, labels, seed=0, **kw):
+    """Output and a clone of every callback tensor, per scale."""
+    steps = []
+
+    def cb(p, si, t, d):
+        steps.append({k: v.clone() for k, v in d.items()})
+        return d
+
+    kw.setdefault("output_type", "latent")
+    out = pipe(labels, generator=_g(seed), callback_on_step_end=cb,
+               callback_on_step_end_tensor_inputs=["codes", "logits", "latent"], **kw)
+    return out, steps
+
+
+# ---- a neutral policy overriding every hook -------------------------------------------------------------
+class Recorder(Policy):
+    name = "recorder"
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.shapes: dict[str, list] = {}
+
+    def _shape(self, hook, t):
+        self.shapes.setdefault(hook, []).append(tuple(t.shape))
+
+    def validate(self, run):
+        self.calls.append(("validate", run.si))
+
+    def begin(self, run):
+        self.calls.append(("begin", run.si))
+        run.policy_state[self.name] = {"begun": True}
+
+    def plan_scale(self, si, run):
+        assert run.policy_state[self.name]["begun"]
+        self.calls.append(("plan_scale", si))
+        return None
+
+    def wrap_sublayer(self, sub, x_RlC, run):
+        self.calls.append(("wrap_sublayer", sub.ctx.si, sub.ctx.layer, sub.ctx.kind))
+        return sub(x_RlC)
+
+    def observe(self, si, unit, x_in, x_out, run):
+        self.calls.append(("observe", si, unit))
+        self._shape("observe", x_out)
+
+    def attention(self, ctx, q, k, v, run):
+        self.calls.append(("attention", ctx.si, ctx.layer, ctx.kind))
+        self._shape("attention.q", q)
+        self._shape("attention.k", k)
+        return None
+
+    def post_hidden(self, si, h_RLC, run):
+        self.calls.append(("post_hidden", si))
+        self._shape("post_hidden", h_RLC)
+        return h_RLC
+
+    def post_residual(self, si, residual_BLc, run):
+        self.calls.append(("post_residual", si))
+        self._shape("post_residual", residual_BLc)
+        return residual_BLc
+
+    def after_scale(self, si, guided_logits_BLV, run):
+        self.calls.append(("after_scale", si))
+        self._shape("after_scale", guided_logits_BLV)
+
+
+def test_every_hook_is_called_at_every_scale_and_neutral_is_bit_exact(pipe):
+    labels, B = [2, 7], 2
+    dense = pipe(labels, generator=_g(4), output_type="pt").images
+    rec = Recorder()
+    pipe.add_policy(rec)
+    out = pipe(labels, generator=_g(4), output_type="pt").images
+    assert torch.equal(out, dense)                                  # neutral hooks change nothing
+
+    sched, depth = pipe.transformer.schedule, pipe.transformer.config.depth
+    cfg = pipe.transformer.config
+    H, d = cfg.num_heads, cfg.embed_dim // cfg.num_heads
+    S = sched.num_scales
+    assert rec.calls[:2] == [("validate", -1), ("begin", -1)]
+    per_scale = Counter((c[0], c[1]) for c in rec.calls[2:])
+    for si in range(S):
+        assert per_scale[("plan_scale", si)] == 1
+        assert per_scale[("wrap_sublayer", si)] == 2 * depth
+        assert per_scale[("observe", si)] == depth
+        assert per_scale[("attention", si)] == depth
+        assert per_scale[("post_hidden", si)] == 1
+        assert per_scale[("post_residual", si)] == 1
+        assert per_scale[("after_scale", si)] == 1
+    assert sum(per_scale.values()) == S * (4 + 4 * depth)
+    # order inside one layer: attention sub-layer (with its attention call), then the FFN, then observe
+    scale3 = [c for c in rec.calls if len(c) > 1 and c[1] == 3]
+    expected = [("plan_scale", 3)]
+    for i in range(depth):
+        expected += [("wrap_sublayer", 3, i, "self_attn"), ("attention", 3, i, "self_attn"),
+                     ("wrap_sublayer", 3, i, "ffn"), ("observe", 3, ("layer", i))]
+    expected += [("post_hidden", 3), ("post_residual", 3), ("after_scale", 3)]
+    assert scale3 == expected
+    # shapes: [cond; uncond] rows through the layers, the cache holds every earlier token
+    C, V, c = cfg.embed_dim, cfg.vocab_size, cfg.z_channels
+    for si in range(S):
+        l = sched.tokens(si)
+        assert rec.shapes["post_hidden"][si] == (2 * B, l, C)
+        assert rec.shapes["post_residual"][si] == (B, l, c)
+        assert rec.shapes["after_scale"][si] == (B, l, V)
+        assert rec.shapes["attention.q"][si * depth] == (2 * B, H, l, d)
+        assert rec.shapes["attention.k"][si * depth] == (2 * B, H, sched.offsets[si + 1], d)
+
+
+# ---- plans -------------------------------------------------------------------------------------------------
+class SkipFrom(Policy):
+    name = "skip_from"
+
+    def __init__(self, k):
+        self.k, self.asked = k, []
+
+    def plan_scale(self, si, run):
+        self.asked.append(si)
+        return ScalePlan(skip=True) if si >= self.k else None
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_skip_decodes_the_latent_of_the_earlier_scales(pipe, k):
+    _, dense_steps = _run(pipe, [5], seed=1)
+    policy = SkipFrom(k)
+    pipe.add_policy(policy)
+    out, steps = _run(pipe, [5], seed=1, output_type="pt")
+    assert len(steps) == k
+    assert policy.asked == list(range(k + 1))                      # not consulted after the skip
+    expected = (pipe.vqvae.fhat_to_img(dense_steps[k - 1]["latent"]) + 1) * 0.5
+    torch.testing.assert_close(out.images, expected, atol=1e-6, rtol=0)
+    stats = out.stats[0]
+    S = pipe.num_timesteps
+    assert [s.skipped for s in stats.scales] == [False] * k + [True] * (S - k)
+    assert [s.tokens_computed for s in stats.scales[k:]] == [0] * (S - k)
+    assert stats.tokens_computed == pipe.transformer.schedule.offsets[k]
+
+    latent = pipe(5, generator=_g(1), output_type="latent").images
+    assert torch.equal(latent, dense_steps[k - 1]["latent"])
+
+
+class AllTokens(Policy):
+    name = "all_tokens"
+
+    def plan_scale(self, si, run):
+        B, l = run.batch_size, run.schedule.tokens(si)
+        return ScalePlan(token_index=torch.arange(l).expand(B, l))
+
+
+@pytest.mark.parametrize("labels", [[3], [3, 8]], ids=["B1", "B2"])
+def test_token_index_of_every_token_equals_dense(pipe, labels):
+    dense, dense_steps = _run(pipe, labels, top_k=1)
+    pipe.add_policy(AllTokens())
+    out, steps = _run(pipe, labels, top_k=1)
+    for si, (a, b) in enumerate(zip(steps, dense_steps)):
+        assert torch.equal(a["codes"], b["codes"]), f"scale {si}"
+        torch.testing.assert_close(a["logits"], b["logits"], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.images, dense.images, atol=1e-5, rtol=0)
+    assert out.stats[0].tokens_computed == pipe.transformer.schedule.total_tokens
+
+
+class HalfFrom(Policy):
+    """Runs every other token (even positions) from scale ``first`` on; checks what the engine keeps."""
+
+    name = "half_from"
+
+    def __init__(self, first, adapter):
+        self.first, self.adapter = first, adapter
+        self.kv_lengths, self.kept_inputs = [], []
+
+    def index(self, si, run):
+        l = run.schedule.tokens(si)
+        return torch.arange(0, l, 2).expand(run.batch_size, -1)
+
+    def plan_scale(self, si, run):
+        return ScalePlan(token_index=self.index(si, run)) if si >= self.first else None
+
+    def post_hidden(self, si, h_RLC, run):
+        if si >= self.first:      # tokens that did not run keep their stage input
+            x0 = self.adapter.stage_input(si, run)
+            self.kept_inputs.append(torch.equal(h_RLC[:, 1::2], x0[:, 1::2]))
+        return h_RLC
+
+    def after_scale(self, si, guided, run):
+        self.kv_lengths.append(list(run.workspace.kv.lengths))
+
+
+def test_token_subset_fills_the_kv_cache_with_the_computed_tokens_only(pipe):
+    sched, depth = pipe.transformer.schedule, pipe.transformer.config.depth
+    first = 4
+    policy = HalfFrom(first, pipe.adapter())
+    pipe.add_policy(policy)
+    out, steps = _run(pipe, [1, 9])
+    computed = [sched.tokens(si) if si < first else (sched.tokens(si) + 1) // 2 for si in range(sched.num_scales)]
+    filled = [sum(computed[: si + 1]) for si in range(sched.num_scales)]
+    assert policy.kv_lengths == [[n] * depth for n in filled]
+    assert filled[-1] < sched.total_tokens
+    assert policy.kept_inputs and all(policy.kept_inputs)
+    assert [s.tokens_computed for s in out.stats[0].scales] == computed
+    assert out.stats[0].tokens_computed == filled[-1]
+    # the full map is still sampled: one code per token at every scale
+    assert [st["codes"].shape[1] for st in steps] == [sched.tokens(si) for si in range(sched.num_scales)]
+
+
+class CondOnly(Policy):
+    name = "cond_only"
+
+    def __init__(self):
+        self.rows = []
+
+    def plan_scale(self, si, run):
+        return ScalePlan(cond_only=True)
+
+    def after_scale(self, si, guided, run):
+        self.rows.append((run.rows, run.workspace.kv.rows))
+
+
+def test_cond_only_from_the_start_equals_guidance_off(pipe):
+    _, unguided = _run(pipe, [6, 0], guidance_scale=0.0, top_k=1)
+    policy = CondOnly()
+    pipe.add_policy(policy)
+    _, steps = _run(pipe, [6, 0], guidance_scale=4.0, top_k=1)
+    assert all(rows == (2, 2) for rows in policy.rows)              # the uncond half is dropped
+    for si, (a, b) in enumerate(zip(steps, unguided)):
+        assert torch.equal(a["codes"], b["codes"]), f"scale {si}"
+
+
+# ---- the policy stack ----------------------------------------------------------------------------------------
+class Named(Policy):
+    def __init__(self, name, incompatible=()):
+        self.name, self.incompatible = name, tuple(incompatible)
+
+
+def test_same_policy_twice_is_refused(pipe):
+    pipe.add_policy(Named("sparsevar"))
+    with pytest.raises(ValueError, match=r"sparsevar is already enabled"):
+        pipe.add_policy(Named("sparsevar"))
+    assert len(pipe.policies) == 1
+
+
+@pytest.mark.parametrize("first, second", [
+    (Named("fastvar", incompatible=["sparsevar"]), Named("sparsevar")),
+    (Named("fastvar"), Named("sparsevar", incompatible=["fastvar"])),
+])
+def test_incompatible_policies_are_refused_both_ways(pipe, first, second):
+    pipe.add_policy(first)
+    with pytest.raises(ValueError, match=r"sparsevar cannot be combined with fastvar: call disable_fastvar\(\) first"):
+        pipe.add_policy(second)
+    assert [p.name for p in pipe.policies] == ["fastvar"]           # the stack is unchanged
+    pipe.remove_policy("fastvar").add_policy(second)
+    assert [p.name for p in pipe.policies] == ["sparsevar"]
+
+
+def test_policy_stack_bookkeeping():
+    stack = PolicyStack([Named("a"), Recorder()])
+    assert len(stack) == 2 and [p.name for p in stack] == ["a", "recorder"]
+    assert stack.get("recorder").name == "recorder" and stack.get("zzz") is None
+    assert stack.active["plan_scale"] == (stack.get("recorder"),)   # Named overrides no hook
+    assert stack.touches_layers
+    assert not PolicyStack([Named("a")]).touches_layers
+    assert len(stack.without("recorder")) == 1 and len(stack) == 2  # without() returns a new stack
+
+
+class SubsetA(AllTokens):
+    name = "subset_a"
+
+
+class SubsetB(AllTokens):
+    name = "subset_b"
+
+
+class WrapA(Policy):
+    name = "wrap_a"
+
+    def wrap_sublayer(self, sub, x, run):
+        return sub(x)
+
+
+class WrapB(WrapA):
+    name = "wrap_b"
+
+
+@pytest.mark.parametrize("policies, message", [
+    ((SubsetA(), SubsetB()), r"two policies chose a token subset at scale 0.*subset_a"),
+    ((WrapA(), WrapB()), r"two policies wrap the same sub-layers.*wrap_a"),
+])
+def test_conflicting_policies_fail_the_call_and_leave_the_pipeline_usable(pipe, policies, message):
+    for p in policies:
+        pipe.add_policy(p)
+    with pytest.raises(ValueError, match=message):
+        pipe(1, generator=_g(0), output_type="latent")
+    for p in policies:
+        pipe.remove_policy(p.name)
+    assert len(pipe.policies) == 0
+    out = pipe(1, generator=_g(0), output_type="latent")
+    assert not any(s.skipped for s in out.stats[0].scales)
+
+
+# ---- engine.generate directly ------------------------------------------------------------------------------
+def test_generate_without_decode(pipe):
+    adapter = pipe.adapter()
+    res = generate(adapter, torch.tensor([4]), 1, settings=SamplingSettings(top_k=1), generator=_g(0), decode=False)
+    assert res.images is None
+    ref = pipe(4, top_k=1, generator=_g(0), output_type="latent").images
+    assert torch.equal(res.latent, ref)
+    again = generate(adapter, torch.tensor([7]), 1, settings=SamplingSettings(top_k=1), generator=_g(0), decode=False)
+    assert torch.equal(res.latent, ref)          # a copy: the reused workspace does not overwrite it
+    assert not torch.equal(again.latent, ref)
+
+
+# ---- ScaleSchedule ------------------------------------------------------------------------------------------------
+def test_scale_schedule_offsets_and_indexing():
+    s = ScaleSchedule.square([1, 2, 4])
+    assert s.hw == ((1, 1), (2, 2), (4, 4))
+    assert s.offsets == (0, 1, 5, 21) and s.total_tokens == 21
+    assert [s.tokens(i) for i in range(3)] == [1, 4, 16]
+    assert len(s) == s.num_scales == 3 and s.latent_hw == (4, 4)
+    assert [s.from_end(si) for si in range(3)] == [2, 1, 0]
+    assert [s.index_from_end(k) for k in range(3)] == [2, 1, 0]
+    assert all(s.index_from_end(s.from_end(si)) == si for si in range(3))
+    assert str(s) == "1,2,4"
+
+
+def test_scale_schedule_non_square():
+    s = ScaleSchedule.from_any([(1, 2), (2, 3), (3, 5)])
+    assert s.offsets == (0, 2, 8, 23) and s.latent_hw == (3, 5)
+    assert str(s) == "1x2,2x3,3x5"
+    assert ScaleSchedule.from_any([1, 2]) == ScaleSchedule.square([1, 2])
+    assert ScaleSchedule.from_any(s) is s
+
+
+@pytest.mark.parametrize("k", [3, -1, 10])
+def test_scale_schedule_index_from_end_out_of_range(k):
+    with pytest.raises(ValueError, match=rf"scale {k} from the end does not exist: this schedule has 3 scales"):
+        ScaleSchedule.square([1, 2, 3]).index_from_end(k)
+
+
+def test_scale_schedule_invalid():
+    with pytest.raises(ValueError, match=r"at least one scale"):
+        ScaleSchedule(())
+    with pytest.raises(ValueError, match=r"must be positive.*0"):
+        ScaleSchedule.square([1, 0, 2])
+
+
+# ---- KVCache ---------------------------------------------------------------------------------------------------
+def test_kv_cache_append_and_keep_rows():
+    kv = KVCache(num_layers=2, rows=4, heads=2, head_dim=3, capacity=10, dtype=torch.float32, device="cpu")
+    k1, v1 = torch.randn(4, 2, 3, 3), torch.randn(4, 2, 3, 3)
+    k, v = kv.append(0, k1, v1, torch.tensor([0, 1, 2]))
+    assert torch.equal(k, k1) and torch.equal(v, v1)
+    k2, v2 = torch.randn(4, 2, 2, 3), torch.randn(4, 2, 2, 3)
+    k, v = kv.append(0, k2, v2, torch.tensor([7, 9]))
+    assert torch.equal(k, torch.cat((k1, k2), dim=2)) and torch.equal(v, torch.cat((v1, v2), dim=2))
+    assert kv.lengths == [5, 0]                                     # each layer has its own fill
+    assert kv.pos_NT[0, :5].tolist() == [0, 1, 2, 7, 9]
+    assert kv.view(1)[0].shape == (4, 2, 0, 3)
+    ptr = kv.k_NRHTd.data_ptr()
+
+    kv.keep_rows(2)                                                  # drop the uncond half
+    k3 = torch.randn(2, 2, 1, 3)
+    k, v = kv.append(0, k3, k3)
+    assert k.shape == (2, 2, 6, 3)
+    assert torch.equal(k[:, :, :5], torch.cat((k1, k2), dim=2)[:2]) and torch.equal(k[:, :, 5:], k3)
+    with pytest.raises(ValueError, match=r"cannot keep 3 of 2 cache rows"):
+        kv.keep_rows(3)
+    with pytest.raises(ValueError, match=r"cannot keep 0 of 2 cache rows"):
+        kv.keep_rows(0)
+
+    kv.reset()
+    assert kv.lengths == [0, 0] and kv.rows == 4
+    assert kv.k_NRHTd.data_ptr() == ptr                              # buffers keep their address
+    assert kv.nbytes() == 2 * (2 * 4 * 2 * 10 * 3 * 4) + 2 * 10 * 8
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------------
+def test_top_k_keeps_ties_at_the_kth_value():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    before = logits.clone()
+    out = filter_top_k_top_p(logits, top_k=2)
+    assert torch.isfinite(out).tolist() == [[False, True, True, True, False]]
+    assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])
+    assert torch.equal(logits, before)                                # the input is not modified
+    assert torch.equal(filter_top_k_top_p(logits, top_k=0), logits)
+    assert torch.equal(filter_top_k_top_p(logits, top_k=5), logits)
+
+
+def test_top_p_semantics():
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    logits = probs.log()
+    # ascending cumulative mass 0.2, 0.5, 1.0: entries with cum <= 1 - top_p are removed
+    assert torch.isfinite(filter_top_k_top_p(logits, top_p=0.7)).tolist() == [[True, True, False]]
+    assert torch.isfinite(filter_top_k_top_p(logits, top_p=0.45)).tolist() == [[True, False, False]]
+    assert torch.isfinite(filter_top_k_top_p(logits, top_p=1.0)).all()
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.01])
+def test_top_p_always_keeps_the_largest_entry(top_p):
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [0.0, 0.0, 0.0, 0.0]])
+    finite = torch.isfinite(filter_top_k_top_p(logits, top_p=top_p))
+    assert finite.sum(dim=-1).tolist() == [1, 1]
+    assert finite[0, 1]
+
+
+def test_sample_codes_is_reproducible_and_respects_the_filters():
+    logits = torch.randn(2, 50, 40, generator=_g(0))
+    a = sample_codes(logits, 0, 0.0, _g(3))
+    b = sample_codes(logits, 0, 0.0, _g(3))
+    c = sample_codes(logits, 0, 0.0, _g(4))
+    assert a.shape == (2, 50) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(sample_codes(logits, 1, 0.0, _g(5)), logits.argmax(-1))     # top_k=1 is greedy
+    top3 = logits.topk(3, dim=-1).indices
+    drawn = sample_codes(logits, 3, 0.0, _g(6))
+    assert (drawn.unsqueeze(-1) == top3).any(-1).all()              # never outside the top 3
+
+
+def test_sample_codes_per_image_uses_one_generator_per_image():
+    logits = torch.randn(3, 20, 30, generator=_g(1))
+    batch = sample_codes_per_image(logits, 10, 0.9, [_g(7), _g(8), _g(9)])
+    for b, seed in enumerate((7, 8, 9)):
+        assert torch.equal(batch[b:b + 1], sample_codes(logits[b:b + 1], 10, 0.9, _g(seed)))
+    assert torch.equal(sample_codes_per_image(logits, 10, 0.9, _g(7)), sample_codes(logits, 10, 0.9, _g(7)))
+
+
+# The inverse-CDF branch of sample_codes (generator on another device than the logits) needs a
+# second device; it cannot be reached on a CPU-only machine, so it is not tested here.
+
+
+# ---- GenerationStats ------------------------------------------------------------------------------------------------
+def test_generation_stats_arithmetic():
+    st = GenerationStats(scales=[ScaleStats(0, 1, 1, 1, 1, ms=1.0), ScaleStats(1, 2, 2, 4, 2, ms=2.5),
+                                 ScaleStats(2, 4, 4, 16, 0, skipped=True)], decode_ms=4.0)
+    assert st.tokens == 21 and st.tokens_computed == 3 and st.transformer_ms == 3.5
+    assert st.scales[1].kept_ratio == 0.5
+    assert st.summary() == "2/3 scales, 3/21 tokens computed (14%), scale loop 3.5 ms, decode 4.0 ms"
+    lines = st.table().splitlines()
+    assert len(lines) == 4 and "skipped" in lines[3] and "50%" in lines[2]
+    d = st.as_dict()
+    assert d["tokens_computed"] == sum(s["tokens_computed"] for s in d["scales"]) == 3
+    assert d["tokens"] == 21 and d["transformer_ms"] == 3.5 and d["decode_ms"] == 4.0
+
+
+def test_generation_stats_of_a_real_run_add_up(pipe):
+    pipe.add_policy(HalfFrom(5, pipe.adapter())).add_policy(SkipFrom(8))
+    out = pipe([2], generator=_g(0), output_type="pt")
+    st = out.stats[0]
+    sched = pipe.transformer.schedule
+    assert st.tokens == sched.total_tokens
+    assert st.tokens_computed == sum(s.tokens_computed for s in st.scales)
+    assert st.tokens_computed == sched.offsets[5] + sum((sched.tokens(si) + 1) // 2 for si in (5, 6, 7))
+    ran = [s for s in st.scales if not s.skipped]
+    assert len(ran) == 8 and all(s.ms > 0 for s in ran)
+    assert st.transformer_ms == pytest.approx(sum(s.ms for s in ran))
+    assert st.decode_ms > 0
+    assert st.summary().startswith(f"8/{sched.num_scales} scales, {st.tokens_computed}/{st.tokens} tokens")
+    d = st.as_dict()
+    assert d["tokens_computed"] == sum(s["tokens_computed"] for s in d["scales"]) == st.tokens_computed
+    assert len(st.table().splitlines()) == 1 + sched.num_scales
+    assert sum("skipped" in line for line in st.table().splitlines()) == 2
