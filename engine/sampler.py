@@ -62,24 +62,28 @@ class _GraphRunner:
     fill lengths are not advanced by a replay, so they are recorded at capture and restored.
     """
 
-    def __init__(self, workspace):
+    def __init__(self, workspace, adapter):
         if not hasattr(workspace, "graphs"):
             workspace.graphs = {}
             workspace.graph_pool = torch.cuda.graph_pool_handle()
-        self.ws = workspace
+        # One side stream per adapter for warm-up and capture: every new stream would get its own
+        # cuBLAS workspace from the caching allocator.
+        if getattr(adapter, "capture_stream", None) is None:
+            adapter.capture_stream = torch.cuda.Stream()
+        self.ws, self.stream = workspace, adapter.capture_stream
 
     def run(self, si: int, fn: Callable[[], torch.Tensor], kv) -> torch.Tensor:
         entry = self.ws.graphs.get(si)
         if entry is None:
             before = list(kv.lengths)
-            stream = torch.cuda.Stream()
+            stream = self.stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                fn()                                   # warm-up (allocations, cuBLAS handles)
+                fn()                                   # warm-up (allocations, cuBLAS handles, compiles)
             torch.cuda.current_stream().wait_stream(stream)
             kv.lengths = list(before)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.ws.graph_pool):
+            with torch.cuda.graph(graph, pool=self.ws.graph_pool, stream=stream):
                 out = fn()
             entry = (graph, out, list(before), list(kv.lengths))
             self.ws.graphs[si] = entry
@@ -119,7 +123,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         policies.validate(run)
         policies.begin(run)
         timer = _ScaleTimer(run.device)
-        graphs = _GraphRunner(run.workspace) if use_graphs else None
+        graphs = _GraphRunner(run.workspace, adapter) if use_graphs else None
         schedule = run.schedule
         skipping = False
         for si in range(schedule.num_scales):

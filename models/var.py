@@ -298,6 +298,7 @@ class VARAdapter:
 
     family = "var"
     supports_cuda_graphs = True
+    capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
 
     def __init__(self, transformer: VARTransformer, vqvae):
         if transformer.config.vocab_size != vqvae.config.vocab_size or \
