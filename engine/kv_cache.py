@@ -31,6 +31,7 @@ class KVCache:
         """Forget the contents (no memory is freed or zeroed)."""
         self.lengths = [0] * self.num_layers
         self.rows = self.k_NRHTd.shape[1]
+        self.pos_NT.fill_(-1)
 
     def append(self, layer: int, k_RHld: torch.Tensor, v_RHld: torch.Tensor,
                pos_l: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,8 +53,9 @@ def sample_codes_per_image(logits_BlV: torch.Tensor, top_k: int, top_p: float,
                            generators: list[torch.Generator] | torch.Generator | None) -> torch.Tensor:
     """As :func:`sample_codes`, with one generator per image when a list is given.
 
-    With a list, image b draws only from ``generators[b]``, so a batch gives the same images as
-    the same images generated one by one with the same generators.
+    With a list, image b draws only from ``generators[b]``, so a batch draws the same codes as its
+    images generated one by one with the same generators (images then agree to float rounding:
+    batched convolutions and matmuls round slightly differently).
     """
     if isinstance(generators, (list, tuple)):
         return torch.cat([sample_codes(logits_BlV[b:b + 1], top_k, top_p, g)

@@ -66,9 +66,10 @@ class GenerationStats:
 
     def summary(self) -> str:
         kept = self.tokens_computed / max(self.tokens, 1)
+        decode = "" if self.decode_ms != self.decode_ms else f", decode {self.decode_ms:.1f} ms"   # NaN: not decoded
         return (f"{len([s for s in self.scales if not s.skipped])}/{len(self.scales)} scales, "
                 f"{self.tokens_computed}/{self.tokens} tokens computed ({kept:.0%}), "
-                f"scale loop {self.transformer_ms:.1f} ms, decode {self.decode_ms:.1f} ms")
+                f"scale loop {self.transformer_ms:.1f} ms{decode}")
 
     def table(self) -> str:
         lines = ["scale   size     tokens  computed  kept    ms"]

@@ -47,13 +47,16 @@ def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
             return dict(load_file(str(p)))
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"{what} {p} is not a readable safetensors file ({e}); re-download or re-convert it") from e
+    if p.stat().st_size == 0:
+        raise ValueError(f"{what} {p} is empty (0 bytes): truncated or corrupt — the download or copy did not "
+                         f"finish; fetch it again")
     try:
         obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
     except pickle.UnpicklingError as e:
         raise ValueError(f"{what} {p} is not a plain state dict of tensors: it holds Python objects that the "
                          f"safe loader refuses ({str(e).splitlines()[0][:200]}). Re-save it as "
                          f"torch.save(model.state_dict()) or convert it to safetensors") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
         size = p.stat().st_size
         raise ValueError(f"{what} {p} ({size:,} bytes) could not be read — truncated or corrupt? "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Download it again") from e
@@ -111,7 +114,6 @@ def var_config_from_state_dict(sd: Mapping[str, torch.Tensor], patch_nums: Optio
     except KeyError as e:
         raise ValueError(f"{source}: missing key {e.args[0]!r} needed to infer the VAR configuration; "
                          f"is this an official var_d*.pth file?") from None
-    known = {len(pn): None for pn in ()}
     if patch_nums is not None:
         pn = tuple(int(p) for p in patch_nums)
         if sum(p * p for p in pn) != L or len(pn) != S:
@@ -125,7 +127,6 @@ def var_config_from_state_dict(sd: Mapping[str, torch.Tensor], patch_nums: Optio
             raise ValueError(f"{source}: depth {depth}, {L} tokens in {S} scales matches no known VAR patch "
                              f"schedule ({options}); pass patch_nums=[…] with the schedule it was trained on")
         pn = matches[0]
-    del known
     cfg["patch_nums"] = list(pn)
     return cfg
 
@@ -196,11 +197,20 @@ def describe_checkpoint(path) -> dict:
         if not index.exists():
             raise ValueError(f"{p} is a folder without model_index.json; pass a checkpoint file or a folder "
                              f"written by `sparsevar convert` / save_pretrained")
-        info = {"path": str(p), "kind": "pipeline folder", "pipeline": json.loads(index.read_text()).get("_class_name")}
+        from safetensors import safe_open
+        pipeline = json.loads(index.read_text()).get("_class_name")
+        info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
+                "family": {"VARPipeline": "var"}.get(pipeline, "unknown"), "parameters": 0}
         for sub in ("transformer", "vqvae"):
             cfg_path = p / sub / "config.json"
             if cfg_path.exists():
                 info[sub] = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
+            for f in sorted((p / sub).glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as st:
+                    n = 0
+                    for k in st.keys():
+                        n += int(torch.Size(st.get_slice(k).get_shape()).numel())
+                info["parameters"] += n
         return info
     sd = read_state_dict(p, "checkpoint")
     family = detect_family(sd)

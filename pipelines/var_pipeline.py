@@ -104,7 +104,8 @@ class VARPipeline(DiffusionPipeline):
             vqvae = vqvae.to_empty(device=device)
             vqvae.init_random_weights()
         transformer.rebuild_buffers()
-        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval(), vqvae=vqvae.eval())
+        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval().requires_grad_(False),
+                   vqvae=vqvae.eval().requires_grad_(False))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,
@@ -135,7 +136,8 @@ class VARPipeline(DiffusionPipeline):
         transformer = VARTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True,
                                                      **({"torch_dtype": dtype} if dtype is not None else {}))
         vqvae = MultiScaleVQVAE.from_pretrained(path, subfolder="vqvae", local_files_only=True, torch_dtype=vae_dtype)
-        return cls(transformer=transformer.eval(), vqvae=vqvae.eval(), id2label=index.get("id2label"))
+        return cls(transformer=transformer.eval().requires_grad_(False), vqvae=vqvae.eval().requires_grad_(False),
+                   id2label=index.get("id2label"))
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """Write ``model_index.json`` + ``transformer/`` + ``vqvae/`` (safetensors).
@@ -273,11 +275,13 @@ class VARPipeline(DiffusionPipeline):
         if isinstance(class_labels, (list, tuple)) and len(class_labels) == 0:
             raise ValueError("class_labels is empty: pass at least one class id or name")
         ids = self.get_label_ids(class_labels)
-        if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
+        if not ids:
+            raise ValueError("class_labels is empty: pass at least one class id or name")
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a number >= 0 (0 disables guidance), got {guidance_scale!r}")
         if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 keeps every code), got {top_k!r}")
-        if not isinstance(top_p, (int, float)) or not 0.0 <= top_p <= 1.0:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 <= top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
         if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
@@ -310,8 +314,9 @@ class VARPipeline(DiffusionPipeline):
             output_type: "pil", "np" ((B, H, W, 3) in [0, 1]), "pt" ((B, 3, H, W) in [0, 1]) or "latent".
             callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs) -> dict`` after
                 every scale, with the tensors named in ``callback_on_step_end_tensor_inputs``
-                ("codes", "logits" = guided logits, "latent"). Set ``pipe._interrupt = True`` to stop
-                early: the latent accumulated so far is decoded.
+                ("codes", "logits" = guided logits, "latent"; copies, safe to keep). The returned
+                dict is not read back: generation state cannot be edited from a callback. Set
+                ``pipe._interrupt = True`` to stop early: the latent accumulated so far is decoded.
             use_cuda_graphs: replay dense scales from CUDA graphs (default: on for CUDA models).
         Returns:
             :class:`VARPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
@@ -331,7 +336,8 @@ class VARPipeline(DiffusionPipeline):
             def on_scale(si: int, tensors: dict) -> None:
                 self._current_scale = si
                 if callback_on_step_end is not None:
-                    callback_on_step_end(self, si, si, {k: tensors[k] for k in wanted})
+                    # copies: the tensors live in buffers that later scales and calls overwrite
+                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
                 pbar.update()
 
             result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=self._policies,

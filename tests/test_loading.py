@@ -64,11 +64,6 @@ def test_truncated_file_is_reported_as_truncated(var_official_files, tmp_path, n
     assert path.name in str(exc.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "models/loading.py read_state_dict: a 0-byte or non-zip garbage file makes torch's legacy loader raise "
-    "IndexError/KeyError, which the except clause (RuntimeError, EOFError, OSError, ValueError) does not catch, "
-    "so the user gets 'list index out of range' without the file name instead of the 'truncated or corrupt' "
-    "ValueError"))
 @pytest.mark.parametrize("content", [b"", b"hello world, this is not a checkpoint"], ids=["empty", "garbage"])
 def test_empty_or_garbage_file_is_reported_as_corrupt(tmp_path, content):
     path = tmp_path / "var_d16.pth"
@@ -290,9 +285,6 @@ def test_describe_pipeline_folder(saved_folder, var_fixture_config):
     assert info["vqvae"]["vocab_size"] == var_fixture_config["vae_kwargs"]["vocab_size"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "models/loading.py describe_checkpoint: its docstring promises 'family, configuration, parameter count' "
-    "for a file or a converted folder, but the folder branch returns neither 'family' nor 'parameters'"))
 def test_describe_pipeline_folder_has_family_and_parameters(saved_folder, var_official_files):
     info = describe_checkpoint(saved_folder)
     n = sum(p.numel() for p in load_var_transformer(var_official_files["var"]).parameters())

@@ -76,10 +76,6 @@ def test_boolean_label_is_a_type_error(pipe):
         pipe(True, output_type="latent")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pipelines/var_pipeline.py check_inputs only rejects an empty list/tuple; an empty tensor (or array) of "
-    "labels passes, and generate() then fails with ZeroDivisionError in VARAdapter.stage_input (R // B, B = 0) "
-    "instead of the 'class_labels is empty' ValueError"))
 def test_empty_label_tensor_is_rejected(pipe):
     with pytest.raises(ValueError, match=r"class_labels is empty"):
         pipe(torch.tensor([], dtype=torch.long), output_type="latent")
@@ -225,10 +221,6 @@ def test_save_pretrained_keeps_class_names(pipe, tmp_path):
     assert loaded.get_label_ids("four") == [4]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pipelines/var_pipeline.py from_pretrained: the components come back with requires_grad=True, whereas "
-    "from_single_file (models/loading.py _load_into) freezes them; calling pipe.transformer directly then "
-    "builds autograd graphs"))
 def test_from_pretrained_models_are_frozen_like_from_single_file(pipe, tmp_path):
     pipe.save_pretrained(tmp_path / "folder")
     loaded = VARPipeline.from_pretrained(tmp_path / "folder")
