@@ -1,0 +1,90 @@
+"""The command line: every command end to end on the fixture checkpoints, and its error handling
+(one line, exit status 2, no file left behind)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from sparsevar.cli import main
+
+
+def test_generate_without_a_model_uses_the_random_tiny_model_and_says_so(tmp_path, capsys):
+    out = tmp_path / "x.png"
+    assert main(["generate", "--class", "3", "--out", str(out), "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "RANDOMLY INITIALISED" in captured.err
+    assert "tokens computed" in captured.out and str(out) in captured.out
+    img = PIL.Image.open(out)
+    assert img.size == (256, 256) and img.mode == "RGB"
+
+
+def test_generate_from_official_files_writes_one_file_per_image(tmp_path, var_official_files, capsys):
+    out = tmp_path / "img.png"
+    rc = main(["generate", "--var-ckpt", str(var_official_files["var"]), "--vae-ckpt", str(var_official_files["vae"]),
+               "--class", "3", "7", "--num", "2", "--out", str(out), "--quiet", "--top-k", "5"])
+    assert rc == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["img_0.png", "img_1.png", "img_2.png", "img_3.png"]
+    assert "4 image(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--var-ckpt", "{var}"], "also pass --vae-ckpt"),
+    (["--var-ckpt", "{vae}", "--vae-ckpt", "{vae}"], "pass it as the VAE"),
+    (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--class", "10"], "out of range"),
+    (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--class", "dog"], "no class names"),
+    (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--class", "3", "--cfg", "-1"], "guidance_scale"),
+    (["--var-ckpt", "missing.pth", "--vae-ckpt", "{vae}"], "not found"),
+    (["--model", "{tmp}"], "model_index.json"),
+])
+def test_generate_errors_are_one_line_and_leave_nothing(tmp_path, var_official_files, capsys, args, message):
+    fill = {"var": str(var_official_files["var"]), "vae": str(var_official_files["vae"]), "tmp": str(tmp_path)}
+    out = tmp_path / "never.png"
+    rc = main(["generate", *[a.format(**fill) for a in args], "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*tmp"))
+
+
+def test_convert_info_and_generate_from_the_folder(tmp_path, var_official_files, capsys):
+    folder = tmp_path / "var-tiny-fixture"
+    assert main(["convert", "--var-ckpt", str(var_official_files["var"]), "--vae-ckpt",
+                 str(var_official_files["vae"]), "--out", str(folder)]) == 0
+    assert (folder / "model_index.json").is_file()
+    assert not list(tmp_path.glob(".*partial"))
+    capsys.readouterr()
+    assert main(["info", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "var" and info["transformer"]["depth"] == 2 and info["parameters"] > 0
+    # the same seed gives the same image from the folder as from the official files
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    assert main(["generate", "--model", str(folder), "--class", "3", "--out", str(a), "--quiet"]) == 0
+    assert main(["generate", "--var-ckpt", str(var_official_files["var"]), "--vae-ckpt",
+                 str(var_official_files["vae"]), "--class", "3", "--out", str(b), "--quiet"]) == 0
+    assert np.array_equal(np.asarray(PIL.Image.open(a)), np.asarray(PIL.Image.open(b)))
+    # converting onto a non-empty folder is refused unless asked
+    assert main(["convert", "--var-ckpt", str(var_official_files["var"]), "--vae-ckpt",
+                 str(var_official_files["vae"]), "--out", str(folder)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_info_on_official_files(var_official_files, var_fixture_config, capsys):
+    assert main(["info", str(var_official_files["var_saln"])]) == 0
+    text = capsys.readouterr().out
+    kw = var_fixture_config["var_kwargs"]["var_saln"]
+    assert f"depth: {kw['depth']}" in text and "shared_aln: True" in text and "resolution: 256" in text
+    assert main(["info", str(var_official_files["vae"]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "var-vqvae" and info["vocab_size"] == var_fixture_config["vae_kwargs"]["vocab_size"]
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run([sys.executable, "-m", "sparsevar", "info", "--backends"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "torch" in res.stdout
