@@ -48,6 +48,18 @@ class KVCache:
         self.lengths[layer] = end
         return self.k_NRHTd[layer, :R, :, :end], self.v_NRHTd[layer, :R, :, :end]
 
+    def reserve(self, layer: int, n: int, pos_l: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Claim the next ``n`` slots of ``layer`` and return them as (R, H, n, d) views to write
+        into (e.g. from a fused kernel); ``view`` then includes them."""
+        start = self.lengths[layer]
+        end = start + n
+        assert end <= self.capacity, f"KV cache overflow: {end} > {self.capacity}"
+        if pos_l is not None:
+            self.pos_NT[layer, start:end].copy_(pos_l)
+        self.lengths[layer] = end
+        R = self.rows
+        return self.k_NRHTd[layer, :R, :, start:end], self.v_NRHTd[layer, :R, :, start:end]
+
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         R, end = self.rows, self.lengths[layer]
         return self.k_NRHTd[layer, :R, :, :end], self.v_NRHTd[layer, :R, :, :end]

@@ -53,6 +53,23 @@ def qk_normalize(qk_Rl2Hd: torch.Tensor, mult_2H1: torch.Tensor) -> torch.Tensor
     return (qk_Rl2Hd * (mult_2H1 / norm.clamp_min(1e-12))).to(qk_Rl2Hd.dtype)
 
 
+def qk_normalize_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
+                       v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """``qk_normalize`` plus the KV-cache write: normalised k and raw v go straight into their
+    cache slots (R, H, l, d); returns q as (R, H, l, d)."""
+    qk_Rl2Hd = qk_normalize(qkv_Rl3Hd[:, :, :2], mult_2H1)
+    k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))
+    v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+    return qk_Rl2Hd[:, :, 0].transpose(1, 2)
+
+
+def residual_modulate(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor,
+                      mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    """``gated_residual`` followed by the next sub-layer's ``modulate``: (new x, next branch input)."""
+    x_RlC = gated_residual(x_RlC, branch_RlC, gate_R1C)
+    return x_RlC, modulate(x_RlC, mul_R1C, shift_R1C, eps, out_dtype)
+
+
 def gated_residual(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor) -> torch.Tensor:
     """x + gate · branch, in x's dtype (float32 residual stream)."""
     return torch.addcmul(x_RlC, branch_RlC, gate_R1C).to(x_RlC.dtype)
@@ -64,12 +81,10 @@ class ElementwiseOps:
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
-        if compiled:
-            self.modulate = torch.compile(modulate, dynamic=True, fullgraph=True)
-            self.qk_normalize = torch.compile(qk_normalize, dynamic=True, fullgraph=True)
-            self.gated_residual = torch.compile(gated_residual, dynamic=True, fullgraph=True)
-        else:
-            self.modulate, self.qk_normalize, self.gated_residual = modulate, qk_normalize, gated_residual
+        fns = dict(modulate=modulate, qk_normalize=qk_normalize, qk_normalize_store=qk_normalize_store,
+                   gated_residual=gated_residual, residual_modulate=residual_modulate)
+        for name, fn in fns.items():
+            setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
 
 
 EAGER_OPS = ElementwiseOps(compiled=False)

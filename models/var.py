@@ -90,12 +90,15 @@ class VARSelfAttention(nn.Module):
         bias = ctx.qkv_bias if ctx is not None else self.qkv_bias()
         mult = ctx.qk_mult if ctx is not None else self.qk_multiplier()
         qkv_Rl3Hd = F.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, H, d)
-        qk_Rl2Hd = ops.qk_normalize(qkv_Rl3Hd[:, :, :2], mult)                    # cosine q (×temperature), k
-        q, k = qk_Rl2Hd[:, :, 0].transpose(1, 2), qk_Rl2Hd[:, :, 1].transpose(1, 2)  # (R, H, l, d) views
-        v = qkv_Rl3Hd[:, :, 2].transpose(1, 2)
         out = None
-        if ctx is not None:
-            k, v = ctx.kv.append(ctx.layer, k, v, ctx.pos_l)
+        if ctx is None:
+            qk_Rl2Hd = ops.qk_normalize(qkv_Rl3Hd[:, :, :2], mult)                # cosine q (×temperature), k
+            q, k = qk_Rl2Hd[:, :, 0].transpose(1, 2), qk_Rl2Hd[:, :, 1].transpose(1, 2)  # (R, H, l, d) views
+            v = qkv_Rl3Hd[:, :, 2].transpose(1, 2)
+        else:
+            k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, ctx.pos_l)                 # this scale's cache slots
+            q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
+            k, v = ctx.kv.view(ctx.layer)
             if ctx.run.policies.active["attention"]:
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
@@ -159,8 +162,8 @@ class VARBlock(nn.Module):
                                                  attn_branch, modulate, ops.gated_residual), x_RlC, run)
             return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), m2, b2, g2,
                                                 self.ffn, modulate, ops.gated_residual), x_RlC, run)
-        x_RlC = ops.gated_residual(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1)
-        return ops.gated_residual(x_RlC, self.ffn(modulate(x_RlC, m2, b2)), g2)
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1, m2, b2, eps, wdtype)
+        return ops.gated_residual(x_RlC, self.ffn(y_RlC), g2)
 
 
 class VARTransformer(ModelMixin, ConfigMixin):
