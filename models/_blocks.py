@@ -81,10 +81,19 @@ class ElementwiseOps:
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
-        fns = dict(modulate=modulate, qk_normalize=qk_normalize, qk_normalize_store=qk_normalize_store,
-                   gated_residual=gated_residual, residual_modulate=residual_modulate)
+        fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
+                   residual_modulate=residual_modulate)
         for name, fn in fns.items():
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
+        # Compiling the cache write into the norm produced four kernels instead of one on an H100
+        # (torch 2.11): keep the compiled norm and let two plain copies write the cache.
+        self.qk_normalize_store = self._norm_then_store if compiled else qk_normalize_store
+
+    def _norm_then_store(self, qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld):
+        qk_Rl2Hd = self.qk_normalize(qkv_Rl3Hd[:, :, :2], mult_2H1)
+        k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))
+        v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+        return qk_Rl2Hd[:, :, 0].transpose(1, 2)
 
 
 EAGER_OPS = ElementwiseOps(compiled=False)
