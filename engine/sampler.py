@@ -74,6 +74,8 @@ class _GraphRunner:
 
     def run(self, si: int, fn: Callable[[], torch.Tensor], kv) -> torch.Tensor:
         entry = self.ws.graphs.get(si)
+        if entry is None and kv.masked:
+            return None
         if entry is None:
             before = list(kv.lengths)
             stream = self.stream
@@ -89,7 +91,8 @@ class _GraphRunner:
             self.ws.graphs[si] = entry
             kv.lengths = list(before)                  # capture recorded work but ran none of it
         graph, out, before, after = entry
-        assert kv.lengths == before, "KV cache state differs from the captured one"
+        if kv.lengths != before or kv.masked:
+            return None                                # a policy changed the cache earlier: run eagerly
         graph.replay()
         kv.lengths = list(after)
         return out
@@ -135,14 +138,15 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True))
                 continue
             run.plan = plan
+            run.tokens_computed = None
             if plan.cond_only and run.cfg_active:
                 adapter.drop_uncond(run)
                 run.cfg_active = False
             timer.start(si)
-            if graphs is not None and plan.dense and run.cfg_active and not policies.touches_layers \
-                    and not policies.active["post_hidden"]:
+            logits = None
+            if graphs is not None and plan.dense and run.cfg_active and not policies.uses_model_hooks(si, run):
                 logits = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
-            else:
+            if logits is None:
                 logits = adapter.compute_scale(si, plan, run)
             guided = adapter.guide(si, logits, run)
             codes = adapter.sample(si, guided, run)
@@ -151,7 +155,14 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             adapter.accumulate(si, residual, run)
             policies.after_scale(si, guided, run)
             timer.stop(si)
-            n = h * w if plan.token_index is None else int(plan.token_index.shape[-1])
+            if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
+                n = run.tokens_computed
+            elif plan.token_index is None:
+                n = h * w
+            elif plan.token_valid is not None:            # padded batch: count each image's own tokens
+                n = float(plan.token_valid.sum()) / batch_size
+            else:
+                n = int(plan.token_index.shape[-1])
             run.stats.scales.append(ScaleStats(si, h, w, h * w, n))
             if callback is not None:
                 callback(si, {"codes": codes, "logits": guided, "latent": adapter.latent(run)})

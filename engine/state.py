@@ -38,7 +38,7 @@ class ScaleStats:
     h: int
     w: int
     tokens: int
-    tokens_computed: int
+    tokens_computed: float
     ms: float = float("nan")
     skipped: bool = False
 
@@ -103,6 +103,7 @@ class RunState:
     model_state: dict[str, Any] = field(default_factory=dict)
     policy_state: dict[str, Any] = field(default_factory=dict)
     workspace: Optional[Any] = None
+    tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

@@ -83,7 +83,9 @@ class VARSelfAttention(nn.Module):
         return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
     def forward(self, x_RlC: torch.Tensor, ctx: Optional["_LayerCall"] = None,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None, idx_Rn: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of tokens ``x_RlC``; during generation their K/V join the cache first.
+        ``idx_Rn`` says which of the layer's current tokens these are, when a policy runs a subset."""
         R, l, C = x_RlC.shape
         H, d = self.num_heads, self.head_dim
         ops = ctx.ops if ctx is not None else EAGER_OPS
@@ -96,9 +98,11 @@ class VARSelfAttention(nn.Module):
             q, k = qk_Rl2Hd[:, :, 0].transpose(1, 2), qk_Rl2Hd[:, :, 1].transpose(1, 2)  # (R, H, l, d) views
             v = qkv_Rl3Hd[:, :, 2].transpose(1, 2)
         else:
-            k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, ctx.pos_l)                 # this scale's cache slots
+            pos, valid = ctx.positions(idx_Rn)
+            k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos, valid)                # this scale's cache slots
             q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
             k, v = ctx.kv.view(ctx.layer)
+            attn_mask = ctx.kv.key_mask(ctx.layer)
             if ctx.run.policies.active["attention"]:
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
@@ -108,15 +112,26 @@ class VARSelfAttention(nn.Module):
 
 
 class _LayerCall:
-    """Where a block runs during generation: KV cache, scale, layer, positions, the run, the
-    elementwise ops (eager or compiled) and the layer's per-image constants."""
+    """Where a block runs during generation: KV cache, scale, layer, the run, the elementwise ops
+    (eager or compiled), the layer's per-image constants, and the absolute positions (``pos``:
+    (l,) or (R, l)) and key validity (``valid_Rl``, None = all valid) of the tokens it runs on."""
 
-    __slots__ = ("kv", "si", "layer", "pos_l", "run", "ops", "qkv_bias", "qk_mult")
+    __slots__ = ("kv", "si", "layer", "run", "ops", "qkv_bias", "qk_mult", "pos", "valid_Rl", "record")
 
-    def __init__(self, kv: KVCache, si: int, layer: int, pos_l: Optional[torch.Tensor], run: RunState,
-                 ops: ElementwiseOps, qkv_bias: torch.Tensor, qk_mult: torch.Tensor):
-        self.kv, self.si, self.layer, self.pos_l, self.run = kv, si, layer, pos_l, run
-        self.ops, self.qkv_bias, self.qk_mult = ops, qkv_bias, qk_mult
+    def __init__(self, kv: KVCache, si: int, layer: int, run: RunState, ops: ElementwiseOps,
+                 qkv_bias: torch.Tensor, qk_mult: torch.Tensor, pos: torch.Tensor,
+                 valid_Rl: Optional[torch.Tensor], record: bool):
+        self.kv, self.si, self.layer, self.run, self.ops = kv, si, layer, run, ops
+        self.qkv_bias, self.qk_mult, self.pos, self.valid_Rl, self.record = qkv_bias, qk_mult, pos, valid_Rl, record
+
+    def positions(self, idx_Rn: Optional[torch.Tensor]):
+        """(positions to record or None, validity or None) for a write of these tokens (or a subset)."""
+        if idx_Rn is None:
+            return (self.pos if self.record else None), self.valid_Rl
+        R = idx_Rn.shape[0]
+        pos_Rn = self.pos.expand(R, -1).gather(1, idx_Rn)
+        valid = self.valid_Rl.gather(1, idx_Rn) if self.valid_Rl is not None else None
+        return pos_Rn, valid
 
 
 class VARBlock(nn.Module):
@@ -150,8 +165,11 @@ class VARBlock(nn.Module):
         ops = ctx.ops if ctx is not None else EAGER_OPS
         eps = self.norm_eps
 
-        def attn_branch(y):
-            return self.attn(y, ctx, attn_mask)
+        def attn_branch(y, idx_Rn=None):
+            return self.attn(y, ctx, attn_mask, idx_Rn)
+
+        def ffn_branch(y, idx_Rn=None):
+            return self.ffn(y)
 
         def modulate(x, mul, shift):
             return ops.modulate(x, mul, shift, eps, wdtype)
@@ -161,7 +179,7 @@ class VARBlock(nn.Module):
             x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), m1, b1, g1,
                                                  attn_branch, modulate, ops.gated_residual), x_RlC, run)
             return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), m2, b2, g2,
-                                                self.ffn, modulate, ops.gated_residual), x_RlC, run)
+                                                ffn_branch, modulate, ops.gated_residual), x_RlC, run)
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1, m2, b2, eps, wdtype)
         return ops.gated_residual(x_RlC, self.ffn(y_RlC), g2)
 
@@ -380,20 +398,26 @@ class VARAdapter:
         ws, R, B = run.workspace, run.rows, run.batch_size
         stack = run.policies
         x0_RLC = self.stage_input(si, run)
-        start = self.schedule.offsets[si]
-        idx_Rn = None
+        start, L = self.schedule.offsets[si], x0_RLC.shape[1]
+        kv = ws.kv
+        idx_Rn, valid_Rn = None, None
         if plan.token_index is not None:
             idx_Bn = plan.token_index.to(self.device, torch.long)
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
-            pos_l = idx_Bn[0] + start if B == 1 else None
+            pos, record = idx_Rn + start, True
+            if plan.token_valid is not None:
+                valid_Rn = plan.token_valid.to(self.device).repeat(R // B, 1)
         else:
             x_RlC = x0_RLC
-            pos_l = ws.positions_L[start:start + x0_RLC.shape[1]]
+            pos = ws.positions_L[start:start + L]
+            record = len(set(kv.lengths)) > 1          # layers out of step (per-layer pruning): record per layer
+            if not record:
+                kv.record_positions(kv.lengths[0], pos)
         observe = stack.active["observe"]
         for i, blk in enumerate(self.transformer.blocks):
             x_in = x_RlC
-            call = _LayerCall(ws.kv, si, i, pos_l, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i])
+            call = _LayerCall(kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
             x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)

@@ -29,11 +29,14 @@ class ScalePlan:
     token_index: (B, n) int64 positions (row-major, inside this scale) of the tokens to run through
                  the transformer, shared by the conditional and unconditional rows of an image;
                  None runs every token. Tokens not listed keep their stage input as hidden state.
+    token_valid: (B, n) bool, False for padding entries when images keep different counts (pad
+                 entries repeat one of the image's kept tokens; their keys are masked out).
     cond_only:   from this scale on, drop the unconditional CFG half (guidance off).
     """
 
     skip: bool = False
     token_index: Optional[torch.Tensor] = None
+    token_valid: Optional[torch.Tensor] = None
     cond_only: bool = False
 
     @property
@@ -72,12 +75,15 @@ class SubLayer:
         """The branch input for tokens ``x_RlC`` (rows must match ``mul``/``shift``)."""
         return self._modulate(x_RlC, self.mul, self.shift)
 
-    def residual(self, x_RlC: torch.Tensor) -> torch.Tensor:
-        """The gated branch output (float32, without the skip connection)."""
-        return self.branch(self.modulate(x_RlC)).float() * self.gate
+    def residual(self, x_RlC: torch.Tensor, idx_Rn: Optional[torch.Tensor] = None,
+                 gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gated branch output (float32, without the skip connection). For a token subset pass
+        its indices ``idx_Rn`` into the layer's current tokens (attention records their positions)."""
+        out = self.branch(self.modulate(x_RlC), idx_Rn).float()
+        return out * (self.gate if gate is None else gate)
 
     def __call__(self, x_RlC: torch.Tensor) -> torch.Tensor:
-        return self._add(x_RlC, self.branch(self.modulate(x_RlC)), self.gate)
+        return self._add(x_RlC, self.branch(self.modulate(x_RlC), None), self.gate)
 
 
 class Policy:
@@ -98,6 +104,12 @@ class Policy:
 
     def plan_scale(self, si: int, run: "RunState") -> Optional[ScalePlan]:
         return None
+
+    def uses_model_hooks(self, si: int, run: "RunState") -> bool:
+        """Whether this policy needs the in-model hooks (wrap_sublayer, observe, attention,
+        post_hidden) at scale ``si``. Scales where no policy does may be replayed from a CUDA
+        graph. Default: at every scale, if the policy overrides any of them."""
+        return any(_overrides(self, h) for h in _MODEL_HOOKS)
 
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run: "RunState") -> torch.Tensor:
         return sub(x_RlC)
@@ -123,6 +135,7 @@ class Policy:
         """Store what the next scale needs (maps, logits)."""
 
 
+_MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
 _HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
 
 
@@ -151,8 +164,6 @@ class PolicyStack:
 
     def _refresh(self) -> None:
         self.active = {h: tuple(p for p in self.policies if _overrides(p, h)) for h in _HOOKS}
-        self.touches_layers = bool(self.active["wrap_sublayer"] or self.active["observe"]
-                                   or self.active["attention"])
 
     def with_policy(self, policy: Policy) -> "PolicyStack":
         new = PolicyStack(self.policies)
@@ -189,10 +200,13 @@ class PolicyStack:
             if q.token_index is not None and plan.token_index is not None:
                 raise ValueError(f"two policies chose a token subset at scale {si}; "
                                  f"disable one of {[x.name for x in self.active['plan_scale']]}")
-            plan = ScalePlan(skip=plan.skip or q.skip,
-                             token_index=q.token_index if q.token_index is not None else plan.token_index,
-                             cond_only=plan.cond_only or q.cond_only)
+            subset = q if q.token_index is not None else plan
+            plan = ScalePlan(skip=plan.skip or q.skip, token_index=subset.token_index,
+                             token_valid=subset.token_valid, cond_only=plan.cond_only or q.cond_only)
         return plan
+
+    def uses_model_hooks(self, si: int, run) -> bool:
+        return any(p.uses_model_hooks(si, run) for p in self.policies)
 
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run) -> torch.Tensor:
         wrappers = self.active["wrap_sublayer"]

@@ -289,8 +289,8 @@ def test_policy_stack_bookkeeping():
     assert len(stack) == 2 and [p.name for p in stack] == ["a", "recorder"]
     assert stack.get("recorder").name == "recorder" and stack.get("zzz") is None
     assert stack.active["plan_scale"] == (stack.get("recorder"),)   # Named overrides no hook
-    assert stack.touches_layers
-    assert not PolicyStack([Named("a")]).touches_layers
+    assert stack.uses_model_hooks(0, None)
+    assert not PolicyStack([Named("a")]).uses_model_hooks(0, None)
     assert len(stack.without("recorder")) == 1 and len(stack) == 2  # without() returns a new stack
 
 
@@ -385,7 +385,8 @@ def test_kv_cache_append_and_keep_rows():
     k, v = kv.append(0, k2, v2, torch.tensor([7, 9]))
     assert torch.equal(k, torch.cat((k1, k2), dim=2)) and torch.equal(v, torch.cat((v1, v2), dim=2))
     assert kv.lengths == [5, 0]                                     # each layer has its own fill
-    assert kv.pos_NT[0, :5].tolist() == [0, 1, 2, 7, 9]
+    assert kv.pos_NRT[0, :, :5].tolist() == [[0, 1, 2, 7, 9]] * 4       # recorded for every row
+    assert kv.key_mask(0) is None                                   # no padding, no mask
     assert kv.view(1)[0].shape == (4, 2, 0, 3)
     ptr = kv.k_NRHTd.data_ptr()
 
@@ -399,10 +400,16 @@ def test_kv_cache_append_and_keep_rows():
     with pytest.raises(ValueError, match=r"cannot keep 0 of 2 cache rows"):
         kv.keep_rows(0)
 
+    # a padded write: row 1 holds one padding slot, masked out of attention from then on
+    kv.append(1, torch.randn(2, 2, 2, 3), torch.randn(2, 2, 2, 3), torch.tensor([[3, 4], [3, 3]]),
+              torch.tensor([[True, True], [True, False]]))
+    assert kv.masked and kv.key_mask(1)[:, 0, 0].tolist() == [[True, True], [True, False]]
+    assert kv.key_mask(0)[:, 0, 0].all()                           # other layers: everything valid
+
     kv.reset()
-    assert kv.lengths == [0, 0] and kv.rows == 4
+    assert kv.lengths == [0, 0] and kv.rows == 4 and not kv.masked
     assert kv.k_NRHTd.data_ptr() == ptr                              # buffers keep their address
-    assert kv.nbytes() == 2 * (2 * 4 * 2 * 10 * 3 * 4) + 2 * 10 * 8
+    assert kv.nbytes() == 2 * (2 * 4 * 2 * 10 * 3 * 4) + 2 * 4 * 10 * 8      # k, v (fp32) + positions per row (int64)
 
 
 # ---- sampling -----------------------------------------------------------------------------------------------------
