@@ -8,7 +8,8 @@ from __future__ import annotations
 from .engine import GenerationStats, SamplingSettings, ScaleSchedule
 from .models import MultiScaleVQVAE, VARTransformer, load_var_transformer, load_var_vqvae
 from .pipelines import VARPipeline, VARPipelineOutput
-from .policies import Policy, PolicyStack, ScalePlan
+from .policies import (FastVARConfig, Policy, PolicyStack, ScalePlan, ScaleSkipConfig, SparseVARConfig,
+                       FASTVAR_PRESETS, SPARSEVAR_PRESETS)
 
 # diffusers resolves saved components by looking up its loading base classes on the library module
 # named in model_index.json ("sparsevar"); exposing them here keeps such folders loadable by
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVAE", "load_var_transformer",
            "load_var_vqvae", "GenerationStats", "SamplingSettings", "ScaleSchedule", "Policy", "PolicyStack",
-           "ScalePlan", "__version__"]
+           "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SPARSEVAR_PRESETS",
+           "FASTVAR_PRESETS", "__version__"]
 
 
 def _inside_comfyui() -> bool:

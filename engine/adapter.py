@@ -11,7 +11,7 @@ import torch
 
 from ..policies.base import ScalePlan
 from .schedule import ScaleSchedule
-from .state import RunState
+from .state import ModelInfo, RunState
 
 
 class ModelAdapter(Protocol):
@@ -19,6 +19,9 @@ class ModelAdapter(Protocol):
     schedule: ScaleSchedule
     num_layers: int
     supports_cuda_graphs: bool
+
+    def model_info(self) -> ModelInfo:
+        """Family, schedule and layer topology (what policies validate their settings against)."""
 
     def begin(self, run: RunState, conditioning: Any) -> None:
         """Set up a generation: conditioning rows ([cond; uncond]), hoisted per-image projections,

@@ -117,13 +117,13 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         exception (e.g. an interrupt raised by ``callback``) the workspace is always released.
     """
     policies = policies if policies is not None else PolicyStack()
-    run = RunState(schedule=adapter.schedule, batch_size=batch_size, settings=settings,
+    run = RunState(schedule=adapter.schedule, batch_size=batch_size, settings=settings, info=adapter.model_info(),
                    generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
     use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
     ok = False
     try:
+        policies.validate(run.info)
         adapter.begin(run, conditioning)
-        policies.validate(run)
         policies.begin(run)
         timer = _ScaleTimer(run.device)
         graphs = _GraphRunner(run.workspace, adapter) if use_graphs else None

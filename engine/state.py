@@ -14,6 +14,25 @@ GeneratorArg = Union[torch.Generator, list, None]
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What policies may know about a model to validate their settings against it.
+
+    layer_groups: number of block groups (Infinity's chunks); 0 when the family has none.
+    sublayers: the residual branches of one layer, in order (Infinity adds "cross_attn").
+    """
+
+    family: str
+    schedule: ScaleSchedule
+    num_layers: int
+    layer_groups: int = 0
+    sublayers: tuple = ("self_attn", "ffn")
+
+    @property
+    def layers_per_group(self) -> int:
+        return self.num_layers // self.layer_groups if self.layer_groups else 1
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """How codes are drawn at every scale.
 
@@ -51,6 +70,8 @@ class ScaleStats:
 class GenerationStats:
     scales: list[ScaleStats] = field(default_factory=list)
     decode_ms: float = float("nan")
+    # per pruned scale, (B, h, w) uint8 token roles (policies/sparsevar.py TOKEN_* codes), for sparsevar.viz
+    token_maps: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -93,6 +114,7 @@ class RunState:
     schedule: ScaleSchedule
     batch_size: int
     settings: SamplingSettings
+    info: ModelInfo
     generator: GeneratorArg
     policies: PolicyStack
     device: torch.device

@@ -30,7 +30,7 @@ from diffusers.configuration_utils import register_to_config
 from ..engine.kv_cache import KVCache
 from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
-from ..engine.state import RunState
+from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
@@ -351,6 +351,9 @@ class VARAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return self.transformer.head.weight.dtype
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers, layer_groups=0)
 
     def release(self) -> None:
         """Free every workspace (KV caches, CUDA graphs)."""

@@ -24,6 +24,9 @@ from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
 from ..policies.base import Policy, PolicyStack
+from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
+from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
@@ -218,13 +221,54 @@ class VARPipeline(DiffusionPipeline):
         return self._policies
 
     def add_policy(self, policy: Policy) -> "VARPipeline":
-        """Stack an acceleration policy (raises ValueError when it cannot be combined)."""
-        self._policies = self._policies.with_policy(policy)
+        """Stack an acceleration policy. Its settings are checked against this model now; a policy
+        of the same name is replaced; one that cannot be combined raises a ValueError naming what
+        to disable."""
+        policy.validate(self.adapter().model_info())
+        self._policies = self._policies.without(policy.name).with_policy(policy)
         return self
 
     def remove_policy(self, name: str) -> "VARPipeline":
         self._policies = self._policies.without(name)
         return self
+
+    @staticmethod
+    def _config(config, cls, presets: dict, family: str, overrides: dict, method: str):
+        if config is None:
+            config = presets.get(family, cls())
+        elif not isinstance(config, cls):
+            raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
+        return _replace(config, overrides) if overrides else config
+
+    def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides) -> "VARPipeline":
+        """Frequency-aware token exclusion with anchors. ``config`` defaults to the family preset
+        (``SPARSEVAR_PRESETS``); keyword overrides change single fields, e.g. ``tau=0.5`` or
+        ``keep_ratio=0.3``. Cannot be combined with FastVAR."""
+        cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, "var", overrides, "enable_sparsevar")
+        return self.add_policy(SparseVARPolicy(cfg))
+
+    def disable_sparsevar(self) -> "VARPipeline":
+        return self.remove_policy(SparseVARPolicy.name)
+
+    def enable_fastvar(self, config: Optional[FastVARConfig] = None, **overrides) -> "VARPipeline":
+        """Cached token pruning at the last scales. ``config`` defaults to the family preset
+        (``FASTVAR_PRESETS``); e.g. ``ratios=(0.5, 0.75)``. Cannot be combined with SparseVAR."""
+        cfg = self._config(config, FastVARConfig, FASTVAR_PRESETS, "var", overrides, "enable_fastvar")
+        return self.add_policy(FastVARPolicy(cfg))
+
+    def disable_fastvar(self) -> "VARPipeline":
+        return self.remove_policy(FastVARPolicy.name)
+
+    def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
+                          cond_only_from: Optional[int] = None) -> "VARPipeline":
+        """Skip the last ``skip_last`` scales and/or run scales from ``cond_only_from`` (negative =
+        from the end) without the unconditional half. Combines with SparseVAR or FastVAR."""
+        overrides = {k: v for k, v in (("skip_last", skip_last), ("cond_only_from", cond_only_from)) if v is not None}
+        cfg = self._config(config, ScaleSkipConfig, {}, "var", overrides, "enable_scale_skip")
+        return self.add_policy(ScaleSkipPolicy(cfg))
+
+    def disable_scale_skip(self) -> "VARPipeline":
+        return self.remove_policy(ScaleSkipPolicy.name)
 
     # ---- diffusers-style properties ----------------------------------------------------------------
     @property

@@ -1,4 +1,10 @@
 """Acceleration methods as policies over the staged sampler (one file per method)."""
 from .base import DENSE, Policy, PolicyStack, ScalePlan, SubLayer, SubLayerContext
+from .fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
+from .scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from .sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
 
-__all__ = ["Policy", "PolicyStack", "ScalePlan", "SubLayer", "SubLayerContext", "DENSE"]
+__all__ = ["Policy", "PolicyStack", "ScalePlan", "SubLayer", "SubLayerContext", "DENSE",
+           "SparseVARConfig", "SparseVARPolicy", "SPARSEVAR_PRESETS",
+           "FastVARConfig", "FastVARPolicy", "FASTVAR_PRESETS",
+           "ScaleSkipConfig", "ScaleSkipPolicy"]

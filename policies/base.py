@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine.state import RunState
+    from ..engine.state import ModelInfo, RunState
 
 SUBLAYER_KINDS = ("self_attn", "cross_attn", "ffn")
 
@@ -96,8 +96,10 @@ class Policy:
     name: str = "policy"
     incompatible: tuple[str, ...] = ()
 
-    def validate(self, run: "RunState") -> None:
-        """Check the settings against this generation's model and schedule (raise ValueError)."""
+    def validate(self, info: "ModelInfo") -> None:
+        """Check the settings against the model (family, schedule, layers); raise ValueError naming
+        the setting, its value and the valid range for this model. Called when the policy is
+        enabled on a pipeline and again at every generation."""
 
     def begin(self, run: "RunState") -> None:
         """A generation starts; per-run state goes into ``run.policy_state[self.name]``."""
@@ -183,9 +185,9 @@ class PolicyStack:
         return iter(self.policies)
 
     # ---- hook dispatch -------------------------------------------------------------------------
-    def validate(self, run) -> None:
+    def validate(self, info) -> None:
         for p in self.policies:
-            p.validate(run)
+            p.validate(info)
 
     def begin(self, run) -> None:
         for p in self.policies:

@@ -57,8 +57,9 @@ class Recorder(Policy):
     def _shape(self, hook, t):
         self.shapes.setdefault(hook, []).append(tuple(t.shape))
 
-    def validate(self, run):
-        self.calls.append(("validate", run.si))
+    def validate(self, info):
+        assert info.family == "var" and info.num_layers >= 1 and info.schedule.num_scales >= 1
+        self.calls.append(("validate", -1))
 
     def begin(self, run):
         self.calls.append(("begin", run.si))

@@ -1,0 +1,156 @@
+"""FastVAR: cached token pruning (arXiv 2503.23367, ICCV'25; research/accel.md §3).
+
+At the last scales every self-attention / cross-attention / FFN sub-layer of the pruned layers runs
+only on its "pivotal" tokens — those farthest from the per-row spatial mean of the residual
+stream (a cheap high-frequency proxy), chosen afresh before each sub-layer and per batch row. The
+other tokens receive the same sub-layer's gated output cached at the last unpruned scale,
+area-upsampled. Pruned tokens add no K/V to that layer's cache. A ratio of 1.0 skips the scale.
+
+Scales are keyed by their index counted from the end, so a schedule works at every resolution and
+aspect ratio (the official code keys on map widths and silently does nothing on non-square maps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import Policy, ScalePlan, SubLayer
+
+
+@dataclass(frozen=True)
+class FastVARConfig:
+    """FastVAR settings. Defaults per model family: :data:`FASTVAR_PRESETS`.
+
+    ratios: prune ratio of each of the last ``len(ratios)`` scales, earliest first, each in [0, 1]:
+        the fraction of tokens a pruned sub-layer leaves out (0 = none, the neutral setting; 1.0 =
+        the whole scale is skipped, allowed only on a final run of scales). The scale just before
+        the first pruned one is the cache scale. Infinity-2B 1024²: (0.4, 0.5, 1.0, 1.0); HART:
+        (0.5, 0.75). Higher ratios: more speed, blurrier detail.
+    layer_range: (first, last) layer indices, inclusive, that prune; None = every layer. The
+        official Infinity-2B setting prunes layers 3..27 of 32 and runs the rest dense.
+    """
+
+    ratios: tuple = (0.5, 0.75)
+    layer_range: Optional[tuple] = None
+
+    def __post_init__(self):
+        ratios = tuple(self.ratios)
+        object.__setattr__(self, "ratios", ratios)
+        if not ratios:
+            raise ValueError("ratios is empty: give the prune ratio of at least one final scale, e.g. (0.5, 0.75)")
+        for r in ratios:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+                raise ValueError(f"every prune ratio must be in [0, 1] (1.0 skips the scale), got {r!r} in {ratios}")
+        ones = [r == 1.0 for r in ratios]
+        if any(ones) and not all(ones[ones.index(True):]):
+            raise ValueError(f"ratios={ratios}: 1.0 (skip the scale) is allowed only on the final scales, since a "
+                             f"skipped scale ends generation; e.g. (0.4, 0.5, 1.0, 1.0)")
+        if self.layer_range is not None:
+            lr = tuple(self.layer_range)
+            if len(lr) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in lr) or lr[0] > lr[1]:
+                raise ValueError(f"layer_range must be (first, last) ints with first <= last, or None; "
+                                 f"got {self.layer_range!r}")
+            object.__setattr__(self, "layer_range", lr)
+
+    @property
+    def neutral(self) -> bool:
+        return all(r == 0.0 for r in self.ratios)
+
+
+FASTVAR_PRESETS: dict[str, FastVARConfig] = {
+    "infinity-2b": FastVARConfig(ratios=(0.4, 0.5, 1.0, 1.0), layer_range=(3, 27)),
+    "hart": FastVARConfig(ratios=(0.5, 0.75)),
+    # VAR: no published schedule; accel.md §9.4's starting point (cache 10×10, prune 13×13 at 50 %
+    # and 16×16 at 75 % at 256 px) — the same positions from the end at every resolution.
+    "var": FastVARConfig(ratios=(0.5, 0.75)),
+}
+
+
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
+    """(R, keep) positions, ascending, of the tokens farthest (squared L2) from their row's mean."""
+    score_RL = (x_RLC.float() - x_RLC.float().mean(dim=1, keepdim=True)).pow(2).sum(dim=-1)
+    return score_RL.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+class FastVARPolicy(Policy):
+    name = "fastvar"
+    incompatible = ("sparsevar",)
+
+    def __init__(self, config: FastVARConfig = FastVARConfig()):
+        self.config = config
+
+    def validate(self, info) -> None:
+        S, N = info.schedule.num_scales, info.num_layers
+        if len(self.config.ratios) > S - 1:
+            raise ValueError(f"ratios has {len(self.config.ratios)} entries, but this model has {S} scales and one "
+                             f"must stay unpruned as the cache scale: give at most {S - 1}")
+        lr = self.config.layer_range
+        if lr is not None and not (0 <= lr[0] and lr[1] < N):
+            raise ValueError(f"layer_range={lr} is outside this model's layers: use indices 0..{N - 1}")
+
+    def _ratio(self, si: int, run) -> Optional[float]:
+        k = run.schedule.from_end(si)
+        n = len(self.config.ratios)
+        return self.config.ratios[n - 1 - k] if k < n else None
+
+    def begin(self, run) -> None:
+        cache_si = run.schedule.num_scales - len(self.config.ratios) - 1
+        run.policy_state[self.name] = {"cache_si": cache_si, "cache": {}, "tokens": 0.0, "calls": 0}
+
+    def uses_model_hooks(self, si: int, run) -> bool:
+        if self.config.neutral:
+            return False
+        st = run.policy_state[self.name]
+        r = self._ratio(si, run)
+        return si == st["cache_si"] or (r is not None and r > 0.0)
+
+    def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
+        return ScalePlan(skip=True) if self._ratio(si, run) == 1.0 else None
+
+    def _in_range(self, layer: int) -> bool:
+        lr = self.config.layer_range
+        return lr is None or lr[0] <= layer <= lr[1]
+
+    def wrap_sublayer(self, sub: SubLayer, x_RLC: torch.Tensor, run) -> torch.Tensor:
+        c = self.config
+        if c.neutral or not self._in_range(sub.ctx.layer):
+            return sub(x_RLC)
+        st = run.policy_state[self.name]
+        si = sub.ctx.si
+        key = (sub.ctx.layer, sub.ctx.kind)
+        R, L, C = x_RLC.shape
+        if si == st["cache_si"]:                       # remember every gated branch output
+            out_RLC = sub.residual(x_RLC)
+            st["cache"][key] = (out_RLC, run.schedule.hw[si])
+            return x_RLC + out_RLC
+        r = self._ratio(si, run)
+        if r is None or r == 0.0:
+            return sub(x_RLC)
+        keep = L - math.floor(L * r)
+        idx_Rn = pivotal_tokens(x_RLC, keep)
+        x_RnC = x_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(R, keep, C))
+        fresh_RnC = sub.residual(x_RnC, idx_Rn)
+        cached_RLC, (hc, wc) = st["cache"][key]
+        h, w = run.schedule.hw[si]
+        cached = cached_RLC[:R].transpose(1, 2).reshape(R, C, hc, wc)                 # (R, hw, C) → (R, C, h, w)
+        update_RLC = F.interpolate(cached, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)
+        update_RLC = update_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(R, keep, C), fresh_RnC)
+        st["tokens"] += keep
+        st["calls"] += 1
+        return x_RLC + update_RLC
+
+    def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
+        st = run.policy_state[self.name]
+        if st["calls"]:
+            # tokens per sub-layer, averaged over every sub-layer of the model (dense ones count in full)
+            h, w = run.schedule.hw[si]
+            n_sub = len(run.info.sublayers) * run.info.num_layers
+            dense_calls = n_sub - st["calls"]
+            run.tokens_computed = (st["tokens"] + dense_calls * h * w) / n_sub
+        st["tokens"], st["calls"] = 0.0, 0
+        if si == st["cache_si"] + len(self.config.ratios):
+            st["cache"].clear()

@@ -1,0 +1,328 @@
+"""SparseVAR: frequency-aware token exclusion with anchor tokens (arXiv 2507.20454, ICCV'25).
+
+From the start scale P on, tokens in low-frequency regions are not run through the transformer.
+Which ones is read off how much one block (or block group) s changed each token at the previous
+scale: the per-token MSE between its input and output, averaged over the CFG halves, upsampled to
+this scale. Tokens whose change is at most ``tau`` × the image's maximum are excluded; exclusion
+accumulates (an excluded token's change is 0, so its region stays excluded). An alpha-strided grid
+of anchor tokens (last row and column included) is always computed. After the kept tokens ran,
+every excluded token takes the final hidden state of the most similar anchor of its grid cell when
+the cosine similarity of their previous-scale guided logits is ≥ ``beta``; otherwise its residual
+at this scale is zero. Research notes: research/accel.md §2.
+
+Differences from the only public re-implementation (accel.md §2.9), all deliberate: logits are
+permuted before they are reshaped to a map; ``beta`` is honoured; anchors are always in the kept
+set; zeroing works for any batch and code width; every image keeps its own token set (padding with
+a key mask, never truncation); no discarded probe computations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import Policy, ScalePlan
+from .scale_skip import resolve_scale_index
+
+# token roles in the maps stored for visualisation (GenerationStats.token_maps)
+TOKEN_EXCLUDED = 0        # not computed, zero residual at this scale
+TOKEN_COPIED = 1          # not computed, hidden state copied from its anchor
+TOKEN_KEPT = 2            # computed (high-frequency)
+TOKEN_ANCHOR = 3          # computed (anchor grid)
+
+INTERPOLATIONS = ("nearest", "bilinear")
+
+
+@dataclass(frozen=True)
+class SparseVARConfig:
+    """SparseVAR settings. Defaults per model family: :data:`SPARSEVAR_PRESETS`.
+
+    tau: relative change threshold in [0, 1). A token is excluded when its upsampled change at the
+        observed block is ≤ tau × the image's largest change. Higher → fewer tokens computed, more
+        speed, less detail. 0 keeps every token that changed at all (the neutral setting).
+        Paper/re-implementation: 0.6.
+    start_scale: first scale with exclusion, 0-based; negative counts from the end (-3 = third
+        scale from the end), which keeps a preset valid at every resolution. Needs a previous scale.
+        Infinity-2B 1024²: 40×40 = -3.
+    block: index of the observed layer (``granularity="layer"``) or block group ("group", Infinity's
+        chunks); None = the family preset (VAR: the layer at 2/3 of the depth).
+    granularity: "layer" or "group".
+    alpha: anchor stride in tokens (≥ 1): rows and columns 0, α, 2α, … and the last. Smaller →
+        more anchors computed, better copies, less speed. Paper: 4.
+    beta: cosine-similarity threshold in [0, 1] for copying an anchor's hidden state; below it the
+        excluded token contributes nothing at this scale. Re-implementation: 0.8 (0.99 declared).
+    interpolation: how the change map and logits are upsampled to the next scale: "nearest"
+        (keeps exclusion exact across integer ratios; the re-implementation) or "bilinear".
+    keep_ratio: instead of the tau rule, keep this fraction of each scale's tokens (anchors
+        count towards it; at least the anchors are kept), so the speed-up is predictable and every
+        image of a batch keeps the same count. In (0, 1]; None uses tau.
+    """
+
+    tau: float = 0.6
+    start_scale: int = -3
+    block: Optional[int] = None
+    granularity: str = "layer"
+    alpha: int = 4
+    beta: float = 0.8
+    interpolation: str = "nearest"
+    keep_ratio: Optional[float] = None
+
+    def __post_init__(self):
+        _number(self.tau, "tau")
+        if not 0.0 <= self.tau < 1.0:
+            raise ValueError(f"tau must be in [0, 1) (0 = keep every token that changes), got {self.tau}")
+        _number(self.beta, "beta")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1] (cosine similarity for copying an anchor), got {self.beta}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int) or self.alpha < 1:
+            raise ValueError(f"alpha must be an int >= 1 (anchor stride in tokens), got {self.alpha!r}")
+        if self.granularity not in ("layer", "group"):
+            raise ValueError(f"granularity must be 'layer' or 'group', got {self.granularity!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
+        if self.keep_ratio is not None:
+            _number(self.keep_ratio, "keep_ratio")
+            if not 0.0 < self.keep_ratio <= 1.0:
+                raise ValueError(f"keep_ratio must be in (0, 1] (fraction of tokens computed) or None, "
+                                 f"got {self.keep_ratio}")
+        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int)):
+            raise ValueError(f"block must be an int index or None (family default), got {self.block!r}")
+        if isinstance(self.start_scale, bool) or not isinstance(self.start_scale, int):
+            raise ValueError(f"start_scale must be an int scale index, got {self.start_scale!r}")
+
+    @property
+    def neutral(self) -> bool:
+        return self.tau == 0.0 and self.keep_ratio in (None, 1.0)
+
+
+def _number(v, name):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+
+
+# One registry of defaults, per model family (the ComfyUI settings node reads the same).
+SPARSEVAR_PRESETS: dict[str, SparseVARConfig] = {
+    # Infinity-2B (paper / re-implementation): group 3 of 8, first pruned scale 40×40 of 13.
+    "infinity-2b": SparseVARConfig(tau=0.6, start_scale=-3, block=3, granularity="group", alpha=4, beta=0.8),
+    # HART-0.7B: paper block 16 (a layer; HART has no groups), last three scales.
+    "hart": SparseVARConfig(tau=0.6, start_scale=-3, block=16, granularity="layer", alpha=4, beta=0.8),
+    # VAR (class-conditional; no published setting). The last two scales (13×13, 16×16 at 256 px)
+    # hold 63 % of the FLOPs, and earlier ones are too small for a 4-stride anchor grid to leave
+    # anything out, so exclusion starts at the second-to-last scale; the observed layer sits at 2/3
+    # of the depth (accel.md §9.4). Not yet tuned by measurement: random-weight models give no
+    # quality signal, so this is re-checked with the trained demo model's quality harness.
+    "var": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=0.8),
+}
+
+
+def anchor_mask(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
+    """(h, w) bool: rows and columns 0, α, 2α, … plus the last row / column."""
+    rows = torch.zeros(h, dtype=torch.bool, device=device)
+    cols = torch.zeros(w, dtype=torch.bool, device=device)
+    rows[::alpha] = True
+    rows[-1] = True
+    cols[::alpha] = True
+    cols[-1] = True
+    return rows[:, None] & cols[None, :]
+
+
+def anchor_candidates(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
+    """(h·w, 4) token indices of the anchors at the corners of each token's anchor-grid cell
+    (the nearest anchor rows above/below × nearest anchor columns left/right; corners coincide on
+    anchor rows / columns). An anchor's own candidates are itself."""
+    def bracket(n):
+        lines = sorted(set(range(0, n, alpha)) | {n - 1})
+        t = torch.tensor(lines, device=device)
+        pos = torch.arange(n, device=device)
+        hi = torch.searchsorted(t, pos, right=False).clamp(max=len(lines) - 1)     # first line >= pos
+        lo = torch.where(t[hi] == pos, hi, (hi - 1).clamp(min=0))                  # last line <= pos
+        return t[lo], t[hi]
+
+    r0, r1 = bracket(h)
+    c0, c1 = bracket(w)
+    rr = torch.stack((r0, r0, r1, r1), dim=-1)[:, None, :].expand(h, w, 4)
+    cc = torch.stack((c0, c1, c0, c1), dim=-1)[None, :, :].expand(h, w, 4)
+    return (rr * w + cc).reshape(h * w, 4)                                          # (h, w, 4) → (hw, 4)
+
+
+def upsample_map(m_Bhw: torch.Tensor, hw: tuple[int, int], mode: str) -> torch.Tensor:
+    """(B, h', w') or (B, h', w', V) → (B, h, w) / (B, h, w, V) at the next scale's size."""
+    if m_Bhw.dim() == 3:
+        x = m_Bhw[:, None]
+    else:
+        x = m_Bhw.permute(0, 3, 1, 2)                                               # (B, h, w, V) → (B, V, h, w)
+    kw = {"align_corners": False} if mode == "bilinear" else {}
+    x = F.interpolate(x.float(), size=hw, mode=mode, **kw)
+    return x[:, 0] if m_Bhw.dim() == 3 else x.permute(0, 2, 3, 1)
+
+
+def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
+                  keep_ratio: Optional[float]) -> torch.Tensor:
+    """(B, L) bool kept tokens: anchors ∪ (change > tau · max) — or, with ``keep_ratio``, anchors
+    ∪ the largest changes up to ``ceil(keep_ratio · L)`` tokens in all (ties broken by position)."""
+    B, L = change_BL.shape
+    anchors_BL = anchors_L[None].expand(B, L)
+    if keep_ratio is None:
+        top_B1 = change_BL.amax(dim=1, keepdim=True)
+        keep = change_BL > tau * top_B1
+    else:
+        budget = max(math.ceil(keep_ratio * L), int(anchors_L.sum()))
+        score = change_BL.masked_fill(anchors_BL, float("inf"))
+        # stable descending order: equal changes keep the earlier position
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget]
+        keep = torch.zeros_like(anchors_BL).scatter(1, order, True)
+    return keep | anchors_BL
+
+
+def pack_indices(keep_BL: torch.Tensor):
+    """Kept positions per image, padded to the batch's largest count.
+
+    Returns (index (B, n), valid (B, n) bool or None when all counts are equal, counts list).
+    Padding entries repeat the image's first kept token (their keys are masked out; their
+    outputs equal the original's and are scattered onto it). One host read of the counts: the
+    shapes of the next kernels depend on it.
+    """
+    counts = keep_BL.sum(dim=1).tolist()
+    n = max(counts)
+    order = torch.sort((~keep_BL).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # kept first, in order
+    valid = torch.arange(n, device=keep_BL.device)[None, :] < torch.tensor(counts, device=keep_BL.device)[:, None]
+    if all(c == n for c in counts):
+        return order, None, counts
+    return torch.where(valid, order, order[:, :1]), valid, counts
+
+
+class SparseVARPolicy(Policy):
+    name = "sparsevar"
+    incompatible = ("fastvar",)
+
+    def __init__(self, config: SparseVARConfig = SparseVARConfig()):
+        self.config = config
+
+    # ---- settings ---------------------------------------------------------------------------------
+    def resolved(self, info) -> tuple[int, int, int]:
+        """(first pruned scale P, first observed layer, last observed layer) for this model."""
+        c = self.config
+        S = info.schedule.num_scales
+        P = resolve_scale_index(c.start_scale, S, "start_scale")
+        if P == 0:
+            raise ValueError(f"start_scale={c.start_scale} is the first scale, which has no previous scale to "
+                             f"measure changes on; use 1..{S - 1} or -{S - 1}..-1")
+        if c.granularity == "group":
+            if not info.layer_groups:
+                raise ValueError(f"granularity='group': {info.family} has no block groups; use granularity='layer' "
+                                 f"with block 0..{info.num_layers - 1}")
+            block = c.block if c.block is not None else info.layer_groups // 2
+            if not 0 <= block < info.layer_groups:
+                raise ValueError(f"block={block} is not a block group of this model: use 0..{info.layer_groups - 1}")
+            per = info.layers_per_group
+            return P, block * per, block * per + per - 1
+        block = c.block if c.block is not None else (2 * info.num_layers) // 3
+        if not 0 <= block < info.num_layers:
+            raise ValueError(f"block={block} is not a layer of this model: use 0..{info.num_layers - 1}")
+        return P, block, block
+
+    def validate(self, info) -> None:
+        self.resolved(info)
+
+    def begin(self, run) -> None:
+        P, first, last = self.resolved(run.info)
+        run.policy_state[self.name] = {"P": P, "first": first, "last": last, "x_in": None,
+                                       "change": None, "logits": None, "copy_src": None, "zero": None}
+
+    def uses_model_hooks(self, si: int, run) -> bool:
+        return si >= run.policy_state[self.name]["P"] - 1
+
+    # ---- hooks ------------------------------------------------------------------------------------
+    def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
+        st = run.policy_state[self.name]
+        st["copy_src"] = st["zero"] = None
+        if si < st["P"] or self.config.neutral or st["change"] is None:
+            return None
+        c, sch = self.config, run.schedule
+        h, w = sch.hw[si]
+        L = h * w
+        change_BL = upsample_map(st["change"], (h, w), c.interpolation).reshape(-1, L)
+        anchors_L = anchor_mask(h, w, c.alpha, change_BL.device).reshape(L)
+        keep_BL = select_tokens(change_BL, anchors_L, c.tau, c.keep_ratio)
+        index_Bn, valid_Bn, counts = pack_indices(keep_BL)
+        B = keep_BL.shape[0]
+        roles = torch.where(keep_BL, torch.full_like(keep_BL, TOKEN_KEPT, dtype=torch.uint8),
+                            torch.full_like(keep_BL, TOKEN_EXCLUDED, dtype=torch.uint8))
+        roles[anchors_L[None].expand(B, L)] = TOKEN_ANCHOR
+        if min(counts) == L:                              # nothing excluded: the dense path
+            run.stats.token_maps[si] = roles.view(B, h, w)
+            return None
+        # anchor assignment from the previous scale's guided logits (upsampled, per token)
+        lg = st["logits"]                                 # (B, h', w', V)
+        lg_BLV = F.normalize(upsample_map(lg, (h, w), c.interpolation).reshape(B, L, -1), dim=-1)
+        cand_L4 = anchor_candidates(h, w, c.alpha, lg_BLV.device)
+        sims = torch.stack([(lg_BLV * lg_BLV[:, cand_L4[:, j]]).sum(-1) for j in range(4)], dim=-1)  # (B, L, 4)
+        best_sim, best_j = sims.max(dim=-1)
+        anchor_BL = cand_L4[torch.arange(L, device=best_j.device)[None, :], best_j]      # (B, L) chosen anchor
+        excluded = ~keep_BL
+        copied = excluded & (best_sim >= c.beta)
+        ar = torch.arange(L, device=keep_BL.device)[None].expand(B, L)
+        st["copy_src"] = torch.where(copied, anchor_BL, ar)                            # (B, L)
+        st["zero"] = excluded & ~copied                                                 # (B, L)
+        roles[copied] = TOKEN_COPIED
+        run.stats.token_maps[si] = roles.view(B, h, w)
+        return ScalePlan(token_index=index_Bn, token_valid=valid_Bn)
+
+    def observe(self, si: int, unit, x_in, x_out, run) -> None:
+        st = run.policy_state[self.name]
+        if si < st["P"] - 1 or unit[0] != "layer":
+            return
+        if unit[1] == st["first"]:
+            st["x_in"] = x_in
+        if unit[1] != st["last"]:
+            return
+        R, n, _ = x_out.shape
+        B = run.batch_size
+        change_Rn = (x_out.float() - st["x_in"].float()).pow(2).mean(dim=-1)                # (R, n)
+        change_Bn = change_Rn.view(R // B, B, n).mean(dim=0)                              # CFG halves averaged
+        h, w = run.schedule.hw[si]
+        plan = run.plan
+        if plan.token_index is None:
+            full_BL = change_Bn
+        else:                                   # excluded tokens did not change: 0
+            full_BL = torch.zeros(B, h * w, device=x_out.device, dtype=torch.float32)
+            full_BL.scatter_(1, plan.token_index.to(x_out.device), change_Bn)
+        st["change"] = full_BL.view(B, h, w)
+        st["x_in"] = None
+
+    def post_hidden(self, si: int, h_RLC: torch.Tensor, run) -> torch.Tensor:
+        src_BL = run.policy_state[self.name]["copy_src"]
+        if src_BL is None:
+            return h_RLC
+        R, L, C = h_RLC.shape
+        src_RL = src_BL.repeat(R // src_BL.shape[0], 1)
+        return h_RLC.gather(1, src_RL.unsqueeze(-1).expand(R, L, C))                   # anchor copies
+
+    def post_residual(self, si: int, residual_BLc: torch.Tensor, run) -> torch.Tensor:
+        zero_BL = run.policy_state[self.name]["zero"]
+        if zero_BL is None:
+            return residual_BLc
+        return residual_BLc.masked_fill(zero_BL.unsqueeze(-1), 0.0)
+
+    def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
+        st = run.policy_state[self.name]
+        if si >= st["P"] - 1 and si < run.schedule.num_scales - 1:
+            h, w = run.schedule.hw[si]
+            st["logits"] = guided_logits_BLV.reshape(guided_logits_BLV.shape[0], h, w, -1)  # (B, hw, V) → (B, h, w, V)
+
+
+def sparsevar_config_for(family: str, **overrides) -> SparseVARConfig:
+    """The preset of a model family with some fields changed (unknown field names raise)."""
+    base = SPARSEVAR_PRESETS.get(family, SparseVARConfig())
+    return _replace(base, overrides)
+
+
+def _replace(cfg, overrides: dict):
+    fields = set(cfg.__dataclass_fields__)
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown {type(cfg).__name__} setting(s) {unknown}; valid: {sorted(fields)}")
+    return replace(cfg, **overrides)
