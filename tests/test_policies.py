@@ -1,0 +1,248 @@
+"""Acceleration policies on the tiny fixture model (CPU): neutral settings are exact, the kept
+sets follow the rules, excluded tokens add no K/V, batches equal their images, composition and
+validation errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+from sparsevar.policies import (FastVARConfig, Policy, ScaleSkipConfig, SparseVARConfig)
+from sparsevar.policies.fastvar import pivotal_tokens
+from sparsevar.policies.sparsevar import (TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT, anchor_candidates,
+                                          anchor_mask, pack_indices, select_tokens)
+
+
+@pytest.fixture
+def pipe(var_official_files):
+    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _run(pipe, labels=(3, 7), seeds=(1, 2), **kw):
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    codes = []
+    out = pipe(list(labels), generator=gens, output_type="pt", top_k=5, top_p=0.0,
+               callback_on_step_end=lambda p, si, t, k: codes.append(k["codes"]), **kw)
+    return out, codes
+
+
+class Probe(Policy):
+    """Records what the policies before it in the stack produced."""
+
+    name = "probe"
+
+    def __init__(self):
+        self.kv_lengths, self.rows, self.hidden, self.residual = {}, {}, {}, {}
+
+    def post_hidden(self, si, h, run):
+        self.hidden[si] = h.clone()
+        return h
+
+    def post_residual(self, si, r, run):
+        self.residual[si] = r.clone()
+        return r
+
+    def after_scale(self, si, logits, run):
+        self.kv_lengths[si] = list(run.workspace.kv.lengths)
+        self.rows[si] = run.workspace.kv.rows
+
+
+# ---- neutral settings reproduce dense generation bit for bit --------------------------------------
+@pytest.mark.parametrize("enable", [
+    lambda p: p.enable_sparsevar(tau=0.0),
+    lambda p: p.enable_sparsevar(keep_ratio=1.0, start_scale=1),
+    lambda p: p.enable_fastvar(ratios=(0.0, 0.0, 0.0)),
+    lambda p: p.enable_scale_skip(ScaleSkipConfig()),
+    lambda p: p.enable_scale_skip(skip_last=0).enable_sparsevar(tau=0.0),
+], ids=["sparsevar-tau0", "sparsevar-keep1", "fastvar-0", "scale-skip-0", "skip+sparsevar"])
+def test_neutral_settings_are_bit_exact(pipe, enable):
+    dense, dense_codes = _run(pipe)
+    enable(pipe)
+    out, codes = _run(pipe)
+    assert all(torch.equal(a, b) for a, b in zip(codes, dense_codes))
+    assert torch.equal(out.images, dense.images)
+
+
+# ---- the kept-set rule on hand-made maps ------------------------------------------------------------
+def test_anchor_grid_includes_last_row_and_column_on_odd_non_square_maps():
+    m = anchor_mask(5, 7, alpha=4)
+    assert m.nonzero().tolist() == [[r, c] for r in (0, 4) for c in (0, 4, 6)]
+    assert anchor_mask(1, 1, 4).all()
+    assert anchor_mask(13, 13, 4).sum() == 4 * 4          # rows/cols 0, 4, 8, 12 (12 is also the last)
+    assert anchor_mask(16, 16, 4).sum() == 5 * 5          # 0, 4, 8, 12 and the last, 15
+
+
+def test_anchor_candidates_are_the_corners_of_the_token_cell():
+    h, w, a = 6, 9, 4                                     # anchor rows 0, 4, 5; cols 0, 4, 8
+    cand = anchor_candidates(h, w, a).view(h, w, 4)
+    assert sorted(set(cand[2, 6].tolist())) == [0 * w + 4, 0 * w + 8, 4 * w + 4, 4 * w + 8]
+    assert set(cand[4, 4].tolist()) == {4 * w + 4}         # an anchor's candidate is itself
+    assert sorted(set(cand[5, 1].tolist())) == [5 * w + 0, 5 * w + 4]  # on the last anchor row
+    assert anchor_mask(h, w, a).view(-1)[cand.view(-1)].all()
+
+
+def test_tau_rule_is_strict_and_per_image():
+    change = torch.tensor([[0.0, 1.0, 6.0, 10.0], [5.0, 5.0, 5.0, 5.0]])
+    anchors = torch.tensor([False, False, False, False])
+    keep = select_tokens(change, anchors, tau=0.6, keep_ratio=None)
+    assert keep.tolist() == [[False, False, False, True], [True, True, True, True]]   # 6 = 0.6·10 is not kept
+
+
+def test_keep_ratio_counts_anchors_and_breaks_ties_by_position():
+    change = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
+    anchors = torch.tensor([True, False, False, False, False, False])
+    keep = select_tokens(change, anchors, tau=0.6, keep_ratio=0.5)                   # budget 3, anchor included
+    assert keep.tolist() == [[True, True, True, False, False, False]]
+    keep = select_tokens(change, torch.ones(6, dtype=torch.bool), tau=0.6, keep_ratio=0.1)
+    assert keep.all()                                                                 # at least the anchors
+
+
+def test_pack_indices_pads_with_the_first_kept_token():
+    keep = torch.tensor([[True, False, True, True], [False, True, False, False]])
+    idx, valid, counts = pack_indices(keep)
+    assert counts == [3, 1]
+    assert idx.tolist() == [[0, 2, 3], [1, 1, 1]] and valid.tolist() == [[True] * 3, [True, False, False]]
+    idx, valid, _ = pack_indices(torch.tensor([[True, False], [False, True]]))
+    assert valid is None and idx.tolist() == [[0], [1]]
+
+
+def test_pivotal_tokens_are_farthest_from_the_mean():
+    x = torch.zeros(1, 5, 2)
+    x[0, 3] = 10.0
+    x[0, 1] = -4.0
+    assert pivotal_tokens(x, 2).tolist() == [[1, 3]]
+
+
+# ---- behaviour inside generation ---------------------------------------------------------------------
+def test_sparsevar_excluded_tokens_add_no_kv_and_get_zero_or_anchor_hidden(pipe):
+    probe = Probe()
+    pipe.enable_sparsevar(tau=0.6, start_scale=-3, beta=0.9).add_policy(probe)
+    out, _ = _run(pipe, labels=(3,), seeds=(4,))
+    st = out.stats[0]
+    sch = pipe.transformer.schedule
+    total = 0
+    for s in st.scales:
+        total += int(s.tokens_computed)
+        assert probe.kv_lengths[s.si] == [total] * pipe.transformer.config.depth   # only computed tokens cached
+    pruned = [s.si for s in st.scales if s.tokens_computed < s.tokens]
+    assert pruned and min(pruned) >= sch.num_scales - 3
+    for si in pruned:
+        roles = st.token_maps[si].view(-1)
+        assert int((roles == TOKEN_KEPT).sum() + (roles == TOKEN_ANCHOR).sum()) == st.scales[si].tokens_computed
+        zero = roles == TOKEN_EXCLUDED
+        assert torch.all(probe.residual[si][0, zero] == 0) and torch.all(probe.residual[si][0, ~zero] != 0)
+        copied = (roles == TOKEN_COPIED).nonzero().view(-1)
+        h = probe.hidden[si]
+        for i in copied.tolist():                       # each copied token equals some anchor of its cell
+            h_, w_ = sch.hw[si]
+            cands = anchor_candidates(h_, w_, 4)[i]
+            assert any(torch.equal(h[:, i], h[:, c]) for c in cands.tolist())
+
+
+def test_sparsevar_batch_with_different_token_counts_equals_its_images(pipe):
+    pipe.enable_sparsevar(tau=0.5, start_scale=-3)
+    batch, batch_codes = _run(pipe, labels=(3, 7), seeds=(1, 2))
+    maps = batch.stats[0].token_maps
+    counts = {si: [(m[b] >= TOKEN_KEPT).sum().item() for b in range(2)] for si, m in maps.items()}
+    assert any(c[0] != c[1] for c in counts.values()), "the two images should keep different counts"
+    for b, (label, seed) in enumerate(((3, 1), (7, 2))):
+        alone, alone_codes = _run(pipe, labels=(label,), seeds=(seed,))
+        assert all(torch.equal(a[b:b + 1], c) for a, c in zip(batch_codes, alone_codes))
+        torch.testing.assert_close(batch.images[b:b + 1], alone.images, atol=1e-5, rtol=0)
+
+
+def test_fastvar_prunes_kv_per_layer_and_keeps_the_layer_range(pipe):
+    probe = Probe()
+    pipe.enable_fastvar(ratios=(0.5, 0.75), layer_range=(1, 1)).add_policy(probe)
+    out, _ = _run(pipe, labels=(3,), seeds=(2,))
+    sch = pipe.transformer.schedule
+    dense_len = sch.total_tokens
+    last, prev = sch.tokens(sch.num_scales - 1), sch.tokens(sch.num_scales - 2)
+    kept = (prev - prev // 2) + (last - int(last * 0.75))
+    assert probe.kv_lengths[sch.num_scales - 1] == [dense_len, dense_len - prev - last + kept]
+    s = out.stats[0].scales
+    assert s[-1].tokens_computed == pytest.approx((last + last - int(last * 0.75)) / 2)
+
+
+def test_fastvar_ratio_one_skips_the_final_scales(pipe):
+    out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 1.0)))
+    assert [s.skipped for s in out.stats[0].scales][-2:] == [False, True] and len(codes) == 9
+
+
+def test_skip_last_decodes_the_latent_of_the_scales_run(pipe):
+    latents = []
+    pipe([3], generator=torch.Generator().manual_seed(0), output_type="latent",
+         callback_on_step_end=lambda p, si, t, k: latents.append(k["latent"]),
+         callback_on_step_end_tensor_inputs=["latent"])
+    out = pipe.enable_scale_skip(skip_last=2)([3], generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert torch.equal(out.images, latents[-3])
+    assert [s.skipped for s in out.stats[0].scales] == [False] * 8 + [True] * 2
+
+
+def test_cond_only_drops_the_unconditional_rows(pipe):
+    probe = Probe()
+    pipe.enable_scale_skip(cond_only_from=-2).add_policy(probe)
+    _run(pipe, labels=(3, 7))
+    S = pipe.transformer.schedule.num_scales
+    assert [probe.rows[si] for si in range(S)] == [4] * (S - 2) + [2] * 2
+
+
+def test_stats_add_up(pipe):
+    out, _ = _run(pipe.enable_sparsevar(keep_ratio=0.3))
+    st = out.stats[0]
+    assert st.tokens_computed == pytest.approx(sum(s.tokens_computed for s in st.scales))
+    assert st.tokens == pipe.transformer.schedule.total_tokens
+    assert all(s.tokens_computed <= s.tokens for s in st.scales)
+    for si, m in st.token_maps.items():
+        assert m.shape == (2, *pipe.transformer.schedule.hw[si])
+
+
+# ---- composition and validation ----------------------------------------------------------------------
+def test_composition_rules(pipe):
+    pipe.enable_sparsevar()
+    with pytest.raises(ValueError, match=r"disable_sparsevar\(\)"):
+        pipe.enable_fastvar()
+    pipe.enable_scale_skip(skip_last=1)                       # composes
+    pipe.enable_sparsevar(tau=0.3)                            # re-enabling replaces the settings
+    assert [p.name for p in pipe.policies] == ["scale_skip", "sparsevar"]
+    assert pipe.policies.get("sparsevar").config.tau == 0.3
+    pipe.disable_sparsevar().enable_fastvar()
+    assert [p.name for p in pipe.policies] == ["scale_skip", "fastvar"]
+    pipe.disable_fastvar().disable_scale_skip()
+    assert len(pipe.policies) == 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p.enable_sparsevar(tau=1.0), r"tau must be in \[0, 1\)"),
+    (lambda p: p.enable_sparsevar(beta=1.5), r"beta must be in \[0, 1\]"),
+    (lambda p: p.enable_sparsevar(alpha=0), r"alpha must be an int >= 1"),
+    (lambda p: p.enable_sparsevar(keep_ratio=0.0), r"keep_ratio must be in \(0, 1\]"),
+    (lambda p: p.enable_sparsevar(start_scale=10), r"start_scale=10 is past the schedule.*10 scales"),
+    (lambda p: p.enable_sparsevar(start_scale=0), r"start_scale=0 is the first scale"),
+    (lambda p: p.enable_sparsevar(block=5), r"block=5 is not a layer of this model: use 0..1"),
+    (lambda p: p.enable_sparsevar(granularity="group"), r"no block groups"),
+    (lambda p: p.enable_sparsevar(interpolation="cubic"), r"interpolation must be one of"),
+    (lambda p: p.enable_sparsevar(tua=0.5), r"unknown SparseVARConfig setting.*tua"),
+    (lambda p: p.enable_fastvar(ratios=(0.5, 1.2)), r"prune ratio must be in \[0, 1\]"),
+    (lambda p: p.enable_fastvar(ratios=(1.0, 0.5)), r"1.0 \(skip the scale\) is allowed only on the final"),
+    (lambda p: p.enable_fastvar(ratios=(0.1,) * 10), r"at most 9"),
+    (lambda p: p.enable_fastvar(layer_range=(0, 7)), r"layer_range=\(0, 7\) is outside.*0..1"),
+    (lambda p: p.enable_scale_skip(skip_last=10), r"skip_last=10 would skip every scale"),
+    (lambda p: p.enable_scale_skip(skip_last=-1), r"skip_last must be an int >= 0"),
+    (lambda p: p.enable_scale_skip(cond_only_from=12), r"cond_only_from=12 is past the schedule"),
+])
+def test_invalid_settings_name_the_value_and_the_range(pipe, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(pipe)
+    assert len(pipe.policies) == 0                             # nothing half-enabled
+
+
+def test_config_objects_are_frozen_and_typed():
+    cfg = SparseVARConfig()
+    with pytest.raises(Exception):
+        cfg.tau = 0.1
+    assert FastVARConfig(ratios=[0.5, 0.75]).ratios == (0.5, 0.75)
+    with pytest.raises(TypeError, match="SparseVARConfig"):
+        VARPipeline.enable_sparsevar(object.__new__(VARPipeline), FastVARConfig())
