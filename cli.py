@@ -74,6 +74,7 @@ def cmd_generate(args) -> int:
     dtype = _dtype(args.dtype, device)
     pipe = _load_pipeline(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
+    _apply_acceleration(pipe, args)
     labels = [int(c) if c.strip().lstrip("-").isdigit() else c for c in args.class_labels]
     gen = torch.Generator(device).manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -83,7 +84,31 @@ def cmd_generate(args) -> int:
     paths = _save_images(out.images, args.out, say)
     st = out.stats[0]
     print(f"{len(paths)} image(s) → {', '.join(str(p) for p in paths)} | {dt * 1e3:.0f} ms | {st.summary()}")
+    if args.save_token_maps:
+        from .viz import save_token_maps
+        maps = save_token_maps(st, out.images, args.save_token_maps, prefix=args.out.stem + "_tokens")
+        print(f"token maps → {', '.join(str(p) for p in maps)}")
+    if args.stats:
+        print(st.table())
     return 0
+
+
+def _apply_acceleration(pipe, args) -> None:
+    """--sparsevar / --fastvar / --skip-last / --cond-only-from → the pipeline's enable_* calls."""
+    sv = {k: v for k, v in (("tau", args.tau), ("keep_ratio", args.keep_ratio), ("start_scale", args.start_scale),
+                            ("block", args.block), ("alpha", args.alpha), ("beta", args.beta)) if v is not None}
+    if sv and not args.sparsevar:
+        raise CLIError(f"{', '.join('--' + k.replace('_', '-') for k in sv)} set SparseVAR options: add --sparsevar")
+    if args.save_token_maps and not args.sparsevar:
+        raise CLIError("--save-token-maps shows SparseVAR's token maps: add --sparsevar")
+    if args.sparsevar:
+        pipe.enable_sparsevar(**sv)
+    if args.fastvar is not None:
+        pipe.enable_fastvar(**({"ratios": tuple(args.fastvar)} if args.fastvar else {}))
+    if args.skip_last or args.cond_only_from is not None:
+        pipe.enable_scale_skip(skip_last=args.skip_last or 0, cond_only_from=args.cond_only_from)
+    if args.compile:
+        pipe.enable_compiled_elementwise()
 
 
 def cmd_convert(args) -> int:
@@ -166,6 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quiet", action="store_true")
+    g.add_argument("--stats", action="store_true", help="print the per-scale table")
+    a = g.add_argument_group("acceleration")
+    a.add_argument("--sparsevar", action="store_true", help="SparseVAR token exclusion (family preset)")
+    a.add_argument("--tau", type=float, help="SparseVAR change threshold in [0, 1)")
+    a.add_argument("--keep-ratio", type=float, help="SparseVAR: fixed share of tokens computed per scale, (0, 1]")
+    a.add_argument("--start-scale", type=int, help="SparseVAR: first pruned scale (negative: from the end)")
+    a.add_argument("--block", type=int, help="SparseVAR: observed layer")
+    a.add_argument("--alpha", type=int, help="SparseVAR: anchor stride")
+    a.add_argument("--beta", type=float, help="SparseVAR: anchor-copy similarity threshold")
+    a.add_argument("--save-token-maps", type=Path, metavar="DIR", help="write SparseVAR's token maps as PNGs")
+    a.add_argument("--fastvar", type=float, nargs="*", metavar="RATIO",
+                   help="FastVAR; optional prune ratios of the last scales, earliest first (1.0 skips)")
+    a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales")
+    a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
+    a.add_argument("--compile", action="store_true", help="fuse elementwise steps with torch.compile (CUDA)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder")

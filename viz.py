@@ -1,0 +1,93 @@
+"""Token maps over the image (the SparseVAR paper's Figure 7): which tokens each pruned scale
+computed, which it left out (zero residual), which copied an anchor, and the anchors.
+
+    out = pipe(..., output_type="pil"); paths = save_token_maps(out.stats[0], out.images, "maps/")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+import torch
+
+from .engine.state import GenerationStats
+from .policies.sparsevar import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT
+
+# role → (RGB tint, opacity): kept tokens stay as they are
+ROLE_STYLE = {
+    TOKEN_EXCLUDED: ((20, 20, 20), 0.70),
+    TOKEN_COPIED: ((40, 90, 230), 0.45),
+    TOKEN_KEPT: ((0, 0, 0), 0.0),
+    TOKEN_ANCHOR: ((230, 40, 40), 0.80),
+}
+LEGEND = "dark: excluded (zero residual) · blue: copied from an anchor · clear: computed · red: anchors"
+
+
+def _as_rgb(image, size: int) -> np.ndarray:
+    if image is None:
+        return np.full((size, size, 3), 200, dtype=np.float32)
+    if isinstance(image, torch.Tensor):                              # (3, H, W) in [0, 1]
+        image = PIL.Image.fromarray((image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255)
+                                    .round().astype(np.uint8))
+    if isinstance(image, np.ndarray):                                # (H, W, 3) in [0, 1]
+        image = PIL.Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8))
+    return np.asarray(image.convert("RGB").resize((size, size), PIL.Image.BICUBIC), dtype=np.float32)
+
+
+def token_map_panel(roles_hw: torch.Tensor, image=None, size: int = 256) -> PIL.Image.Image:
+    """One scale: the image (or grey) with every token tinted by its role."""
+    h, w = roles_hw.shape
+    base = _as_rgb(image, size)
+    roles = roles_hw.to("cpu", torch.uint8).numpy()
+    ys = (np.arange(size) * h // size)[:, None]
+    xs = (np.arange(size) * w // size)[None, :]
+    per_px = roles[ys, xs]                                           # (size, size) role of each pixel
+    out = base.copy()
+    for role, (rgb, alpha) in ROLE_STYLE.items():
+        if alpha == 0.0:
+            continue
+        m = per_px == role
+        out[m] = (1 - alpha) * base[m] + alpha * np.asarray(rgb, dtype=np.float32)
+    return PIL.Image.fromarray(out.round().clip(0, 255).astype(np.uint8))
+
+
+def token_map_figure(stats: GenerationStats, image=None, batch_index: int = 0, size: int = 192) -> PIL.Image.Image:
+    """All pruned scales of one image side by side, each titled with its size and kept share."""
+    if not stats.token_maps:
+        raise ValueError("these stats hold no token maps: enable SparseVAR (pipe.enable_sparsevar()) and generate "
+                         "again; token maps exist for the scales it pruned")
+    scales = sorted(stats.token_maps)
+    pad, title = 8, 18
+    fig = PIL.Image.new("RGB", (pad + len(scales) * (size + pad), title + size + pad + 16), (255, 255, 255))
+    draw = PIL.ImageDraw.Draw(fig)
+    for j, si in enumerate(scales):
+        roles = stats.token_maps[si][batch_index]
+        h, w = roles.shape
+        kept = float((roles >= TOKEN_KEPT).float().mean())
+        x0 = pad + j * (size + pad)
+        fig.paste(token_map_panel(roles, image, size), (x0, title))
+        draw.text((x0, 3), f"scale {si}: {h}x{w}, computed {kept:.0%}", fill=(0, 0, 0))
+    draw.text((pad, title + size + 3), LEGEND, fill=(60, 60, 60))
+    return fig
+
+
+def save_token_maps(stats: GenerationStats, images: Union[Sequence, torch.Tensor, None], out_dir,
+                    prefix: str = "token_maps") -> list[Path]:
+    """One PNG per image of the batch, ``{out_dir}/{prefix}_{b}.png``; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batch = next(iter(stats.token_maps.values())).shape[0] if stats.token_maps else 0
+    if batch == 0:
+        token_map_figure(stats)                                      # raises the explanatory error
+    paths = []
+    for b in range(batch):
+        img = images[b] if images is not None else None
+        path = out_dir / f"{prefix}_{b}.png"
+        tmp = path.with_name(f".{path.name}.tmp")
+        token_map_figure(stats, img, b).save(tmp, format="PNG")
+        tmp.replace(path)
+        paths.append(path)
+    return paths
