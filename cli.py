@@ -166,7 +166,11 @@ def cmd_bench(args) -> int:
             import torch
             gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
             out = Path("benchmarks/results") / f"speed_{gpu}.csv"
-        run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=args.methods,
+        methods = args.methods
+        if methods == ["all"]:
+            from .benchmarks.bench_speed import METHODS
+            methods = list(METHODS)
+        run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
                   dtype=args.dtype, out=out, device=args.device)
         return 0
     raise CLIError(f"unknown benchmark {args.what!r}")
@@ -228,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
-    b.add_argument("--methods", nargs="+", default=["dense", "dense-compiled", "dense-eager"])
+    b.add_argument("--methods", nargs="+", default=["dense", "dense-graphs", "dense-eager"],
+                   help="dense, dense-graphs, dense-eager, " + ", ".join(
+                       ["sparsevar-keep1.0", "sparsevar-keep0.5", "sparsevar-keep0.3", "sparsevar-preset",
+                        "fastvar-preset", "skip-last-1", "skip-last-2"]) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     b.add_argument("--device", default="cuda")
     b.add_argument("--out", type=Path, default=None)

@@ -23,12 +23,44 @@ import torch
 PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
 PEAK_TBPS = {"H100": 3.0, "H200": 4.3}
 
-# method → (pipeline call arguments, compiled elementwise ops)
+def _dense(pipe):
+    pass
+
+
+def _sparsevar(**kw):
+    return lambda pipe: pipe.enable_sparsevar(**kw)
+
+
+# method → (policy setup on the pipeline, pipeline call arguments, compiled elementwise ops, settings text)
 METHODS = {
-    "dense": (dict(use_cuda_graphs=True), False),
-    "dense-compiled": (dict(use_cuda_graphs=True), True),
-    "dense-eager": (dict(use_cuda_graphs=False), False),
+    "dense": (_dense, dict(use_cuda_graphs=True), True, "graphs + compiled elementwise"),
+    "dense-graphs": (_dense, dict(use_cuda_graphs=True), False, "graphs"),
+    "dense-eager": (_dense, dict(use_cuda_graphs=False), False, "eager"),
+    "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, True, "keep_ratio=1.0 on the last 3 scales"),
+    "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, True, "keep_ratio=0.5 on the last 3 scales"),
+    "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, True, "keep_ratio=0.3 on the last 3 scales"),
+    "sparsevar-preset": (_sparsevar(), {}, True, "family preset (tau 0.6, last 2 scales)"),
+    "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, True, "family preset"),
+    "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, True, "skip_last=1"),
+    "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, True, "skip_last=2"),
 }
+POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
+
+
+def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None) -> float:
+    """FLOPs of the scale loop with CFG (2·batch rows) when scale k runs ``tokens_per_scale[k]``
+    tokens per image (0 = skipped) and attends to ``kv_per_scale[k]`` cached tokens (default: the
+    running sum). The head always runs on the full map (excluded tokens still get logits)."""
+    C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
+    hidden = round(C * cfg.mlp_ratio)
+    rows, total, prefix = 2 * batch, 0.0, 0.0
+    for k, (p, n) in enumerate(zip(cfg.patch_nums, tokens_per_scale)):
+        if n == 0:
+            continue
+        prefix += n
+        kv = prefix if kv_per_scale is None else kv_per_scale[k]
+        total += rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * kv * C) + 2 * p * p * C * V)
+    return total
 
 
 def _gpu_key(name: str) -> Optional[str]:
@@ -60,7 +92,7 @@ def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
     return total * 1e3
 
 
-def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale) -> None:
+def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens) -> None:
     for i in range(warmup + runs):
         gen = torch.Generator(device).manual_seed(i)
         if device == "cuda":
@@ -77,16 +109,23 @@ def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_m
         decode_ms.append(st.decode_ms)
         e2e_ms.append((t1 - t0) * 1e3)
         per_scale.append([s.ms for s in st.scales])
+        tokens.append([s.tokens_computed for s in st.scales])
 
 
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
-              methods: Sequence[str] = ("dense", "dense-compiled", "dense-eager"), dtype: str = "bfloat16",
+              methods: Sequence[str] = ("dense", "dense-graphs", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print) -> list[dict]:
     from ..pipelines.var_pipeline import VARPipeline
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench speed measures GPU generation: no CUDA device is available here "
                            "(pass --device cpu for a functional run without meaningful numbers)")
+    methods = list(methods)
+    if any(m in POLICY_METHODS for m in methods) and "dense" not in methods:
+        methods.insert(0, "dense")             # speed-ups are measured against our dense path, same run
+    if "dense" in methods:
+        methods.remove("dense")
+        methods.insert(0, "dense")
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {sorted(METHODS)}")
@@ -103,34 +142,47 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         pipe.set_progress_bar_config(disable=True)
         cfg = pipe.transformer.config
         res = 16 * cfg.patch_nums[-1]
+        dense_ms: dict[int, float] = {}
         for batch in batches:
             labels = [i % cfg.num_classes for i in range(batch)]
             floor = var_floor_ms(cfg, batch, torch.finfo(torch_dtype).bits // 8, gpu)
             for method in methods:
-                kw, compiled = METHODS[method]
-                pipe.enable_compiled_elementwise(compiled)
+                setup, kw, compiled, settings = METHODS[method]
+                for name_ in [p.name for p in pipe.policies]:
+                    pipe.remove_policy(name_)
+                setup(pipe)
+                pipe.enable_compiled_elementwise(compiled and device == "cuda")
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                loop_ms, e2e_ms, decode_ms, per_scale = [], [], [], []
+                loop_ms, e2e_ms, decode_ms, per_scale, tokens = [], [], [], [], []
                 try:
-                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale)
+                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens)
                 except Exception as e:      # record the failure and go on with the other settings
                     log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
                     continue
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
-                row = dict(model=name, resolution=res, batch=batch, method=method, settings="",
+                tok_mean = [statistics.fmean(col) for col in zip(*tokens)]
+                ideal = var_loop_flops(cfg, batch, [p * p for p in cfg.patch_nums]) / var_loop_flops(cfg, batch, tok_mean)
+                base = dense_ms.get(batch)
+                speedup = base / statistics.median(loop_ms) if base else float("nan")
+                if method == "dense":
+                    dense_ms[batch] = statistics.median(loop_ms)
+                row = dict(model=name, resolution=res, batch=batch, method=method, settings=settings,
                            dtype=dtype, ms_median=round(statistics.median(loop_ms), 3),
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
                            e2e_ms_median=round(statistics.median(e2e_ms), 3),
                            decode_ms_median=round(statistics.median(decode_ms), 3),
+                           speedup_vs_dense=round(speedup, 3), ideal_speedup=round(ideal, 3),
+                           kept_tokens=round(sum(tok_mean), 1),
                            per_scale_ms=";".join(f"{x:.3f}" for x in scale_med),
                            peak_mem_gb=round(peak, 3), runs=runs, gpu=gpu, torch=torch.__version__,
                            triton=triton_version)
                 rows.append(row)
-                log(f"{name:>9} {res}px b{batch:<2} {method:<12} loop {row['ms_median']:8.2f} ms "
+                log(f"{name:>9} {res}px b{batch:<2} {method:<18} loop {row['ms_median']:8.2f} ms "
+                    f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x) "
                     f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
                     f"decode {row['decode_ms_median']:.1f} ms peak {row['peak_mem_gb']:.2f} GB")
         del pipe

@@ -110,3 +110,21 @@ def test_interrupt_and_release_leave_no_gpu_memory_behind():
     pipe.release_memory()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.parametrize("enable", [
+    lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3),
+    lambda p: p.enable_sparsevar(tau=0.5, start_scale=-3),
+    lambda p: p.enable_fastvar(),
+    lambda p: p.enable_scale_skip(skip_last=1, cond_only_from=-3),
+], ids=["sparsevar-keep", "sparsevar-tau", "fastvar", "skip+cond-only"])
+def test_policies_with_cuda_graphs_match_eager(enable):
+    """Graphs replay only the scales no policy touches; the result must not depend on them."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    enable(pipe)
+    eager_codes, eager = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    for _ in range(2):
+        codes, images = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
+        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        torch.testing.assert_close(images, eager, atol=0, rtol=0)
