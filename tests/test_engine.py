@@ -111,8 +111,9 @@ def test_every_hook_is_called_at_every_scale_and_neutral_is_bit_exact(pipe):
     cfg = pipe.transformer.config
     H, d = cfg.num_heads, cfg.embed_dim // cfg.num_heads
     S = sched.num_scales
-    assert rec.calls[:2] == [("validate", -1), ("begin", -1)]
-    per_scale = Counter((c[0], c[1]) for c in rec.calls[2:])
+    # validated once when added to the pipeline, then again (and begun) at the generation
+    assert rec.calls[:3] == [("validate", -1), ("validate", -1), ("begin", -1)]
+    per_scale = Counter((c[0], c[1]) for c in rec.calls[3:])
     for si in range(S):
         assert per_scale[("plan_scale", si)] == 1
         assert per_scale[("wrap_sublayer", si)] == 2 * depth
@@ -265,11 +266,13 @@ class Named(Policy):
         self.name, self.incompatible = name, tuple(incompatible)
 
 
-def test_same_policy_twice_is_refused(pipe):
-    pipe.add_policy(Named("sparsevar"))
+def test_same_policy_twice_is_refused_by_a_stack_and_replaced_by_the_pipeline(pipe):
+    stack = PolicyStack([Named("sparsevar")])
     with pytest.raises(ValueError, match=r"sparsevar is already enabled"):
-        pipe.add_policy(Named("sparsevar"))
-    assert len(pipe.policies) == 1
+        stack.with_policy(Named("sparsevar"))
+    first, second = Named("sparsevar"), Named("sparsevar")
+    pipe.add_policy(first).add_policy(second)          # enabling again replaces the settings
+    assert list(pipe.policies) == [second]
 
 
 @pytest.mark.parametrize("first, second", [
