@@ -5,7 +5,7 @@ inside a model; policies reach the model only through the hook points the adapte
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -27,11 +27,13 @@ class ModelAdapter(Protocol):
         """Set up a generation: conditioning rows ([cond; uncond]), hoisted per-image projections,
         the (reused) workspace with its KV cache and latent, the first stage input."""
 
-    def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
+    def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> Optional[torch.Tensor]:
         """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head.
         Returns float32 logits of every row of the full map, (R, h·w, V). Reads its inputs only from
         the workspace and bakes in no per-call setting, so a dense scale can be captured as a CUDA
-        graph and replayed by later calls."""
+        graph and replayed by later calls. Given ``graphs`` (the engine's graph runner) for a scale
+        with a static subset or with observe taps, the adapter replays just its layer stack from a
+        graph and runs the hooks around it; it returns None when that is not possible."""
 
     def guide(self, si: int, logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance (the family's formula) → guided logits (B, h·w, V)."""

@@ -55,7 +55,8 @@ class _ScaleTimer:
 
 
 class _GraphRunner:
-    """One CUDA graph per dense scale, stored in the adapter's workspace and replayed later.
+    """CUDA graphs of dense scales (and of layer stacks, see the adapters), stored in the adapter's
+    workspace and replayed later.
 
     The adapter's ``compute_scale`` reads only static workspace buffers, so a capture taken at the
     first generation stays valid for every later one of the same shape. The KV cache's host-side
@@ -72,8 +73,10 @@ class _GraphRunner:
             adapter.capture_stream = torch.cuda.Stream()
         self.ws, self.stream = workspace, adapter.capture_stream
 
-    def run(self, si: int, fn: Callable[[], torch.Tensor], kv) -> torch.Tensor:
-        entry = self.ws.graphs.get(si)
+    def run(self, key, fn: Callable[[], Any], kv) -> Any:
+        """Replay (capturing at the first call) the graph of ``key``; None when the KV cache is not in
+        the captured state, so the caller runs eagerly."""
+        entry = self.ws.graphs.get(key)
         if entry is None and kv.masked:
             return None
         if entry is None:
@@ -88,7 +91,7 @@ class _GraphRunner:
             with torch.cuda.graph(graph, pool=self.ws.graph_pool, stream=stream):
                 out = fn()
             entry = (graph, out, list(before), list(kv.lengths))
-            self.ws.graphs[si] = entry
+            self.ws.graphs[key] = entry
             kv.lengths = list(before)                  # capture recorded work but ran none of it
         graph, out, before, after = entry
         if kv.lengths != before or kv.masked:
@@ -144,8 +147,12 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 run.cfg_active = False
             timer.start(si)
             logits = None
-            if graphs is not None and plan.dense and run.cfg_active and not policies.uses_model_hooks(si, run):
-                logits = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
+            if graphs is not None and run.cfg_active:
+                if plan.dense and not policies.uses_model_hooks(si, run):
+                    logits = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
+                elif (plan.dense or plan.static) and plan.token_valid is None and policies.graph_safe_at(si, run):
+                    # the layer stack replays from a graph; the policies' observe / post_hidden run around it
+                    logits = adapter.compute_scale(si, plan, run, graphs=graphs)
             if logits is None:
                 logits = adapter.compute_scale(si, plan, run)
             guided = adapter.guide(si, logits, run)

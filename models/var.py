@@ -396,38 +396,83 @@ class VARAdapter:
         return x_BlC.repeat(R // B, 1, 1)                                             # same tokens for both CFG halves
 
     @torch.no_grad()
-    def compute_scale(self, si: int, plan: ScalePlan, run: RunState) -> torch.Tensor:
-        """Raw float32 logits of every row, (R, h·w, V); reads only workspace buffers."""
+    def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> torch.Tensor:
+        """Raw float32 logits of every row, (R, h·w, V); reads only workspace buffers.
+
+        With ``graphs`` (the engine's CUDA-graph runner) the layer stack — stage input, gather,
+        layers, scatter — is replayed from a graph keyed by scale and subset size; the policies'
+        taps are read from it afterwards, and post_hidden and the head run eagerly. Returns None
+        when the graph cannot be used (the engine then calls again without it)."""
+        R = run.rows
+        if graphs is not None:
+            x_RLC = self._layers_graphed(si, plan, run, graphs)
+            if x_RLC is None:
+                return None
+        else:
+            idx = plan.token_index.to(self.device, torch.long) if plan.token_index is not None else None
+            valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
+            x_RLC, _ = self._layers(si, idx, valid, run, taps=None)
+        x_RLC = run.policies.post_hidden(si, x_RLC, run)
+        return self.transformer.logits(x_RLC, run.workspace.head_ada_R2C[:R])
+
+    def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor], run: RunState,
+                taps: Optional[set]):
+        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter. With ``taps`` (a
+        set of layers) the taps are returned instead of handed to the policies' observe."""
         ws, R, B = run.workspace, run.rows, run.batch_size
         stack = run.policies
         x0_RLC = self.stage_input(si, run)
         start, L = self.schedule.offsets[si], x0_RLC.shape[1]
         kv = ws.kv
         idx_Rn, valid_Rn = None, None
-        if plan.token_index is not None:
-            idx_Bn = plan.token_index.to(self.device, torch.long)
+        if idx_Bn is not None:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
             pos, record = idx_Rn + start, True
-            if plan.token_valid is not None:
-                valid_Rn = plan.token_valid.to(self.device).repeat(R // B, 1)
+            if valid_Bn is not None:
+                valid_Rn = valid_Bn.repeat(R // B, 1)
         else:
             x_RlC = x0_RLC
             pos = ws.positions_L[start:start + L]
             record = len(set(kv.lengths)) > 1          # layers out of step (per-layer pruning): record per layer
             if not record:
                 kv.record_positions(kv.lengths[0], pos)
-        observe = stack.active["observe"]
+        observe = stack.active["observe"] and taps is None
+        collected = []
         for i, blk in enumerate(self.transformer.blocks):
             x_in = x_RlC
             call = _LayerCall(kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
             x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
+            elif taps is not None and i in taps:
+                collected.append((i, x_in, x_RlC))
         if idx_Rn is not None:
             x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
-        x_RlC = stack.post_hidden(si, x_RlC, run)
-        return self.transformer.logits(x_RlC, ws.head_ada_R2C[:R])
+        return x_RlC, collected
+
+    def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
+        ws, stack = run.workspace, run.policies
+        taps = stack.observed_layers(si, run) if stack.active["observe"] else set()
+        taps = set(range(self.num_layers)) if taps is None else taps
+        idx_buf = None
+        if plan.token_index is not None:
+            n = plan.token_index.shape[1]
+            key = ("layers", si, n, frozenset(taps))
+            bufs = ws.__dict__.setdefault("static_index", {})
+            idx_buf = bufs.get(key)
+            if idx_buf is None:
+                idx_buf = bufs[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
+            idx_buf.copy_(plan.token_index)
+        else:
+            key = ("layers", si, None, frozenset(taps))
+        out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv)
+        if out is None:
+            return None
+        x_RLC, collected = out
+        for i, x_in, x_out in collected:
+            stack.observe(si, ("layer", i), x_in, x_out, run)
+        return x_RLC
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond."""

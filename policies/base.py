@@ -32,12 +32,16 @@ class ScalePlan:
     token_valid: (B, n) bool, False for padding entries when images keep different counts (pad
                  entries repeat one of the image's kept tokens; their keys are masked out).
     cond_only:   from this scale on, drop the unconditional CFG half (guidance off).
+    static:      the subset's size follows from the settings alone (e.g. a fixed keep ratio), so
+                 the same shape recurs every generation and its layer stack may be replayed from a
+                 CUDA graph.
     """
 
     skip: bool = False
     token_index: Optional[torch.Tensor] = None
     token_valid: Optional[torch.Tensor] = None
     cond_only: bool = False
+    static: bool = False
 
     @property
     def dense(self) -> bool:
@@ -118,7 +122,14 @@ class Policy:
 
     def observe(self, si: int, unit: tuple[str, int], x_in: torch.Tensor, x_out: torch.Tensor,
                 run: "RunState") -> None:
-        """Read-only tap after a layer (``("layer", i)``) or a block group (``("group", g)``)."""
+        """Read-only tap after a layer (``("layer", i)``): its input and output for the tokens it ran.
+        Taps are delivered in layer order, after the layer (eager) or after the replay of a graph
+        of the layer stack; they must not be modified."""
+
+    def observed_layers(self, si: int, run: "RunState") -> Optional[set]:
+        """The layers whose taps ``observe`` needs at scale ``si`` (None = every layer). Declaring
+        them lets the layer stack run from a CUDA graph that keeps just those taps."""
+        return None
 
     def attention(self, ctx: SubLayerContext, q_RHld: torch.Tensor, k_RHLd: torch.Tensor,
                   v_RHLd: torch.Tensor, run: "RunState") -> Optional[torch.Tensor]:
@@ -204,11 +215,31 @@ class PolicyStack:
                                  f"disable one of {[x.name for x in self.active['plan_scale']]}")
             subset = q if q.token_index is not None else plan
             plan = ScalePlan(skip=plan.skip or q.skip, token_index=subset.token_index,
-                             token_valid=subset.token_valid, cond_only=plan.cond_only or q.cond_only)
+                             token_valid=subset.token_valid, cond_only=plan.cond_only or q.cond_only,
+                             static=subset.static)
         return plan
 
     def uses_model_hooks(self, si: int, run) -> bool:
         return any(p.uses_model_hooks(si, run) for p in self.policies)
+
+    def graph_safe_at(self, si: int, run) -> bool:
+        """True when the policies need no hook inside the layers at ``si`` other than ``observe``
+        (which a graphed layer stack delivers after replay)."""
+        for p in self.policies:
+            if p.uses_model_hooks(si, run) and (_overrides(p, "wrap_sublayer") or _overrides(p, "attention")):
+                return False
+        return True
+
+    def observed_layers(self, si: int, run) -> Optional[set]:
+        layers: set = set()
+        for p in self.active["observe"]:
+            if not p.uses_model_hooks(si, run):
+                continue
+            got = p.observed_layers(si, run)
+            if got is None:
+                return None
+            layers |= set(got)
+        return layers
 
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run) -> torch.Tensor:
         wrappers = self.active["wrap_sublayer"]

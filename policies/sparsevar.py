@@ -235,6 +235,10 @@ class SparseVARPolicy(Policy):
     def uses_model_hooks(self, si: int, run) -> bool:
         return si >= run.policy_state[self.name]["P"] - 1
 
+    def observed_layers(self, si: int, run) -> set:
+        st = run.policy_state[self.name]
+        return {st["first"], st["last"]}
+
     # ---- hooks ------------------------------------------------------------------------------------
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         st = run.policy_state[self.name]
@@ -269,7 +273,8 @@ class SparseVARPolicy(Policy):
         st["zero"] = excluded & ~copied                                                 # (B, L)
         roles[copied] = TOKEN_COPIED
         run.stats.token_maps[si] = roles.view(B, h, w)
-        return ScalePlan(token_index=index_Bn, token_valid=valid_Bn)
+        return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
+                         static=c.keep_ratio is not None and valid_Bn is None)
 
     def observe(self, si: int, unit, x_in, x_out, run) -> None:
         st = run.policy_state[self.name]
