@@ -458,14 +458,14 @@ class VARAdapter:
         idx_buf = None
         if plan.token_index is not None:
             n = plan.token_index.shape[1]
-            key = ("layers", si, n, frozenset(taps))
+            key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
             bufs = ws.__dict__.setdefault("static_index", {})
             idx_buf = bufs.get(key)
             if idx_buf is None:
                 idx_buf = bufs[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
             idx_buf.copy_(plan.token_index)
         else:
-            key = ("layers", si, None, frozenset(taps))
+            key = ("layers", si, None, frozenset(taps), stack.graph_key(si, run))
         out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv)
         if out is None:
             return None

@@ -99,6 +99,19 @@ class Policy:
 
     name: str = "policy"
     incompatible: tuple[str, ...] = ()
+    # True when this policy's in-layer hooks (wrap_sublayer, attention) are plain tensor work of
+    # fixed shapes, keeping state only in tensors produced inside the same generation, so a layer
+    # stack with them may be captured into a CUDA graph (keyed by the policy's settings).
+    graph_capturable: bool = False
+
+    def graph_ready(self, si: int, run: "RunState") -> bool:
+        """For a capturable policy: whether replaying a captured layer stack at ``si`` is valid in
+        this generation (e.g. its cached tensors came from graph replays too)."""
+        return True
+
+    def graph_key(self) -> object:
+        """What a captured layer stack depends on besides shapes: the settings by default."""
+        return (self.name, getattr(self, "config", None))
 
     def validate(self, info: "ModelInfo") -> None:
         """Check the settings against the model (family, schedule, layers); raise ValueError naming
@@ -226,9 +239,16 @@ class PolicyStack:
         """True when the policies need no hook inside the layers at ``si`` other than ``observe``
         (which a graphed layer stack delivers after replay)."""
         for p in self.policies:
-            if p.uses_model_hooks(si, run) and (_overrides(p, "wrap_sublayer") or _overrides(p, "attention")):
+            if not p.uses_model_hooks(si, run):
+                continue
+            in_layer = _overrides(p, "wrap_sublayer") or _overrides(p, "attention")
+            if in_layer and not (p.graph_capturable and p.graph_ready(si, run)):
                 return False
         return True
+
+    def graph_key(self, si: int, run) -> tuple:
+        """The settings a captured layer stack at ``si`` depends on."""
+        return tuple(p.graph_key() for p in self.policies if p.uses_model_hooks(si, run))
 
     def observed_layers(self, si: int, run) -> Optional[set]:
         layers: set = set()

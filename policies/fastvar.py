@@ -79,6 +79,7 @@ def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
 class FastVARPolicy(Policy):
     name = "fastvar"
     incompatible = ("sparsevar",)
+    graph_capturable = True      # fixed-size selections; the cache comes from the same generation
 
     def __init__(self, config: FastVARConfig = FastVARConfig()):
         self.config = config
@@ -99,7 +100,12 @@ class FastVARPolicy(Policy):
 
     def begin(self, run) -> None:
         cache_si = run.schedule.num_scales - len(self.config.ratios) - 1
-        run.policy_state[self.name] = {"cache_si": cache_si, "cache": {}, "tokens": 0.0, "calls": 0}
+        run.policy_state[self.name] = {"cache_si": cache_si, "cache": {}, "cache_eager": False}
+
+    def graph_ready(self, si: int, run) -> bool:
+        # a captured pruned scale reads the cache tensors of the captured cache scale: valid only
+        # when the cache scale of this generation was replayed (or captured) too, not run eagerly
+        return not run.policy_state[self.name]["cache_eager"]
 
     def uses_model_hooks(self, si: int, run) -> bool:
         if self.config.neutral:
@@ -126,6 +132,8 @@ class FastVARPolicy(Policy):
         if si == st["cache_si"]:                       # remember every gated branch output
             out_RLC = sub.residual(x_RLC)
             st["cache"][key] = (out_RLC, run.schedule.hw[si])
+            capturing = x_RLC.is_cuda and torch.cuda.is_current_stream_capturing()
+            st["cache_eager"] = not capturing
             return x_RLC + out_RLC
         r = self._ratio(si, run)
         if r is None or r == 0.0:
@@ -139,18 +147,19 @@ class FastVARPolicy(Policy):
         cached = cached_RLC[:R].transpose(1, 2).reshape(R, C, hc, wc)                 # (R, hw, C) → (R, C, h, w)
         update_RLC = F.interpolate(cached, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)
         update_RLC = update_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(R, keep, C), fresh_RnC)
-        st["tokens"] += keep
-        st["calls"] += 1
         return x_RLC + update_RLC
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
-        st = run.policy_state[self.name]
-        if st["calls"]:
-            # tokens per sub-layer, averaged over every sub-layer of the model (dense ones count in full)
+        r = self._ratio(si, run)
+        if r is not None and 0.0 < r < 1.0 and not self.config.neutral:
+            # tokens per sub-layer, averaged over every sub-layer (unpruned layers count in full);
+            # computed from the settings, so it holds for graph replays too
             h, w = run.schedule.hw[si]
-            n_sub = len(run.info.sublayers) * run.info.num_layers
-            dense_calls = n_sub - st["calls"]
-            run.tokens_computed = (st["tokens"] + dense_calls * h * w) / n_sub
-        st["tokens"], st["calls"] = 0.0, 0
-        if si == st["cache_si"] + len(self.config.ratios):
-            st["cache"].clear()
+            L = h * w
+            N = run.info.num_layers
+            lr = self.config.layer_range or (0, N - 1)
+            pruned = min(lr[1], N - 1) - lr[0] + 1
+            keep = L - math.floor(L * r)
+            run.tokens_computed = (pruned * keep + (N - pruned) * L) / N
+        if si == run.schedule.num_scales - 1:
+            run.policy_state[self.name]["cache"].clear()
