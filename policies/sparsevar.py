@@ -129,6 +129,11 @@ def anchor_mask(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
     return rows[:, None] & cols[None, :]
 
 
+def anchor_count(h: int, w: int, alpha: int) -> int:
+    """Number of anchors of an (h, w) map (host arithmetic, no tensor)."""
+    return len(set(range(0, h, alpha)) | {h - 1}) * len(set(range(0, w, alpha)) | {w - 1})
+
+
 def anchor_candidates(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
     """(h·w, 4) token indices of the anchors at the corners of each token's anchor-grid cell
     (the nearest anchor rows above/below × nearest anchor columns left/right; corners coincide on
@@ -160,7 +165,7 @@ def upsample_map(m_Bhw: torch.Tensor, hw: tuple[int, int], mode: str) -> torch.T
 
 
 def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
-                  keep_ratio: Optional[float]) -> torch.Tensor:
+                  keep_ratio: Optional[float], num_anchors: Optional[int] = None) -> torch.Tensor:
     """(B, L) bool kept tokens: anchors ∪ (change > tau · max) — or, with ``keep_ratio``, anchors
     ∪ the largest changes up to ``ceil(keep_ratio · L)`` tokens in all (ties broken by position)."""
     B, L = change_BL.shape
@@ -169,7 +174,9 @@ def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
         top_B1 = change_BL.amax(dim=1, keepdim=True)
         keep = change_BL > tau * top_B1
     else:
-        budget = max(math.ceil(keep_ratio * L), int(anchors_L.sum()))
+        if num_anchors is None:
+            num_anchors = int(anchors_L.sum())           # a host read; callers that know it pass it
+        budget = max(math.ceil(keep_ratio * L), num_anchors)
         score = change_BL.masked_fill(anchors_BL, float("inf"))
         # stable descending order: equal changes keep the earlier position
         order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget]
@@ -249,20 +256,31 @@ class SparseVARPolicy(Policy):
         h, w = sch.hw[si]
         L = h * w
         change_BL = upsample_map(st["change"], (h, w), c.interpolation).reshape(-1, L)
-        anchors_L = anchor_mask(h, w, c.alpha, change_BL.device).reshape(L)
-        keep_BL = select_tokens(change_BL, anchors_L, c.tau, c.keep_ratio)
-        index_Bn, valid_Bn, counts = pack_indices(keep_BL)
+        geo = st.setdefault("geometry", {})                # anchor grid and cells, once per map size
+        if (h, w) not in geo:
+            geo[(h, w)] = (anchor_mask(h, w, c.alpha, change_BL.device).reshape(L),
+                           anchor_candidates(h, w, c.alpha, change_BL.device))
+        anchors_L, cand_L4 = geo[(h, w)]
+        keep_BL = select_tokens(change_BL, anchors_L, c.tau, c.keep_ratio, anchor_count(h, w, c.alpha))
         B = keep_BL.shape[0]
+        if c.keep_ratio is not None:
+            # the count follows from the settings: no host read of the kept set
+            n = max(math.ceil(c.keep_ratio * L), anchor_count(h, w, c.alpha))
+            index_Bn, valid_Bn = torch.sort(torch.sort((~keep_BL).to(torch.uint8), dim=1, stable=True)
+                                            .indices[:, :n], dim=1).values, None
+            all_kept = n == L
+        else:
+            index_Bn, valid_Bn, counts = pack_indices(keep_BL)
+            all_kept = min(counts) == L
         roles = torch.where(keep_BL, torch.full_like(keep_BL, TOKEN_KEPT, dtype=torch.uint8),
                             torch.full_like(keep_BL, TOKEN_EXCLUDED, dtype=torch.uint8))
         roles[anchors_L[None].expand(B, L)] = TOKEN_ANCHOR
-        if min(counts) == L:                              # nothing excluded: the dense path
+        if all_kept:                                      # nothing excluded: the dense path
             run.stats.token_maps[si] = roles.view(B, h, w)
             return None
         # anchor assignment from the previous scale's guided logits (upsampled, per token)
         lg = st["logits"]                                 # (B, h', w', V)
         lg_BLV = F.normalize(upsample_map(lg, (h, w), c.interpolation).reshape(B, L, -1), dim=-1)
-        cand_L4 = anchor_candidates(h, w, c.alpha, lg_BLV.device)
         sims = torch.stack([(lg_BLV * lg_BLV[:, cand_L4[:, j]]).sum(-1) for j in range(4)], dim=-1)  # (B, L, 4)
         best_sim, best_j = sims.max(dim=-1)
         anchor_BL = cand_L4[torch.arange(L, device=best_j.device)[None, :], best_j]      # (B, L) chosen anchor

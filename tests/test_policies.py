@@ -10,7 +10,7 @@ from sparsevar import VARPipeline
 from sparsevar.policies import (FastVARConfig, Policy, ScaleSkipConfig, SparseVARConfig)
 from sparsevar.policies.fastvar import pivotal_tokens
 from sparsevar.policies.sparsevar import (TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT, anchor_candidates,
-                                          anchor_mask, pack_indices, select_tokens)
+                                          anchor_count, anchor_mask, pack_indices, select_tokens)
 
 
 @pytest.fixture
@@ -72,6 +72,8 @@ def test_anchor_grid_includes_last_row_and_column_on_odd_non_square_maps():
     assert anchor_mask(1, 1, 4).all()
     assert anchor_mask(13, 13, 4).sum() == 4 * 4          # rows/cols 0, 4, 8, 12 (12 is also the last)
     assert anchor_mask(16, 16, 4).sum() == 5 * 5          # 0, 4, 8, 12 and the last, 15
+    for h, w, a in ((5, 7, 4), (13, 13, 4), (16, 16, 4), (1, 9, 2), (40, 60, 4)):
+        assert anchor_count(h, w, a) == int(anchor_mask(h, w, a).sum())
 
 
 def test_anchor_candidates_are_the_corners_of_the_token_cell():
