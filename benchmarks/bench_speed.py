@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..models.var import var_loop_flops
+
 # H100 SXM ceilings used for the floor (kernels.md §6): dense bf16 tensor-core peak and HBM copy rate.
 PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
 PEAK_TBPS = {"H100": 3.0, "H200": 4.3}
@@ -45,22 +47,6 @@ METHODS = {
     "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, True, "skip_last=2"),
 }
 POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
-
-
-def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None) -> float:
-    """FLOPs of the scale loop with CFG (2·batch rows) when scale k runs ``tokens_per_scale[k]``
-    tokens per image (0 = skipped) and attends to ``kv_per_scale[k]`` cached tokens (default: the
-    running sum). The head always runs on the full map (excluded tokens still get logits)."""
-    C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
-    hidden = round(C * cfg.mlp_ratio)
-    rows, total, prefix = 2 * batch, 0.0, 0.0
-    for k, (p, n) in enumerate(zip(cfg.patch_nums, tokens_per_scale)):
-        if n == 0:
-            continue
-        prefix += n
-        kv = prefix if kv_per_scale is None else kv_per_scale[k]
-        total += rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * kv * C) + 2 * p * p * C * V)
-    return total
 
 
 def _gpu_key(name: str) -> Optional[str]:

@@ -1,4 +1,9 @@
-"""ComfyUI nodes (thin: widgets → frozen configs → one library call). Registered by the root
-``__init__`` only inside ComfyUI; the node set arrives with the ComfyUI issue."""
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+"""ComfyUI nodes (thin: widgets → frozen configs → one library call). Imported by the root
+``__init__`` only when ComfyUI itself loads this folder."""
+from .var_nodes import NODES, register_model_folder
+
+register_model_folder()
+
+# V3 node classes registered through the classic mapping (works on ComfyUI 0.3.64 and later).
+NODE_CLASS_MAPPINGS = {n.define_schema().node_id: n for n in NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {n.define_schema().node_id: n.define_schema().display_name for n in NODES}

