@@ -73,7 +73,7 @@ class _GraphRunner:
             adapter.capture_stream = torch.cuda.Stream()
         self.ws, self.stream = workspace, adapter.capture_stream
 
-    def run(self, key, fn: Callable[[], Any], kv) -> Any:
+    def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None) -> Any:
         """Replay (capturing at the first call) the graph of ``key``; None when the KV cache is not in
         the captured state, so the caller runs eagerly."""
         entry = self.ws.graphs.get(key)
@@ -88,16 +88,21 @@ class _GraphRunner:
             torch.cuda.current_stream().wait_stream(stream)
             kv.lengths = list(before)
             graph = torch.cuda.CUDAGraph()
+            if run is not None:
+                run.graph_exports = {}
             with torch.cuda.graph(graph, pool=self.ws.graph_pool, stream=stream):
                 out = fn()
-            entry = (graph, out, list(before), list(kv.lengths))
+            exports = run.graph_exports if run is not None else {}
+            entry = (graph, out, list(before), list(kv.lengths), exports)
             self.ws.graphs[key] = entry
             kv.lengths = list(before)                  # capture recorded work but ran none of it
-        graph, out, before, after = entry
+        graph, out, before, after, exports = entry
         if kv.lengths != before or kv.masked:
             return None                                # a policy changed the cache earlier: run eagerly
         graph.replay()
         kv.lengths = list(after)
+        if run is not None and exports:
+            run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out
 
 
@@ -149,7 +154,9 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             logits = None
             if graphs is not None and run.cfg_active:
                 if plan.dense and not policies.uses_model_hooks(si, run):
-                    logits = graphs.run(si, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv)
+                    # keyed also by whether sub-layers go through a (neutral) wrapper: other kernels
+                    key = (("dense", si, bool(policies.active["wrap_sublayer"])))
+                    logits = graphs.run(key, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv, run)
                 elif (plan.dense or plan.static) and plan.token_valid is None and policies.graph_safe_at(si, run):
                     # the layer stack replays from a graph; the policies' observe / post_hidden run around it
                     logits = adapter.compute_scale(si, plan, run, graphs=graphs)

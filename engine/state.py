@@ -126,6 +126,7 @@ class RunState:
     policy_state: dict[str, Any] = field(default_factory=dict)
     workspace: Optional[Any] = None
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
+    graph_exports: dict = field(default_factory=dict)   # tensors policies register while a graph is captured
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

@@ -381,8 +381,15 @@ class VARAdapter:
         m, B = self.transformer, run.batch_size
         key = (B, self.device, self.dtype)
         ws = self._workspaces.get(key)
+        # captured graphs hold the weights' addresses: a model moved away and back (ComfyUI offloading,
+        # a dtype round trip) has new storage, so its old workspace and graphs must go
+        fingerprint = tuple(p.data_ptr() for p in m.parameters())
+        if ws is not None and ws.weights != fingerprint:
+            del self._workspaces[key]
+            ws = None
         if ws is None:
             ws = self._workspaces[key] = _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype)
+            ws.weights = fingerprint
         labels_B = class_labels_B.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
         first_l = self.schedule.tokens(0)
@@ -482,7 +489,7 @@ class VARAdapter:
             idx_buf.copy_(plan.token_index)
         else:
             key = ("layers", si, None, frozenset(taps), stack.graph_key(si, run))
-        out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv)
+        out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv, run)
         if out is None:
             return None
         x_RLC, collected = out

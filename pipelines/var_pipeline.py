@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -340,11 +342,12 @@ class VARPipeline(DiffusionPipeline):
         ids = self.get_label_ids(class_labels)
         if not ids:
             raise ValueError("class_labels is empty: pass at least one class id or name")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
+                or not math.isfinite(guidance_scale) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a number >= 0 (0 disables guidance), got {guidance_scale!r}")
         if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 keeps every code), got {top_k!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 <= top_p <= 1.0:
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
         if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")

@@ -109,6 +109,11 @@ class Policy:
         this generation (e.g. its cached tensors came from graph replays too)."""
         return True
 
+    def graph_replayed(self, si: int, exports: dict, run: "RunState") -> None:
+        """A captured layer stack of scale ``si`` was replayed instead of run: ``exports`` holds the
+        tensors policies registered in ``run.graph_exports`` while it was captured (their contents
+        now refreshed), so a policy can point its per-run state at them."""
+
     def graph_key(self) -> object:
         """What a captured layer stack depends on besides shapes: the settings by default."""
         return (self.name, getattr(self, "config", None))
@@ -247,8 +252,14 @@ class PolicyStack:
         return True
 
     def graph_key(self, si: int, run) -> tuple:
-        """The settings a captured layer stack at ``si`` depends on."""
-        return tuple(p.graph_key() for p in self.policies if p.uses_model_hooks(si, run))
+        """The settings a captured layer stack at ``si`` depends on: those of the policies working
+        inside the layers there (observe-only policies change nothing that is captured)."""
+        return tuple(p.graph_key() for p in self.policies if p.uses_model_hooks(si, run)
+                     and (_overrides(p, "wrap_sublayer") or _overrides(p, "attention")))
+
+    def graph_replayed(self, si: int, exports: dict, run) -> None:
+        for p in self.policies:
+            p.graph_replayed(si, exports, run)
 
     def observed_layers(self, si: int, run) -> Optional[set]:
         layers: set = set()

@@ -28,7 +28,7 @@ class FastVARConfig:
     ratios: prune ratio of each of the last ``len(ratios)`` scales, earliest first, each in [0, 1]:
         the fraction of tokens a pruned sub-layer leaves out (0 = none, the neutral setting; 1.0 =
         the whole scale is skipped, allowed only on a final run of scales). The scale just before
-        the first pruned one is the cache scale. Infinity-2B 1024²: (0.4, 0.5, 1.0, 1.0); HART:
+        the first one with a ratio above 0 is the cache scale. Infinity-2B 1024²: (0.4, 0.5, 1.0, 1.0); HART:
         (0.5, 0.75). Higher ratios: more speed, blurrier detail.
     layer_range: (first, last) layer indices, inclusive, that prune; None = every layer. The
         official Infinity-2B setting prunes layers 3..27 of 32 and runs the rest dense.
@@ -38,6 +38,9 @@ class FastVARConfig:
     layer_range: Optional[tuple] = None
 
     def __post_init__(self):
+        if isinstance(self.ratios, (str, bytes)) or not hasattr(self.ratios, "__iter__"):
+            raise ValueError(f"ratios must be a sequence of prune ratios, one per final scale, e.g. (0.5, 0.75); "
+                             f"got {self.ratios!r}")
         ratios = tuple(self.ratios)
         object.__setattr__(self, "ratios", ratios)
         if not ratios:
@@ -98,9 +101,21 @@ class FastVARPolicy(Policy):
         n = len(self.config.ratios)
         return self.config.ratios[n - 1 - k] if k < n else None
 
+    def _cache_scale(self, run) -> int:
+        """The last unpruned scale: the one before the first ratio above 0."""
+        ratios = self.config.ratios
+        first = next((k for k, r in enumerate(ratios) if r > 0.0), len(ratios))
+        return run.schedule.num_scales - len(ratios) + first - 1
+
     def begin(self, run) -> None:
-        cache_si = run.schedule.num_scales - len(self.config.ratios) - 1
-        run.policy_state[self.name] = {"cache_si": cache_si, "cache": {}, "cache_eager": False}
+        run.policy_state[self.name] = {"cache_si": self._cache_scale(run), "cache": {}, "cache_eager": False}
+
+    def graph_replayed(self, si: int, exports: dict, run) -> None:
+        # a replayed cache scale refreshed the tensors it exported at capture: use those
+        if si == run.policy_state[self.name]["cache_si"] and self.name in exports:
+            st = run.policy_state[self.name]
+            st["cache"] = dict(exports[self.name])
+            st["cache_eager"] = False
 
     def graph_ready(self, si: int, run) -> bool:
         # a captured pruned scale reads the cache tensors of the captured cache scale: valid only
@@ -134,6 +149,8 @@ class FastVARPolicy(Policy):
             st["cache"][key] = (out_RLC, run.schedule.hw[si])
             capturing = x_RLC.is_cuda and torch.cuda.is_current_stream_capturing()
             st["cache_eager"] = not capturing
+            if capturing:                              # replays of this graph refresh these tensors
+                run.graph_exports.setdefault(self.name, {})[key] = st["cache"][key]
             return x_RLC + out_RLC
         r = self._ratio(si, run)
         if r is None or r == 0.0:

@@ -237,7 +237,8 @@ class SparseVARPolicy(Policy):
     def begin(self, run) -> None:
         P, first, last = self.resolved(run.info)
         run.policy_state[self.name] = {"P": P, "first": first, "last": last, "x_in": None,
-                                       "change": None, "logits": None, "copy_src": None, "zero": None}
+                                       "change": None, "logits": None, "copy_src": None, "zero": None,
+                                       "roles": None}
 
     def uses_model_hooks(self, si: int, run) -> bool:
         return si >= run.policy_state[self.name]["P"] - 1
@@ -249,7 +250,7 @@ class SparseVARPolicy(Policy):
     # ---- hooks ------------------------------------------------------------------------------------
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         st = run.policy_state[self.name]
-        st["copy_src"] = st["zero"] = None
+        st["copy_src"] = st["zero"] = st["roles"] = None
         if si < st["P"] or self.config.neutral or st["change"] is None:
             return None
         c, sch = self.config, run.schedule
@@ -276,7 +277,7 @@ class SparseVARPolicy(Policy):
                             torch.full_like(keep_BL, TOKEN_EXCLUDED, dtype=torch.uint8))
         roles[anchors_L[None].expand(B, L)] = TOKEN_ANCHOR
         if all_kept:                                      # nothing excluded: the dense path
-            run.stats.token_maps[si] = roles.view(B, h, w)
+            st["roles"] = roles.view(B, h, w)
             return None
         # anchor assignment from the previous scale's guided logits (upsampled, per token)
         lg = st["logits"]                                 # (B, h', w', V)
@@ -290,7 +291,7 @@ class SparseVARPolicy(Policy):
         st["copy_src"] = torch.where(copied, anchor_BL, ar)                            # (B, L)
         st["zero"] = excluded & ~copied                                                 # (B, L)
         roles[copied] = TOKEN_COPIED
-        run.stats.token_maps[si] = roles.view(B, h, w)
+        st["roles"] = roles.view(B, h, w)             # recorded once the scale has run (after_scale)
         return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
                          static=c.keep_ratio is not None and valid_Bn is None)
 
@@ -332,6 +333,8 @@ class SparseVARPolicy(Policy):
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         st = run.policy_state[self.name]
+        if st["roles"] is not None:
+            run.stats.token_maps[si] = st["roles"]
         if si >= st["P"] - 1 and si < run.schedule.num_scales - 1:
             h, w = run.schedule.hw[si]
             st["logits"] = guided_logits_BLV.reshape(guided_logits_BLV.shape[0], h, w, -1)  # (B, hw, V) → (B, h, w, V)

