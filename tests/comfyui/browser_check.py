@@ -26,6 +26,16 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--window-size=1600,1000", "--hide-scrollbars"]
 
 
+# warning / error toasts and dialogs the frontend shows (schema errors, missing nodes or models)
+ALERTS = """(() => Array.from(document.querySelectorAll(
+  '.p-toast-message-warn, .p-toast-message-error, .p-dialog'))
+  .map(e => e.innerText.trim()).filter(t => t))()"""
+DISMISS = """(() => { document.querySelectorAll('.p-dialog-close-button, .p-toast-close-button')
+  .forEach(b => b.click()); return true; })()"""
+FIT = """;(() => { try { app.canvas.ds.scale = 0.8; app.canvas.ds.offset = [60, 150];
+  app.canvas.setDirty(true, true); } catch (e) {} return true; })()"""
+
+
 def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)
@@ -103,6 +113,8 @@ async def run(url: str, out_dir: Path, workflows: list[Path]) -> dict:
                 cdp = CDP(ws)
                 for domain in ("Page", "Runtime", "Log"):
                     await cdp.call(f"{domain}.enable")
+                # no first-run template gallery over the canvas
+                await s.post(f"{url}/settings/Comfy.TutorialCompleted", json=True)
                 await cdp.call("Page.navigate", url=url)
                 for _ in range(120):
                     if await cdp.evaluate("!!(window.app && window.app.graph && window.LiteGraph)"):
@@ -115,19 +127,25 @@ async def run(url: str, out_dir: Path, workflows: list[Path]) -> dict:
                 for path in workflows:
                     cdp.events.clear()
                     wf = json.loads(path.read_text())
+                    await cdp.evaluate(DISMISS)
                     await cdp.evaluate(f"app.loadGraphData({json.dumps(wf)})")
                     await cdp.pump(1.5)
+                    alerts = await cdp.evaluate(ALERTS)          # toasts are not console errors
+                    await cdp.evaluate(DISMISS + FIT)
+                    await cdp.pump(1.0)
                     state = await cdp.evaluate(
                         "JSON.stringify({n: app.graph._nodes.length, types: app.graph._nodes.map(n => n.type),"
                         " unknown: app.graph._nodes.filter(n => !LiteGraph.registered_node_types[n.type])"
                         ".map(n => n.type)})")
                     state = json.loads(state)
-                    shot = await cdp.call("Page.captureScreenshot", format="png")
+                    shot = await cdp.call("Page.captureScreenshot", format="png",
+                                          clip={"x": 0, "y": 0, "width": 1600, "height": 1000, "scale": 0.75})
                     png = out_dir / (path.stem + ".png")
                     png.write_bytes(base64.b64decode(shot["data"]))
                     report["workflows"][path.name] = {"nodes": state["n"], "expected_nodes": len(wf["nodes"]),
                                                       "unknown_types": state["unknown"],
-                                                      "errors": _errors(cdp.events), "screenshot": str(png)}
+                                                      "errors": _errors(cdp.events) + alerts,
+                                                      "screenshot": str(png)}
     finally:
         proc.terminate()
         try:

@@ -7,7 +7,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "0.1.0"
-MODELS = [{"name": "var_d16.pth", "directory": "var"}, {"name": "vae_ch160v4096z32.pth", "directory": "var"}]
+# The frontend's workflow schema wants a url per model: the official release (the library itself
+# never downloads; ComfyUI may offer it to the user when the file is missing from models/var).
+OFFICIAL = "https://huggingface.co/FoundationVision/var/resolve/main/"
+MODELS = [{"name": n, "url": OFFICIAL + n, "directory": "var"} for n in ("var_d16.pth", "vae_ch160v4096z32.pth")]
 LOADER = ("SparseVAR_VARModelLoader", ["var_d16.pth", "vae_ch160v4096z32.pth", "auto"])
 SAMPLER_WIDGETS = ["207", 0, "fixed", 4.0, 900, 0.95, 1]
 OUT_TYPES = {
