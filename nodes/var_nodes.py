@@ -45,12 +45,20 @@ def _model_roots() -> list[Path]:
     return [Path(p) for p in folder_paths.get_folder_paths(FOLDER) if os.path.isdir(p)]
 
 
+def _folders() -> list[str]:
+    return sorted({str(d.relative_to(root)) for root in _model_roots() for d in root.rglob("*")
+                   if d.is_dir() and (d / "model_index.json").is_file()})
+
+
+def _files() -> list[str]:
+    """Checkpoint files under models/var, leaving out the insides of converted folders."""
+    folders = _folders()
+    return [f for f in folder_paths.get_filename_list(FOLDER) if not any(f.startswith(d + os.sep) for d in folders)]
+
+
 def model_choices() -> list[str]:
-    """Checkpoint files and converted folders (with model_index.json) under models/var."""
-    files = [f for f in folder_paths.get_filename_list(FOLDER)]
-    folders = sorted({str(d.relative_to(root)) for root in _model_roots() for d in root.rglob("*")
-                      if d.is_dir() and (d / "model_index.json").is_file()})
-    return folders + [f for f in files if not any(f.startswith(d + os.sep) for d in folders)] or ["(put models in models/var)"]
+    """Converted folders (with model_index.json) and checkpoint files under models/var."""
+    return _folders() + _files() or ["(put models in models/var)"]
 
 
 def _resolve(name: str) -> str:
@@ -90,7 +98,7 @@ class VARModelLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model", options=model_choices(),
                                tooltip="transformer file (var_d*.pth) or converted folder in models/var"),
-                io.Combo.Input("vae", options=[FROM_FOLDER] + folder_paths.get_filename_list(FOLDER),
+                io.Combo.Input("vae", options=[FROM_FOLDER] + _files(),
                                tooltip="the VQVAE file (vae_ch160v4096z32.pth); not needed for a converted folder"),
                 io.Combo.Input("dtype", options=["auto", "bfloat16", "float16", "float32"], default="auto",
                                tooltip="transformer weights; auto = bfloat16 on a GPU, float32 on the CPU"),
@@ -210,6 +218,9 @@ class FastVARSettingsNode(io.ComfyNode):
 
 
 class SparseVARSampler(io.ComfyNode):
+    """One ProgressBar tick per scale, without a preview image: a VAR preview needs a full VQVAE
+    decode of the latent, as expensive as the final one, so it is not "cheap" at any scale."""
+
     @classmethod
     def define_schema(cls):
         return io.Schema(

@@ -56,6 +56,7 @@ def comfy(tmp_path_factory):
     pipe = VARPipeline.from_random("var-tiny", seed=0)      # 1000 classes, so the workflows' labels are valid
     torch.save(pipe.transformer.state_dict(), models / "var_d16.pth")
     torch.save(pipe.vqvae.state_dict(), models / "vae_ch160v4096z32.pth")
+    pipe.save_pretrained(models / "var-tiny-converted")      # a folder, as `sparsevar convert` writes
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, PYTHONPATH=str(work / "stubs"), PYTHONDONTWRITEBYTECODE="1")
@@ -239,3 +240,16 @@ def test_frontend_loads_every_workflow_and_matches_its_thumbnail(comfy, tmp_path
         import PIL.Image
         assert thumb.is_file(), f"{thumb.name} missing: run with SPARSEVAR_WRITE_THUMBNAILS=1"
         assert PIL.Image.open(thumb).size == PIL.Image.open(r["screenshot"]).size
+
+
+def test_loader_reads_a_converted_folder_inside_comfyui(comfy, tmp_path):
+    """Inside ComfyUI the pack's modules are named by file path (research/ecosystem.md §4.3): a
+    diffusers-style folder must still load, through this package's own classes."""
+    info = _get(comfy["url"] + "/object_info")
+    spec = info["SparseVAR_VARModelLoader"]["input"]["required"]["model"]
+    assert "var-tiny-converted" in (spec[1]["options"] if spec[0] == "COMBO" else spec[0])
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
+    loader = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_VARModelLoader")
+    loader["inputs"].update(model="var-tiny-converted", vae="(converted folder: none needed)")
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "success", rep
