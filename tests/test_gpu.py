@@ -128,3 +128,36 @@ def test_policies_with_cuda_graphs_match_eager(enable):
         codes, images = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
         assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
+
+
+def test_fastvar_after_a_replayed_cache_scale_runs_later_scales_eagerly():
+    """Call 1 captures FastVAR's graphs; call 2 makes the last scale cond-only (eager): it must read
+    the cache refreshed by the replayed cache scale (review finding G1), and match an all-eager run."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_fastvar()
+    _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
+    pipe.enable_scale_skip(cond_only_from=-1)
+    codes, images = _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
+    eager_codes, eager = _codes(pipe, [1, 2], 5, use_cuda_graphs=False)
+    assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+    torch.testing.assert_close(images, eager, atol=0, rtol=0)
+    pipe.disable_scale_skip().enable_scale_skip(skip_last=1)          # a shorter call, then the full one
+    _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
+    pipe.disable_scale_skip()
+    full, full_images = _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
+    ref, ref_images = _codes(pipe, [1, 2], 5, use_cuda_graphs=False)
+    assert all(torch.equal(a, b) for a, b in zip(full, ref))
+
+
+def test_graphs_are_recaptured_after_the_weights_move():
+    """Graphs hold weight addresses; offloading and reloading (ComfyUI does) must not replay stale
+    ones (review finding G2)."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    before_codes, before = _codes(pipe, [3], 9, use_cuda_graphs=True)
+    pipe.to("cpu")
+    pipe.to("cuda")
+    after_codes, after = _codes(pipe, [3], 9, use_cuda_graphs=True)
+    assert all(torch.equal(a, b) for a, b in zip(before_codes, after_codes))
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
