@@ -78,7 +78,8 @@ def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
     return total * 1e3
 
 
-def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens) -> None:
+def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens,
+               policy) -> None:
     for i in range(warmup + runs):
         gen = torch.Generator(device).manual_seed(i)
         if device == "cuda":
@@ -96,6 +97,7 @@ def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_m
         e2e_ms.append((t1 - t0) * 1e3)
         per_scale.append([s.ms for s in st.scales])
         tokens.append([s.tokens_computed for s in st.scales])
+        policy.append([s.policy_ms for s in st.scales])
 
 
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
@@ -142,15 +144,17 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                loop_ms, e2e_ms, decode_ms, per_scale, tokens = [], [], [], [], []
+                loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy = [], [], [], [], [], []
                 try:
-                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens)
+                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens,
+                               policy)
                 except Exception as e:      # record the failure and go on with the other settings
                     log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
                     continue
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
                 tok_mean = [statistics.fmean(col) for col in zip(*tokens)]
+                pol_med = [statistics.median(col) for col in zip(*policy)]
                 ideal = var_loop_flops(cfg, batch, [p * p for p in cfg.patch_nums]) / var_loop_flops(cfg, batch, tok_mean)
                 base = dense_ms.get(batch)
                 speedup = base / statistics.median(loop_ms) if base else float("nan")
@@ -164,6 +168,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            speedup_vs_dense=round(speedup, 3), ideal_speedup=round(ideal, 3),
                            kept_tokens=round(sum(tok_mean), 1),
                            per_scale_ms=";".join(f"{x:.3f}" for x in scale_med),
+                           per_scale_policy_ms=";".join(f"{x:.3f}" for x in pol_med),
                            peak_mem_gb=round(peak, 3), runs=runs, gpu=gpu, torch=torch.__version__,
                            triton=triton_version)
                 rows.append(row)

@@ -137,10 +137,15 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         graphs = _GraphRunner(run.workspace, adapter) if use_graphs else None
         schedule = run.schedule
         skipping = False
+        hook_timer = _ScaleTimer(run.device)            # the policies' own work, for the stats
         for si in range(schedule.num_scales):
             h, w = schedule.hw[si]
             run.si = si
+            if not skipping and len(policies):
+                hook_timer.start(("plan", si))
             plan = policies.plan_scale(si, run) if not skipping else None
+            if not skipping and len(policies):
+                hook_timer.stop(("plan", si))
             if skipping or plan.skip:
                 skipping = True
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True))
@@ -165,9 +170,17 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             guided = adapter.guide(si, logits, run)
             codes = adapter.sample(si, guided, run)
             residual = adapter.residual(si, codes, run)
+            if len(policies):
+                hook_timer.start(("post", si))
             residual = policies.post_residual(si, residual, run)
+            if len(policies):
+                hook_timer.stop(("post", si))
             adapter.accumulate(si, residual, run)
+            if len(policies):
+                hook_timer.start(("after", si))
             policies.after_scale(si, guided, run)
+            if len(policies):
+                hook_timer.stop(("after", si))
             timer.stop(si)
             if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
                 n = run.tokens_computed
@@ -183,9 +196,11 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             if stop is not None and stop():
                 skipping = True
         scale_ms = timer.ms()                          # the loop's only host sync
+        hook_ms = hook_timer.ms() if hook_timer.marks else {}
         for s in run.stats.scales:
             if not s.skipped:
                 s.ms = scale_ms[s.si]
+                s.policy_ms = sum(v for (kind, k), v in hook_ms.items() if k == s.si)
         images = None
         if decode:
             t = _ScaleTimer(run.device)

@@ -60,6 +60,7 @@ class ScaleStats:
     tokens_computed: float
     ms: float = float("nan")
     skipped: bool = False
+    policy_ms: float = 0.0          # time in the policies' own scale-level work (plan, post hooks)
 
     @property
     def kept_ratio(self) -> float:
