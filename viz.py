@@ -74,6 +74,13 @@ def token_map_figure(stats: GenerationStats, image=None, batch_index: int = 0, s
     return fig
 
 
+def token_map_images(stats: GenerationStats, images_BHWC: torch.Tensor) -> torch.Tensor:
+    """The token-map figure of every image as a ComfyUI IMAGE batch, (B, H, W, 3) float in [0, 1]."""
+    figs = [np.asarray(token_map_figure(stats, images_BHWC[b].permute(2, 0, 1), b), dtype=np.float32) / 255.0
+            for b in range(images_BHWC.shape[0])]
+    return torch.from_numpy(np.stack(figs))
+
+
 def save_token_maps(stats: GenerationStats, images: Union[Sequence, torch.Tensor, None], out_dir,
                     prefix: str = "token_maps") -> list[Path]:
     """One PNG per image of the batch, ``{out_dir}/{prefix}_{b}.png``; returns the paths."""

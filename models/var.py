@@ -323,6 +323,8 @@ class _VARWorkspace:
         self.positions_L = torch.arange(sch.total_tokens, device=device)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
+        self.static_index: dict = {}     # token-index buffers read by captured layer stacks, by graph key
+        self.weights: tuple = ()         # weight addresses the captured graphs were made with
 
 
 class VARAdapter:
@@ -482,10 +484,9 @@ class VARAdapter:
         if plan.token_index is not None:
             n = plan.token_index.shape[1]
             key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
-            bufs = ws.__dict__.setdefault("static_index", {})
-            idx_buf = bufs.get(key)
+            idx_buf = ws.static_index.get(key)
             if idx_buf is None:
-                idx_buf = bufs[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
+                idx_buf = ws.static_index[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
             idx_buf.copy_(plan.token_index)
         else:
             key = ("layers", si, None, frozenset(taps), stack.graph_key(si, run))

@@ -3,7 +3,7 @@
 Everything else in the package imports without ComfyUI; the root ``__init__`` imports ``nodes``
 only when ComfyUI itself is loading this folder.
 """
-from comfy_api.latest import ComfyExtension, io  # noqa: F401
+from comfy_api.latest import io  # noqa: F401
 
 import comfy.model_management as model_management  # noqa: F401
 import comfy.model_patcher as model_patcher  # noqa: F401

@@ -18,7 +18,7 @@ from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
-from ._comfy import ComfyExtension, comfy_utils, folder_paths, io, model_management, model_patcher
+from ._comfy import comfy_utils, folder_paths, io, model_management, model_patcher
 from .docs import field_doc
 
 CATEGORY = "SparseVAR"
@@ -303,17 +303,9 @@ class TokenMapPreview(io.ComfyNode):
 
     @classmethod
     def execute(cls, token_maps, images) -> io.NodeOutput:
-        from ..viz import token_map_figure
-        import numpy as np
-        figs = [np.asarray(token_map_figure(token_maps, images[b].permute(2, 0, 1), b), dtype=np.float32) / 255.0
-                for b in range(images.shape[0])]
-        return io.NodeOutput(torch.from_numpy(np.stack(figs)))
+        from ..viz import token_map_images
+        return io.NodeOutput(token_map_images(token_maps, images))
 
 
 NODES = [VARModelLoader, SparseVARSampler, SparseVARSettingsNode, AnchorSettingsNode, ScaleSkipNode,
          FastVARSettingsNode, TokenMapPreview]
-
-
-class SparseVARExtension(ComfyExtension):
-    async def get_node_list(self):
-        return list(NODES)

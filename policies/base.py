@@ -79,12 +79,11 @@ class SubLayer:
         """The branch input for tokens ``x_RlC`` (rows must match ``mul``/``shift``)."""
         return self._modulate(x_RlC, self.mul, self.shift)
 
-    def residual(self, x_RlC: torch.Tensor, idx_Rn: Optional[torch.Tensor] = None,
-                 gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def residual(self, x_RlC: torch.Tensor, idx_Rn: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gated branch output (float32, without the skip connection). For a token subset pass
         its indices ``idx_Rn`` into the layer's current tokens (attention records their positions)."""
         out = self.branch(self.modulate(x_RlC), idx_Rn).float()
-        return out * (self.gate if gate is None else gate)
+        return out * self.gate
 
     def __call__(self, x_RlC: torch.Tensor) -> torch.Tensor:
         return self._add(x_RlC, self.branch(self.modulate(x_RlC), None), self.gate)
