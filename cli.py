@@ -176,6 +176,27 @@ def cmd_bench(args) -> int:
     raise CLIError(f"unknown benchmark {args.what!r}")
 
 
+def cmd_train_demo(args) -> int:
+    from dataclasses import replace
+
+    from .demo import DEMO_MODEL_DIR
+    from .demo.train import DemoTrainConfig, train_demo
+
+    cfg = DemoTrainConfig(seed=args.seed)
+    if args.quick:
+        cfg = cfg.quick()
+    steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("var_steps", args.var_steps),
+                               ("cls_steps", args.cls_steps), ("var_data", args.var_data)) if v is not None}
+    cfg = replace(cfg, **steps)
+    out = Path(args.out) if args.out else DEMO_MODEL_DIR
+    device = _device(args.device)
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+    t0 = time.perf_counter()
+    train_demo(out, cfg, stages=args.stages, device=device, log=say)
+    print(f"demo model ({', '.join(args.stages)}) → {out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--backends", action="store_true", help="attention / kernel backends available here")
     i.set_defaults(func=cmd_info)
+
+    t = sub.add_parser("train-demo", help="train the embedded demo model on procedural scenes (≈15 min on an H100)")
+    t.add_argument("--out", help="model folder to write (default: the package's demo/weights)")
+    t.add_argument("--stages", nargs="+", default=["vqvae", "var", "classifier"],
+                   choices=["vqvae", "var", "classifier"], help="stages to run; later ones read earlier ones from --out")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test; no real pictures)")
+    t.add_argument("--vq-steps", type=int)
+    t.add_argument("--var-steps", type=int)
+    t.add_argument("--cls-steps", type=int)
+    t.add_argument("--var-data", type=int, help="tokenised scenes the transformer trains on")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_train_demo)
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     b.add_argument("what", choices=["speed"])

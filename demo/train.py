@@ -1,0 +1,342 @@
+"""`sparsevar train-demo`: train the embedded demo model on procedural scenes, from a seed.
+
+Three stages, each resumable from the output folder:
+1. ``vqvae``: a multi-scale residual VQVAE (VAR's tokenizer architecture at width 32, 1024 codes,
+   the 256-px schedule 1…16) with reconstruction + commitment losses and dead-code restarts.
+2. ``var``: a depth-8 VAR transformer (width 256, 4 heads) by teacher forcing over all scales with
+   10 % label dropout (for classifier-free guidance), on scenes tokenised by the stage-1 VQVAE.
+3. ``classifier``: a small CNN that names the class of a picture (the quality tests' judge),
+   trained on scenes and on their VQVAE reconstructions.
+
+The result is a ``VARPipeline`` folder (``model_index.json``, ``transformer/``, ``vqvae/``; weights
+in bfloat16 / float16) plus ``classifier.safetensors``. Data and initialisation follow the seed;
+on a GPU the last bits of training can differ run to run (cuDNN / cuBLAS reductions).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..models.var import VAR_SCHEDULES, VARTransformer
+from ..models.vqvae import MultiScaleVQVAE
+from .classifier import SceneClassifier
+from .scenes import CLASS_NAMES, NUM_CLASSES, SceneConfig, random_labels, render_scenes
+
+STAGES = ("vqvae", "var", "classifier")
+
+
+@dataclass(frozen=True)
+class DemoTrainConfig:
+    """Sizes and schedules of the demo model's training (defaults: ≈15 minutes on one H100).
+
+    seed: fixes data and initialisation of every stage.
+    vq_*: VQVAE width, codebook size, steps, batch and learning rate.
+    var_*: transformer depth / width / heads, steps, batch, peak learning rate, label dropout.
+    var_data: distinct tokenised scenes the transformer trains on (re-used over epochs).
+    cls_steps, cls_batch: the classifier's steps and batch.
+    """
+
+    seed: int = 0
+    vq_ch: int = 32
+    vq_vocab: int = 1024
+    vq_steps: int = 6000
+    vq_batch: int = 32
+    vq_lr: float = 4e-4
+    vq_beta: float = 0.25
+    var_depth: int = 8
+    var_width: int = 256
+    var_heads: int = 4
+    var_steps: int = 12000
+    var_batch: int = 96
+    var_lr: float = 8e-4
+    var_label_dropout: float = 0.1
+    var_data: int = 200_000
+    cls_steps: int = 1500
+    cls_batch: int = 128
+
+    def __post_init__(self):
+        for name in ("vq_steps", "var_steps", "cls_steps", "vq_batch", "var_batch", "cls_batch", "var_data"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+
+    def quick(self) -> "DemoTrainConfig":
+        """A tiny run of every stage (smoke tests: seconds on a CPU; draws no real pictures)."""
+        return replace(self, vq_steps=3, vq_batch=2, var_steps=3, var_batch=2, var_data=8, cls_steps=3,
+                       cls_batch=4)
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# ---- stage 1: the VQVAE --------------------------------------------------------------------------
+def build_vqvae(cfg: DemoTrainConfig) -> MultiScaleVQVAE:
+    return MultiScaleVQVAE(vocab_size=cfg.vq_vocab, z_channels=32, ch=cfg.vq_ch, patch_nums=VAR_SCHEDULES[256])
+
+
+def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float):
+    """Training forward: multi-scale residual quantisation with a straight-through estimator.
+    Returns (reconstruction, vq loss, the un-quantised vectors seen at every scale (N, C), codes)."""
+    f_BChw = vq.encode(img_B3HW).float()
+    B, C, H, W = f_BChw.shape
+    sched = vq.default_schedule()
+    SN = len(sched)
+    codebook_VC = vq.quantize.embedding.weight.float()
+    f_rest_BChw = f_BChw.detach()
+    f_hat_BChw = torch.zeros_like(f_BChw)
+    seen, codes = [], []
+    vq_loss = f_BChw.new_zeros(())
+    for si, (ph, pw) in enumerate(sched):
+        with torch.no_grad():
+            z_BChw = F.interpolate(f_rest_BChw, size=(ph, pw), mode="area") if si != SN - 1 else f_rest_BChw
+            z_NC = z_BChw.permute(0, 2, 3, 1).reshape(-1, C)                      # (B, C, ph, pw) → (N, C)
+            idx_N = torch.cdist(z_NC, codebook_VC).argmin(dim=1)
+            seen.append(z_NC)
+            codes.append(idx_N)
+        h_BChw = F.embedding(idx_N.view(B, ph, pw), codebook_VC).permute(0, 3, 1, 2)  # (B,ph,pw,C) → (B,C,ph,pw)
+        if si != SN - 1:
+            h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic", align_corners=False)
+        h_BChw = vq.apply_phi(h_BChw, si, SN)
+        f_hat_BChw = f_hat_BChw + h_BChw
+        f_rest_BChw = f_rest_BChw - h_BChw.detach()
+        vq_loss = vq_loss + F.mse_loss(f_hat_BChw, f_BChw.detach()) + beta * F.mse_loss(f_hat_BChw.detach(), f_BChw)
+    f_st_BChw = f_hat_BChw.detach() - f_BChw.detach() + f_BChw                   # straight-through
+    # the commitment/codebook terms reach the codebook and phi; the decoder sees f_hat (with phi's gradient)
+    f_dec_BChw = f_st_BChw + (f_hat_BChw - f_hat_BChw.detach())
+    rec_B3HW = vq.decoder(vq.post_quant_conv(f_dec_BChw))
+    return rec_B3HW, vq_loss / SN, torch.cat(seen), torch.cat(codes)
+
+
+def _edges(x_B3HW):
+    return (x_B3HW[..., 1:, :] - x_B3HW[..., :-1, :]), (x_B3HW[..., :, 1:] - x_B3HW[..., :, :-1])
+
+
+def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str], None]) -> MultiScaleVQVAE:
+    torch.manual_seed(cfg.seed)
+    vq = build_vqvae(cfg).to(device).train()
+    with torch.no_grad():
+        vq.quantize.embedding.weight.normal_(0, 0.5)
+    opt = torch.optim.AdamW(vq.parameters(), lr=cfg.vq_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 1)
+    usage_V = torch.ones(cfg.vq_vocab, device=device)
+    t0 = time.time()
+    for step in range(cfg.vq_steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.vq_steps, cfg.vq_lr, min(500, cfg.vq_steps // 10 + 1))
+        img_B3HW = render_scenes(random_labels(cfg.vq_batch, gen), gen) * 2 - 1
+        with _autocast(device):
+            rec_B3HW, vq_loss, seen_NC, codes_N = _vq_forward(vq, img_B3HW, cfg.vq_beta)
+        rec_B3HW = rec_B3HW.float()
+        ry, rx = _edges(rec_B3HW)
+        iy, ix = _edges(img_B3HW)
+        rec_loss = (rec_B3HW - img_B3HW).abs().mean() + F.mse_loss(rec_B3HW, img_B3HW)
+        edge_loss = (ry - iy).abs().mean() + (rx - ix).abs().mean()
+        loss = rec_loss + 0.5 * edge_loss + vq_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vq.parameters(), 2.0)
+        opt.step()
+        with torch.no_grad():                              # restart codes nobody uses
+            usage_V.mul_(0.99).add_(torch.bincount(codes_N, minlength=cfg.vq_vocab).float(), alpha=0.01)
+            if step % 100 == 99 and step < cfg.vq_steps * 0.8:
+                dead_V = usage_V < 0.02
+                n_dead = int(dead_V.sum())
+                if n_dead:
+                    pick = torch.randint(0, seen_NC.shape[0], (n_dead,), generator=gen, device=device)
+                    vq.quantize.embedding.weight[dead_V] = seen_NC[pick].to(vq.quantize.embedding.weight.dtype)
+                    usage_V[dead_V] = 1.0
+        if step % 500 == 0 or step == cfg.vq_steps - 1:
+            psnr = -10 * math.log10(max(F.mse_loss((rec_B3HW.clamp(-1, 1) + 1) / 2, (img_B3HW + 1) / 2).item(), 1e-10))
+            used = int((usage_V > 0.02).sum())
+            log(f"vqvae {step:5d}/{cfg.vq_steps} loss {loss.item():.4f} rec {rec_loss.item():.4f} "
+                f"vq {vq_loss.item():.4f} psnr {psnr:.2f} dB codes used {used}/{cfg.vq_vocab} {time.time() - t0:.0f}s")
+    return vq.eval().requires_grad_(False)
+
+
+# ---- stage 2: the transformer --------------------------------------------------------------------
+def build_var(cfg: DemoTrainConfig) -> VARTransformer:
+    return VARTransformer(vocab_size=cfg.vq_vocab, z_channels=32, num_classes=NUM_CLASSES, depth=cfg.var_depth,
+                          embed_dim=cfg.var_width, num_heads=cfg.var_heads, patch_nums=VAR_SCHEDULES[256])
+
+
+def _init_var(model: VARTransformer) -> VARTransformer:
+    """Trunc-normal weights with AdaLN-zero: every block's and the head's modulation starts at 0,
+    so the network starts as the identity on its inputs (stable from the first step)."""
+    model.init_random_weights(0.02)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.ada_lin[1].weight.zero_()
+            blk.ada_lin[1].bias.zero_()
+            blk.attn.scale_mul_1H11.fill_(math.log(4.0))
+        model.head_nm.ada_lin[1].weight.zero_()
+        model.head_nm.ada_lin[1].bias.zero_()
+    return model
+
+
+@torch.no_grad()
+def tokenize_scenes(vq: MultiScaleVQVAE, count: int, seed: int, device: torch.device, batch: int = 256):
+    """(codes (N, L) int16, labels (N,) int64) of ``count`` fresh scenes."""
+    gen = torch.Generator(device).manual_seed(seed)
+    codes, labels = [], []
+    for start in range(0, count, batch):
+        n = min(batch, count - start)
+        lab_B = random_labels(n, gen)
+        with _autocast(device):
+            idx_list = vq.img_to_idx(render_scenes(lab_B, gen) * 2 - 1)
+        codes.append(torch.cat(idx_list, dim=1).to(torch.int16))
+        labels.append(lab_B)
+    return torch.cat(codes), torch.cat(labels)
+
+
+def train_var(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
+              log: Callable[[str], None]) -> VARTransformer:
+    t0 = time.time()
+    codes_NL, labels_N = tokenize_scenes(vq, cfg.var_data, cfg.seed * 1000 + 2, device)
+    log(f"var: tokenised {codes_NL.shape[0]} scenes in {time.time() - t0:.0f}s")
+    torch.manual_seed(cfg.seed)
+    model = _init_var(build_var(cfg)).to(device).train()
+    model.rebuild_buffers()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_" not in n and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_" not in n and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.var_lr, betas=(0.9, 0.95))
+    gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 3)
+    sizes = [h * w for h, w in model.schedule.hw]
+    t0 = time.time()
+    for step in range(cfg.var_steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.var_steps, cfg.var_lr, min(500, cfg.var_steps // 10 + 1))
+        pick_B = torch.randint(0, codes_NL.shape[0], (cfg.var_batch,), generator=gen, device=device)
+        flat_BL = codes_NL[pick_B].long()
+        label_B = labels_N[pick_B].clone()
+        drop_B = torch.rand(cfg.var_batch, generator=gen, device=device) < cfg.var_label_dropout
+        label_B[drop_B] = model.null_class
+        with torch.no_grad():
+            idx_list = list(flat_BL.split(sizes, dim=1))
+            x_BLCv = vq.idx_to_var_input(idx_list)
+        with _autocast(device):
+            logits_BLV = model(label_B, x_BLCv)
+        loss = F.cross_entropy(logits_BLV.float().flatten(0, 1), flat_BL.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        opt.step()
+        if step % 500 == 0 or step == cfg.var_steps - 1:
+            with torch.no_grad():
+                last = sizes[-1]
+                acc = (logits_BLV[:, -last:].argmax(-1) == flat_BL[:, -last:]).float().mean().item()
+            log(f"var {step:5d}/{cfg.var_steps} loss {loss.item():.4f} last-scale acc {acc:.3f} "
+                f"{time.time() - t0:.0f}s")
+    return model.eval().requires_grad_(False)
+
+
+# ---- stage 3: the classifier ---------------------------------------------------------------------
+def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device: torch.device,
+                     log: Callable[[str], None]) -> SceneClassifier:
+    """Trained on scenes and (half of each batch) on their VQVAE reconstructions, so it judges
+    generated pictures (which look like reconstructions) as well as clean renders."""
+    torch.manual_seed(cfg.seed)
+    clf = SceneClassifier(NUM_CLASSES).to(device).train()
+    opt = torch.optim.AdamW(clf.parameters(), lr=2e-3, weight_decay=0.01)
+    gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 4)
+    t0 = time.time()
+    for step in range(cfg.cls_steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.cls_steps, 2e-3, min(100, cfg.cls_steps // 10 + 1))
+        lab_B = random_labels(cfg.cls_batch, gen)
+        img_B3HW = render_scenes(lab_B, gen)
+        if vq is not None:
+            half = cfg.cls_batch // 2
+            with torch.no_grad(), _autocast(device):
+                rec = vq(img_B3HW[:half] * 2 - 1).float()
+            img_B3HW = torch.cat([(rec + 1) / 2, img_B3HW[half:]])
+        loss = F.cross_entropy(clf(img_B3HW), lab_B)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 250 == 0 or step == cfg.cls_steps - 1:
+            log(f"classifier {step:4d}/{cfg.cls_steps} loss {loss.item():.4f} {time.time() - t0:.0f}s")
+    return clf.eval().requires_grad_(False)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _save_folder(out: Path, vq: MultiScaleVQVAE, var: VARTransformer, cfg: DemoTrainConfig) -> None:
+    from ..pipelines.var_pipeline import VARPipeline
+
+    half = torch.nn.Module.to                                   # plain casts (no diffusers dtype warnings)
+    pipe = VARPipeline(transformer=half(var, torch.bfloat16), vqvae=half(vq, torch.float16),
+                       id2label={i: n for i, n in enumerate(CLASS_NAMES)})
+    pipe.save_pretrained(out)
+    half(vq, torch.float32)
+
+
+def train_demo(out_dir, config: DemoTrainConfig = DemoTrainConfig(), stages=STAGES, device=None,
+               log: Callable[[str], None] = print) -> Path:
+    """Run the requested stages, reading earlier stages' results from ``out_dir``. Files are written
+    to a temporary folder beside it and moved into place, so an interrupted run leaves the previous
+    model intact."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    stages = tuple(stages)
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise ValueError(f"stages={bad}: choose from {', '.join(STAGES)}")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tmp = out.with_name(f".{out.name}.partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if out.exists():
+        shutil.copytree(out, tmp)
+    else:
+        tmp.mkdir(parents=True)
+    try:
+        vq = var = None
+        if "vqvae" in stages:
+            vq = train_vqvae(config, device, log)
+            save_file({k: v.half().contiguous() for k, v in vq.state_dict().items()}, tmp / "stage_vqvae.safetensors")
+        elif (tmp / "stage_vqvae.safetensors").is_file():          # between stages 1 and 2
+            vq = build_vqvae(config)
+            vq.load_state_dict({k: v.float() for k, v in load_file(tmp / "stage_vqvae.safetensors").items()})
+            vq = vq.to(device).eval().requires_grad_(False)
+        elif (tmp / "vqvae" / "config.json").is_file():             # a finished model folder
+            vq = MultiScaleVQVAE.from_pretrained(tmp, subfolder="vqvae", local_files_only=True,
+                                                 torch_dtype=torch.float32).to(device).eval().requires_grad_(False)
+        if "var" in stages:
+            if vq is None:
+                raise ValueError(f"stage 'var' needs a trained VQVAE: run stage 'vqvae' first (into {out})")
+            var = train_var(config, vq, device, log)
+            _save_folder(tmp, vq, var, config)
+            (tmp / "stage_vqvae.safetensors").unlink(missing_ok=True)    # the folder's vqvae/ holds it now
+        if "classifier" in stages:
+            clf = train_classifier(config, vq, device, log)
+            save_file({k: v.half().contiguous() for k, v in clf.state_dict().items()}, tmp / "classifier.safetensors")
+        meta_path = tmp / "train_demo.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        meta.update(config=asdict(config), classes=list(CLASS_NAMES),
+                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    torch=torch.__version__)
+        meta.setdefault("stages", {}).update({s: time.strftime("%Y-%m-%d %H:%M:%S") for s in stages})
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
