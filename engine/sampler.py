@@ -6,6 +6,7 @@ plan, the optional CUDA-graph replay of dense scales and the callback; everythin
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -14,6 +15,7 @@ import torch
 
 from ..policies.base import PolicyStack
 from .adapter import ModelAdapter
+from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
 
 # callback(si, tensors) with tensors = {"codes": (B, l), "logits": guided (B, l, V), "latent": ...}
@@ -114,7 +116,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              cuda_graphs: bool = False,
              decode: bool = True,
              keep_workspace: bool = True,
-             stop: Optional[Callable[[], bool]] = None) -> GenerationResult:
+             stop: Optional[Callable[[], bool]] = None,
+             schedule: Optional[ScaleSchedule] = None) -> GenerationResult:
     """Run every scale of one generation and decode the result.
 
     cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
@@ -123,9 +126,14 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         latent accumulated so far is decoded (an interrupt that still returns an image).
     keep_workspace: keep the KV cache and graphs for the next call of the same batch size; on an
         exception (e.g. an interrupt raised by ``callback``) the workspace is always released.
+    schedule: the scales of this generation, for families whose output size is chosen per call
+        (Infinity); default ``adapter.schedule``. Policies see it in ``run.schedule`` / ``run.info``.
     """
     policies = policies if policies is not None else PolicyStack()
-    run = RunState(schedule=adapter.schedule, batch_size=batch_size, settings=settings, info=adapter.model_info(),
+    info = adapter.model_info()
+    if schedule is not None and schedule != info.schedule:
+        info = dataclasses.replace(info, schedule=schedule)
+    run = RunState(schedule=info.schedule, batch_size=batch_size, settings=settings, info=info,
                    generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
     use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
     ok = False

@@ -228,3 +228,182 @@ def describe_checkpoint(path) -> dict:
         info.update(MultiScaleVQVAE.config_from_state_dict(
             {k: v for k, v in sd.items() if k not in MultiScaleVQVAE.official_extra_keys()}))
     return info
+
+
+# ---- Infinity (transformer .pth / shard folders, BSQ-VAE .pth) --------------------------------------------
+# Buffers of the official Infinity files that are derived, not learned: regenerated (or zero) on our side.
+_INFINITY_DERIVED = ("lvl_1L", "attn_bias_for_masking", "Infinity_visible_kvlen", "Infinity_invisible_qlen")
+_INFINITY_ZERO_SUFFIX = ".zero_k_bias"
+_INFINITY_TEXT_MAXLEN = 512
+
+
+def detect_infinity_family(sd: Mapping[str, torch.Tensor]) -> str:
+    """'infinity' (the transformer), 'infinity-vae' (its BSQ-VAE) or 'unknown'."""
+    if "cfg_uncond" in sd and "text_norm.weight" in sd and "word_embed.weight" in sd:
+        return "infinity"
+    keys = set(sd)
+    if any(k.startswith("encoder.conv_in.") for k in keys) and any(k.startswith("decoder.conv_out.") for k in keys) \
+            and any(".lfq." in k or k.startswith("encoder.conv_in.conv.") for k in keys):
+        return "infinity-vae"
+    return "unknown"
+
+
+def _read_nested(path, what: str, inner: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+    """read_state_dict, or, for containers it does not unwrap, the first ``inner`` key path that holds a
+    state dict (e.g. ('vae',) of an Infinity VAE file with an 'ema' entry, ('trainer', 'gpt_fsdp'))."""
+    try:
+        return read_state_dict(path, what)
+    except ValueError as first:
+        if "not a state dict of tensors" not in str(first):
+            raise
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        for keys in inner:
+            cur = obj
+            for k in keys:
+                cur = cur.get(k) if isinstance(cur, Mapping) else None
+            if isinstance(cur, Mapping) and cur and all(isinstance(v, torch.Tensor) for v in cur.values()):
+                sd = dict(cur)
+                if all(k.startswith("module.") for k in sd):
+                    sd = {k[len("module."):]: v for k, v in sd.items()}
+                return sd
+        raise
+
+
+def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face style shard folder (``*.index.json`` + shards), like the 8B release."""
+    import json
+
+    indexes = sorted(folder.glob("*.index.json"))
+    if not indexes:
+        singles = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pth"))
+        if len(singles) == 1:
+            return read_state_dict(singles[0], what)
+        raise ValueError(f"{what} {folder} is a folder without a shard index (*.index.json); pass the checkpoint "
+                         f"file, or the folder of the sharded release (index json + shards)")
+    weight_map = json.loads(indexes[0].read_text()).get("weight_map", {})
+    sd: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        part = folder / shard
+        if not part.exists():
+            raise FileNotFoundError(f"{what}: shard {part} listed in {indexes[0].name} is missing — copy every shard "
+                                    f"of the release into {folder}")
+        sd.update(read_state_dict(part, what))
+    return sd
+
+
+def _canonical_infinity_keys(sd: dict, path) -> dict:
+    """Official aliases → our names: flat ``blocks.{i}`` (block_chunks=1 checkpoints) → chunk 0; derived
+    buffers dropped; zero key biases checked; a (1, 1, H, 1) ``scale_mul_1H11`` (flash-attn layout)
+    reshaped to (1, H, 1, 1)."""
+    out = {}
+    for k, v in sd.items():
+        if k in _INFINITY_DERIVED:
+            continue
+        if k.endswith(_INFINITY_ZERO_SUFFIX):
+            if torch.count_nonzero(v).item():
+                raise ValueError(f"{path}: {k} must be zero (the key bias is fixed at 0); the file is not an "
+                                 f"official Infinity checkpoint")
+            continue
+        if k.startswith("blocks."):
+            i, rest = k[len("blocks."):].split(".", 1)
+            k = f"block_chunks.0.module.{i}.{rest}"
+        if k.endswith("sa.scale_mul_1H11") and v.ndim == 4 and v.shape[1] == 1:
+            v = v.reshape(1, -1, 1, 1)
+        out[k] = v
+    return out
+
+
+def infinity_config_from_state_dict(sd: Mapping[str, torch.Tensor], source: str = "checkpoint") -> dict:
+    """Constructor arguments of :class:`InfinityTransformer` inferred from official keys and shapes."""
+    from .infinity import text_pool_heads
+    try:
+        C, token_dim = sd["word_embed.weight"].shape
+        blocks = {tuple(k.split(".")[1:4:2]) for k in sd if k.startswith("block_chunks.")}
+        chunks = {c for c, _ in blocks}
+        heads = sd["block_chunks.0.module.0.sa.scale_mul_1H11"].numel()
+        hidden = sd["block_chunks.0.module.0.ffn.fc1.weight"].shape[0]
+        Ct5 = sd["text_norm.weight"].shape[0]
+        pool_q = sd["text_proj_for_sos.ca.mat_q"].shape
+        cfg = dict(token_dim=int(token_dim), depth=len(blocks), embed_dim=int(C), num_heads=int(heads),
+                   mlp_ratio=hidden / C, norm_eps=1e-6, text_channels=int(Ct5), text_maxlen=_INFINITY_TEXT_MAXLEN,
+                   num_block_chunks=len(chunks), num_levels=int(sd["lvl_embed.weight"].shape[0]))
+    except KeyError as e:
+        raise ValueError(f"{source}: missing key {e.args[0]!r} needed to infer the Infinity configuration; is this an "
+                         f"official Infinity transformer checkpoint (infinity_2b_reg.pth, the 8B shards)?") from None
+    if cfg["depth"] % cfg["num_block_chunks"]:
+        raise ValueError(f"{source}: {cfg['depth']} blocks do not split evenly into {cfg['num_block_chunks']} chunks")
+    hp = text_pool_heads(cfg["text_channels"], cfg["embed_dim"])
+    if tuple(pool_q) != (1, hp, cfg["embed_dim"] // hp):
+        raise ValueError(f"{source}: text_proj_for_sos.ca.mat_q has shape {tuple(pool_q)}, but a width-{C} model with "
+                         f"{Ct5}-channel text has a {hp}-head pool (1, {hp}, {cfg['embed_dim'] // hp})")
+    return cfg
+
+
+def load_infinity_transformer(path, dtype: torch.dtype = torch.float32):
+    """Load an official Infinity transformer: ``infinity_2b_reg.pth`` (flat state dict), the 8B shard
+    folder, a training checkpoint (``['trainer']['gpt_fsdp']``) or a safetensors file of the same keys.
+
+    ``dtype`` is the blocks' dtype; embeddings, text projections, AdaLN and the head stay float32
+    (the reference's bf16 mode). The key set is validated: missing or unexpected keys are named.
+    """
+    from .infinity import InfinityTransformer, _official_uncond_rows
+
+    what = "Infinity transformer checkpoint"
+    p = Path(path)
+    if p.is_dir():
+        sd = _read_sharded(p, what)
+    else:
+        sd = _read_nested(p, what, [("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("model",), ("state_dict",)])
+    family = detect_infinity_family(sd)
+    if family != "infinity":
+        hint = {"infinity-vae": "it is the Infinity VAE (infinity_vae_*.pth): pass it as the VAE",
+                "var": "it is a VAR transformer: load it with VARPipeline"}.get(
+            family if family != "unknown" else detect_family(sd), f"none of its {len(sd)} keys look like one "
+                                                                  f"(first keys: {_short(list(sd)[:6])})")
+        raise ValueError(f"{p} is not an Infinity transformer checkpoint: {hint}")
+    sd = _canonical_infinity_keys(sd, p)
+    cfg = infinity_config_from_state_dict(sd, source=str(p))
+    rows = sd["cfg_uncond"].shape[0]
+    if rows != _INFINITY_TEXT_MAXLEN:        # the reference loader trims / pads with its constructor's rows
+        table = sd["cfg_uncond"].float()
+        fill = _official_uncond_rows(_INFINITY_TEXT_MAXLEN, cfg["text_channels"])
+        sd["cfg_uncond"] = torch.cat((table, fill[rows:]))[:_INFINITY_TEXT_MAXLEN].to(sd["cfg_uncond"].dtype)
+    model = _load_into(InfinityTransformer, cfg, sd, p, what)
+    return model.set_block_dtype(dtype)
+
+
+def _canonical_vae_keys(sd: Mapping[str, torch.Tensor]) -> dict:
+    """Official VAE keys with the un-wrapped aliases the reference loader also accepts
+    (``x.weight`` → ``x.conv.weight``, ``norm1.weight`` → ``norm1.norm.weight``); the quantiser's
+    ``lfq.mask`` buffers (powers of two, unused for bit labels) are dropped."""
+    out = {}
+    for k, v in sd.items():
+        if ".lfq." in k or k.startswith(("quantizer.", "quantize.")):
+            continue
+        parent, leaf = k.rsplit(".", 1)
+        last = parent.rsplit(".", 1)[-1]
+        if leaf in ("weight", "bias") and last not in ("conv", "norm"):
+            parent = parent + (".norm" if "norm" in last else ".conv")
+        out[f"{parent}.{leaf}"] = v
+    return out
+
+
+def load_infinity_vae(path, dtype: torch.dtype = torch.float32):
+    """Load Infinity's BSQ-VAE: ``infinity_vae_d32reg.pth`` / ``infinity_vae_d32_reg.pth`` (the
+    same file under the two names of the docs), ``infinity_vae_d56_f8_14_patchify.pth``, or a
+    safetensors file of the same keys. The state dict is taken from the file's ``'vae'`` entry."""
+    from .bsq_vae import BSQVAE
+
+    what = "Infinity VAE checkpoint"
+    p = Path(path)
+    sd = _read_nested(p, what, [("vae",), ("state_dict",)])
+    if detect_infinity_family(sd) == "infinity":
+        raise ValueError(f"{p} is an Infinity transformer checkpoint, but it was passed as the VAE; pass the "
+                         f"infinity_vae_*.pth file as the VAE and this one as the transformer")
+    sd = _canonical_vae_keys(sd)
+    try:
+        cfg = BSQVAE.config_from_state_dict(sd, source=str(p))
+    except ValueError as e:
+        raise ValueError(f"{p} is not an Infinity BSQ-VAE checkpoint: {e}") from None
+    model = _load_into(BSQVAE, cfg, sd, p, what)
+    return torch.nn.Module.to(model, dtype)
