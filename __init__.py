@@ -8,6 +8,10 @@ from __future__ import annotations
 from .engine import GenerationStats, SamplingSettings, ScaleSchedule
 from .models import MultiScaleVQVAE, VARTransformer, load_var_transformer, load_var_vqvae
 from .pipelines import VARPipeline, VARPipelineOutput
+from .pipelines import InfinityPipeline, InfinityPipelineOutput
+from .models.infinity import InfinityTransformer
+from .models.bsq_vae import BSQVAE
+from .models.loading import load_infinity_transformer, load_infinity_vae
 from .policies import (FastVARConfig, Policy, PolicyStack, ScalePlan, ScaleSkipConfig, SparseVARConfig,
                        FASTVAR_PRESETS, SPARSEVAR_PRESETS)
 
@@ -21,7 +25,9 @@ __version__ = "0.1.0"
 __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVAE", "load_var_transformer",
            "load_var_vqvae", "GenerationStats", "SamplingSettings", "ScaleSchedule", "Policy", "PolicyStack",
            "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SPARSEVAR_PRESETS",
-           "FASTVAR_PRESETS", "__version__"]
+           "FASTVAR_PRESETS", "__version__",
+           "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
+           "load_infinity_vae"]
 
 
 def _inside_comfyui() -> bool:

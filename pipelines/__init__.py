@@ -1,4 +1,5 @@
 """diffusers-style pipelines (one per model family)."""
 from .var_pipeline import VARPipeline, VARPipelineOutput
+from .infinity_pipeline import InfinityPipeline, InfinityPipelineOutput
 
-__all__ = ["VARPipeline", "VARPipelineOutput"]
+__all__ = ["VARPipeline", "VARPipelineOutput", "InfinityPipeline", "InfinityPipelineOutput"]

@@ -66,3 +66,50 @@ def var_official_files(var_fixture_dir, var_fixture_config, tmp_path_factory) ->
         torch.save(sd, path)          # flat state dict, like var_d16.pth / vae_ch160v4096z32.pth
         files[name] = path
     return files
+
+
+# ---- Infinity ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def infinity_fixture_dir() -> Path:
+    return family_dir("infinity")
+
+
+@pytest.fixture(scope="session")
+def infinity_fixture_config(infinity_fixture_dir) -> dict:
+    return json.loads((infinity_fixture_dir / "config.json").read_text())
+
+
+def write_fixture_t5_folder(t5_dir: Path, out: Path) -> Path:
+    """A real ``transformers`` T5 folder from a fixture's ``t5/config.json`` + weights manifest: the
+    T5EncoderModel with the materialised weights, and a word-level tokenizer (id i = word ``w{i}``,
+    pad and EOS from the config) standing in for the SentencePiece one (the fixtures give token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    cfg = T5Config.from_pretrained(str(t5_dir))
+    model = T5EncoderModel(cfg)
+    model.load_state_dict(materialize(t5_dir / "weights_manifest.json"), strict=True)
+    model.save_pretrained(str(out))
+    pad, eos = cfg.pad_token_id, cfg.eos_token_id
+    vocab = {"<pad>": pad, "</s>": eos}
+    vocab.update({f"w{i}": i for i in range(cfg.vocab_size) if i not in (pad, eos)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            model_max_length=512).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def infinity_official_files(infinity_fixture_dir, infinity_fixture_config, tmp_path_factory) -> dict[str, Path]:
+    """The fixture models in their official containers: {'transformer': flat .pth, 'vae': {'vae': sd} .pth,
+    't5': a transformers T5 folder (weights + tokenizer)}."""
+    out = tmp_path_factory.mktemp("infinity_official")
+    w = infinity_fixture_config["weights"]
+    transformer = out / "infinity_transformer.pth"
+    torch.save(materialize(infinity_fixture_dir / w["infinity_transformer"]["manifest"]), transformer)
+    vae = out / "infinity_vae_d32reg.pth"
+    torch.save({"vae": materialize(infinity_fixture_dir / w["infinity_vae"]["manifest"])}, vae)
+    t5 = write_fixture_t5_folder(infinity_fixture_dir / "t5", out / "t5")
+    return {"transformer": transformer, "vae": vae, "t5": t5}

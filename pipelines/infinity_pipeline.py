@@ -1,0 +1,419 @@
+"""InfinityPipeline: bitwise text-to-image generation (Infinity 2B / 8B), diffusers style.
+
+    pipe = InfinityPipeline.from_single_file("infinity_2b_reg.pth", "infinity_vae_d32reg.pth",
+                                             text_encoder="flan-t5-xl/", dtype=torch.bfloat16).to("cuda")
+    out = pipe("a red fox in the snow", height=1024, width=1024, generator=torch.Generator("cuda").manual_seed(0))
+    out.images[0].save("fox.png"); print(out.stats[0].summary())
+
+Sizes are those of the official aspect-ratio templates (``InfinityPipeline.valid_sizes()``); the
+defaults follow the official 2B notebook (guidance 3, temperature 0.5, top-k 900, top-p 0.97).
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from ..engine.sampler import generate
+from ..engine.state import GenerationStats, SamplingSettings
+from ..models.bsq_vae import BSQVAE
+from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
+                               InfinityResolution, InfinityTransformer, infinity_loop_flops, infinity_resolution,
+                               infinity_resolutions, resolve_resolution)
+from ..models.loading import load_infinity_transformer, load_infinity_vae
+from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
+from ..policies.base import Policy, PolicyStack
+from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
+from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+LIBRARY_NAME = "sparsevar"
+PRESET_FAMILY = "infinity-2b"      # key of the policy presets (SPARSEVAR_PRESETS / FASTVAR_PRESETS)
+
+
+@dataclass
+class InfinityPipelineOutput(BaseOutput):
+    """images: list of PIL images, (B, H, W, 3) float array in [0, 1], (B, 3, H, W) tensor in [0, 1], or
+    the summed codes (B, d, h, w); stats: per-scale statistics of the generation (one entry per call)."""
+
+    images: Union[list, np.ndarray, torch.Tensor]
+    stats: list
+
+
+class InfinityPipeline(DiffusionPipeline):
+    """Text-to-image next-scale prediction with bitwise tokens (Infinity) and pluggable acceleration.
+
+    Components: ``transformer`` (:class:`InfinityTransformer`), ``vae`` (:class:`BSQVAE`),
+    ``text_encoder`` (a ``transformers`` ``T5EncoderModel``, Flan-T5-XL for the released models) and
+    ``tokenizer`` (its tokenizer).
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    _callback_tensor_inputs = ["codes", "logits", "latent"]
+
+    def __init__(self, transformer: InfinityTransformer, vae: BSQVAE, text_encoder, tokenizer):
+        super().__init__()
+        self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+        t5_width = getattr(getattr(text_encoder, "config", None), "d_model", None)
+        if t5_width is not None and t5_width != transformer.config.text_channels:
+            raise ValueError(f"text encoder and transformer do not match: the T5 produces {t5_width}-channel features, "
+                             f"the transformer reads {transformer.config.text_channels}; pass the T5 the model was "
+                             f"trained with (Flan-T5-XL for the released Infinity models)")
+        self._policies = PolicyStack()
+        self._adapter: Optional[InfinityAdapter] = None
+        self._interrupt = False
+        self._current_scale = None
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_single_file(cls, transformer_ckpt, vae_ckpt, text_encoder, dtype: torch.dtype = torch.float32,
+                         vae_dtype: torch.dtype = torch.float32,
+                         text_encoder_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
+        """Load the official files: the transformer (``infinity_2b_reg.pth`` or the 8B shard folder), its
+        VAE (``infinity_vae_d32reg.pth`` = ``infinity_vae_d32_reg.pth``; 8B: ``infinity_vae_d56_f8_14_patchify.pth``)
+        and ``text_encoder``, a local folder holding google/flan-t5-xl (weights + tokenizer).
+
+        dtype: the transformer blocks' dtype (bfloat16 as in the official runs; the rest stays float32);
+        vae_dtype: the VAE's; text_encoder_dtype: the T5's (the reference runs it in float16).
+        """
+        transformer = load_infinity_transformer(transformer_ckpt, dtype=dtype)
+        vae = load_infinity_vae(vae_ckpt, dtype=vae_dtype)
+        tokenizer, t5 = load_t5(text_encoder, dtype=text_encoder_dtype)
+        return cls(transformer=transformer, vae=vae, text_encoder=t5, tokenizer=tokenizer)
+
+    @classmethod
+    def from_path(cls, model, vae=None, text_encoder=None, dtype: torch.dtype = torch.float32,
+                  vae_dtype: torch.dtype = torch.float32,
+                  text_encoder_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
+        """A converted folder (``model``), or the official transformer file + its VAE + a T5 folder."""
+        p = Path(model)
+        if p.is_dir() and (p / "model_index.json").is_file():
+            return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype, text_encoder_dtype=text_encoder_dtype)
+        if vae is None or text_encoder is None:
+            missing = [n for n, v in (("vae", vae), ("text_encoder", text_encoder)) if v is None]
+            raise ValueError(f"{p.name} is an Infinity transformer checkpoint: also choose {' and '.join(missing)} "
+                             f"(infinity_vae_d32reg.pth; a local google/flan-t5-xl folder), or a converted folder")
+        return cls.from_single_file(p, vae, text_encoder, dtype=dtype, vae_dtype=vae_dtype,
+                                    text_encoder_dtype=text_encoder_dtype)
+
+    @classmethod
+    def from_random(cls, preset: str = "infinity-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
+                    dtype: torch.dtype = torch.float32, text_encoder=None) -> "InfinityPipeline":
+        """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
+
+        preset: one of ``INFINITY_PRESETS`` (infinity-tiny, infinity-2b, infinity-8b); dtype: the
+        blocks' dtype. text_encoder: a local T5 folder of the preset's width; by default a 1-layer
+        random T5 of that width with a word-level tokenizer (text only has to have the right shape).
+        """
+        if preset not in INFINITY_PRESETS:
+            raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(INFINITY_PRESETS)}")
+        from accelerate import init_empty_weights
+
+        spec = INFINITY_PRESETS[preset]
+        with init_empty_weights():
+            transformer = InfinityTransformer(**spec["transformer"])
+            vae = BSQVAE(**spec["vae"])
+        dev = torch.device(device)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            transformer = transformer.to_empty(device=dev).init_random_weights()
+            vae = vae.to_empty(device=dev).init_random_weights()
+        if text_encoder is not None:
+            tokenizer, t5 = load_t5(text_encoder)
+        else:
+            tokenizer, t5 = random_t5(spec["transformer"]["text_channels"], seed=seed)
+        return cls(transformer=transformer.set_block_dtype(dtype).eval().requires_grad_(False),
+                   vae=vae.eval().requires_grad_(False), text_encoder=t5.to(dev), tokenizer=tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,
+                        vae_dtype: torch.dtype = torch.float32, text_encoder_dtype: torch.dtype = torch.float32,
+                        torch_dtype: Optional[torch.dtype] = None, **kwargs) -> "InfinityPipeline":
+        """Load a folder written by :meth:`save_pretrained` (``transformer/``, ``vae/``, ``text_encoder/``,
+        ``tokenizer/``). Nothing is downloaded: the path must be a local folder."""
+        if kwargs:
+            raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
+        dtype = dtype if dtype is not None else torch_dtype
+        path = Path(pretrained_model_name_or_path)
+        index_path = path / "model_index.json"
+        if not index_path.is_file():
+            raise FileNotFoundError(
+                f"{path} is not an InfinityPipeline folder (no model_index.json). Nothing is downloaded: pass a local "
+                f"folder written by save_pretrained, or load the official files with "
+                f"InfinityPipeline.from_single_file(transformer_ckpt, vae_ckpt, text_encoder=<flan-t5-xl folder>)")
+        index = json.loads(index_path.read_text())
+        if index.get("_class_name") not in (cls.__name__, "InfinityPipeline"):
+            raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not an InfinityPipeline")
+        for sub in ("transformer", "vae", "text_encoder", "tokenizer"):
+            if not (path / sub).is_dir():
+                raise FileNotFoundError(f"{path / sub} is missing (an InfinityPipeline folder has transformer/, vae/, "
+                                        f"text_encoder/ and tokenizer/)")
+        transformer = InfinityTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True)
+        transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
+        vae = BSQVAE.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype)
+        from transformers import AutoTokenizer, T5EncoderModel
+        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        t5 = T5EncoderModel.from_pretrained(str(path / "text_encoder"), local_files_only=True).to(text_encoder_dtype)
+        return cls(transformer=transformer.eval().requires_grad_(False), vae=vae.eval().requires_grad_(False),
+                   text_encoder=t5.eval().requires_grad_(False), tokenizer=tokenizer)
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
+        """Write ``model_index.json`` + ``transformer/`` + ``vae/`` + ``text_encoder/`` + ``tokenizer/``.
+        Our components are recorded under the library name ``sparsevar`` (see VARPipeline)."""
+        super().save_pretrained(save_directory, safe_serialization=safe_serialization, **kwargs)
+        index_path = Path(save_directory) / "model_index.json"
+        index = json.loads(index_path.read_text())
+        for name in ("transformer", "vae"):
+            index[name] = [LIBRARY_NAME, type(getattr(self, name)).__name__]
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    @staticmethod
+    def valid_sizes(aspect_ratio: Optional[float] = None) -> list[tuple[int, int]]:
+        """(height, width) of every official size, or of the template nearest to ``aspect_ratio`` (h/w)."""
+        if aspect_ratio is None:
+            return [(r.height, r.width) for r in infinity_resolutions()]
+        t = infinity_resolution(aspect_ratio).h_div_w
+        return [(r.height, r.width) for r in (infinity_resolution(t, pn) for pn in PN_SCALES)]
+
+    @staticmethod
+    def resolution(height: int, width: int) -> InfinityResolution:
+        """The schedule of an output size (ValueError listing the valid sizes for its aspect ratio)."""
+        return resolve_resolution(height, width)
+
+    # ---- text -------------------------------------------------------------------------------------
+    @property
+    def is_patchify(self) -> bool:
+        return self.transformer.config.token_dim == 4 * self.vae.config.codebook_dim
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: Union[str, Sequence[str]]) -> TextFeatures:
+        """Packed T5 features of the prompts (official tokenisation: EOS, truncation at 512 tokens)."""
+        return encode_prompts(self.tokenizer, self.text_encoder, prompt)
+
+    # ---- policies ---------------------------------------------------------------------------------
+    @property
+    def policies(self) -> PolicyStack:
+        return self._policies
+
+    def add_policy(self, policy: Policy) -> "InfinityPipeline":
+        policy.validate(self.adapter().model_info())
+        self._policies = self._policies.without(policy.name).with_policy(policy)
+        return self
+
+    def remove_policy(self, name: str) -> "InfinityPipeline":
+        self._policies = self._policies.without(name)
+        return self
+
+    @staticmethod
+    def _config(config, cls, presets: dict, overrides: dict, method: str):
+        if config is None:
+            config = presets.get(PRESET_FAMILY, cls())
+        elif not isinstance(config, cls):
+            raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
+        return _replace(config, overrides) if overrides else config
+
+    def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides) -> "InfinityPipeline":
+        """SparseVAR token exclusion (default: the ``infinity-2b`` preset, block-group granularity)."""
+        cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, overrides, "enable_sparsevar")
+        return self.add_policy(SparseVARPolicy(cfg))
+
+    def disable_sparsevar(self) -> "InfinityPipeline":
+        return self.remove_policy(SparseVARPolicy.name)
+
+    def enable_fastvar(self, config: Optional[FastVARConfig] = None, **overrides) -> "InfinityPipeline":
+        cfg = self._config(config, FastVARConfig, FASTVAR_PRESETS, overrides, "enable_fastvar")
+        return self.add_policy(FastVARPolicy(cfg))
+
+    def disable_fastvar(self) -> "InfinityPipeline":
+        return self.remove_policy(FastVARPolicy.name)
+
+    def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
+                          cond_only_from: Optional[int] = None) -> "InfinityPipeline":
+        overrides = {k: v for k, v in (("skip_last", skip_last), ("cond_only_from", cond_only_from)) if v is not None}
+        cfg = self._config(config, ScaleSkipConfig, {}, overrides, "enable_scale_skip")
+        return self.add_policy(ScaleSkipPolicy(cfg))
+
+    def disable_scale_skip(self) -> "InfinityPipeline":
+        return self.remove_policy(ScaleSkipPolicy.name)
+
+    # ---- diffusers-style properties ------------------------------------------------------------------
+    @property
+    def current_timestep(self):
+        return self._current_scale
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    def adapter(self) -> InfinityAdapter:
+        """The engine adapter over the current modules (rebuilt when a component was replaced)."""
+        a = self._adapter
+        if a is None or a.transformer is not self.transformer or a.vae is not self.vae:
+            a = self._adapter = InfinityAdapter(self.transformer, self.vae, DEFAULT_RESOLUTION)
+        return a
+
+    def release_memory(self) -> None:
+        """Drop the KV cache kept for repeated calls."""
+        if self._adapter is not None:
+            self._adapter.release()
+
+    def flop_speedup(self, stats: GenerationStats, height: int = 1024, width: int = 1024,
+                     text_tokens: int = 64) -> float:
+        """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
+        hw = resolve_resolution(height, width).hw
+        cfg = self.transformer.config
+        dense = infinity_loop_flops(cfg, hw, text_tokens)
+        return dense / infinity_loop_flops(cfg, hw, text_tokens, tokens_per_scale=[s.tokens_computed for s in stats.scales])
+
+    # ---- call -------------------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_list(prompt, name: str) -> list[str]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        raise ValueError(f"{name} must be a string or a non-empty list of strings, got {prompt!r}")
+
+    def check_inputs(self, prompt, negative_prompt, height, width, guidance_scale, temperature, top_k, top_p,
+                     num_images_per_prompt, output_type, generator, callback_on_step_end_tensor_inputs,
+                     prompt_features=None, negative_prompt_features=None):
+        if prompt is None and prompt_features is None:
+            raise ValueError("prompt is required: pass a string or a list of strings")
+        if prompt is not None and prompt_features is not None:
+            raise ValueError("pass either prompt or prompt_features, not both")
+        n = prompt_features.batch if prompt_features is not None else len(self._prompt_list(prompt, "prompt"))
+        if negative_prompt is not None:
+            neg = self._prompt_list(negative_prompt, "negative_prompt")
+            if len(neg) not in (1, n):
+                raise ValueError(f"got {len(neg)} negative prompts for {n} prompts; pass one, or one per prompt")
+            if negative_prompt_features is not None:
+                raise ValueError("pass either negative_prompt or negative_prompt_features, not both")
+        if negative_prompt_features is not None and negative_prompt_features.batch not in (1, n):
+            raise ValueError(f"negative_prompt_features holds {negative_prompt_features.batch} prompts for {n} prompts")
+        resolution = resolve_resolution(height, width)
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
+                or not math.isfinite(guidance_scale) or guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be a number >= 0 (1 disables guidance), got {guidance_scale!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+                or not math.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"temperature must be a number > 0 (official: 0.5 for 2B, 1.0 for 8B), got {temperature!r}")
+        if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit; 1 = greedy bits), got {top_k!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
+        if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        B = n * int(num_images_per_prompt)
+        if isinstance(generator, (list, tuple)) and len(generator) != B:
+            raise ValueError(f"got {len(generator)} generators for {B} images; pass one generator, or one per image "
+                             f"(prompts × num_images_per_prompt = {B})")
+        bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
+        if bad:
+            raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        return resolution, n
+
+    @torch.no_grad()
+    def __call__(self, prompt: Union[str, Sequence[str], None] = None,
+                 negative_prompt: Union[str, Sequence[str], None] = None,
+                 height: int = 1024, width: int = 1024, guidance_scale: float = 3.0,
+                 temperature: Optional[float] = None, top_k: int = 900, top_p: float = 0.97,
+                 num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
+                 callback_on_step_end: Optional[Callable] = None,
+                 callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
+                 policies: Optional[Sequence[Policy]] = None,
+                 prompt_features: Optional[TextFeatures] = None,
+                 negative_prompt_features: Optional[TextFeatures] = None):
+        """Generate images from text.
+
+        Args:
+            prompt: a string or a list of strings.
+            negative_prompt: replaces the unconditional branch of guidance (one, or one per prompt);
+                None uses the model's learned unconditional text cut to each prompt's token count.
+            height, width: an official size (``valid_sizes()``): 1024×1024 and the 256–1024 px sizes of
+                the 15 aspect-ratio templates; anything else raises a ValueError listing the sizes.
+            guidance_scale: CFG on the bit logits, cfg·cond + (1 − cfg)·uncond; 1 disables guidance
+                (official: 3 for the 2B notebook, 4 in infer.sh).
+            temperature: τ, the logits are divided by it before guidance (default: 0.5, or 1.0 for a
+                patchify model such as the 8B, as the official scripts use).
+            top_k, top_p: per-bit filters (official 900, 0.97): with two values per bit only top_k = 1
+                (greedy) changes anything; top_p drops the minority value when it is <= 1 − top_p likely.
+            num_images_per_prompt: images per prompt.
+            generator: a ``torch.Generator`` or one per image; every random draw comes from it.
+            output_type: "pil", "np" ((B, H, W, 3) in [0, 1]), "pt" ((B, 3, H, W) in [0, 1]) or
+                "latent" (summed codes).
+            callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs)`` after every scale,
+                with copies of "codes" (bits, (B, h·w, d)), "logits" (guided, (B, h·w, 2d)), "latent".
+                Set ``pipe._interrupt = True`` to stop early: the codes so far are decoded.
+            policies: acceleration policies for this call only, instead of the enabled ones.
+            prompt_features, negative_prompt_features: precomputed packed T5 features instead of
+                strings (:meth:`encode_prompt`).
+        Returns:
+            :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
+        """
+        if temperature is None:
+            temperature = 1.0 if self.is_patchify else 0.5
+        resolution, n = self.check_inputs(prompt, negative_prompt, height, width, guidance_scale, temperature, top_k,
+                                          top_p, num_images_per_prompt, output_type, generator,
+                                          callback_on_step_end_tensor_inputs, prompt_features, negative_prompt_features)
+        adapter = self.adapter()
+        stack = self._policies
+        if policies is not None:
+            stack = PolicyStack()
+            for p in policies:
+                stack = stack.with_policy(p)
+        text = prompt_features if prompt_features is not None else self.encode_prompt(self._prompt_list(prompt, "prompt"))
+        negative = negative_prompt_features
+        if negative_prompt is not None:
+            negative = self.encode_prompt(self._prompt_list(negative_prompt, "negative_prompt"))
+        if negative is not None and negative.batch == 1 and n > 1:
+            negative = negative.select([0] * n)
+        k = int(num_images_per_prompt)
+        text = text.repeat_each(k)
+        negative = negative.repeat_each(k) if negative is not None else None
+        B = text.batch
+        cond = InfinityConditioning(prompt=text, negative=negative, temperature=float(temperature), resolution=resolution)
+        self._interrupt = False
+        settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
+        wanted = tuple(callback_on_step_end_tensor_inputs or ())
+        sched = resolution.schedule
+        with self.progress_bar(total=sched.num_scales) as pbar:
+            def on_scale(si: int, tensors: dict) -> None:
+                self._current_scale = si
+                if callback_on_step_end is not None:
+                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
+                pbar.update()
+
+            result = generate(adapter, cond, B, settings=settings, generator=generator, policies=stack,
+                              callback=on_scale, decode=output_type != "latent", stop=lambda: self._interrupt,
+                              schedule=sched)
+        self._current_scale = None
+        images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, [result.stats]
+        return InfinityPipelineOutput(images=images, stats=[result.stats])
+
+    @staticmethod
+    def _postprocess(x: torch.Tensor, output_type: str):
+        if output_type in ("pt", "latent"):
+            return x
+        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
+        if output_type == "np":
+            return arr
+        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
+
+
+__all__ = ["InfinityPipeline", "InfinityPipelineOutput"]
