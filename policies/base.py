@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from ..sparse_ops import ops as sparse_ops
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine.state import ModelInfo, RunState
 
@@ -66,18 +68,31 @@ class SubLayer:
     Exposed piece by piece so a policy can run it on a token subset (gather → ``modulate`` →
     ``branch`` → gated residual add → restore), e.g. FastVAR's pivotal tokens.
     ``mul``/``shift``/``gate`` are (R, 1, C) float32 tensors.
+
+    ``norm_eps`` and ``out_dtype`` describe ``modulate`` (LayerNorm without affine, eps, output
+    dtype of the branch input). A model that passes them lets :meth:`gather_modulate` run as one
+    fused gather + LayerNorm + AdaLN kernel (``sparse_ops.gather_norm_modulate``); without them it
+    gathers the rows and calls ``modulate``.
     """
 
-    __slots__ = ("ctx", "mul", "shift", "gate", "branch", "_modulate", "_add")
+    __slots__ = ("ctx", "mul", "shift", "gate", "branch", "_modulate", "_add", "norm_eps", "out_dtype")
 
     def __init__(self, ctx: SubLayerContext, mul, shift, gate, branch: Callable, modulate: Callable,
-                 add: Callable):
+                 add: Callable, norm_eps: Optional[float] = None, out_dtype: Optional[torch.dtype] = None):
         self.ctx, self.mul, self.shift, self.gate, self.branch = ctx, mul, shift, gate, branch
         self._modulate, self._add = modulate, add
+        self.norm_eps, self.out_dtype = norm_eps, out_dtype
 
     def modulate(self, x_RlC: torch.Tensor) -> torch.Tensor:
         """The branch input for tokens ``x_RlC`` (rows must match ``mul``/``shift``)."""
         return self._modulate(x_RlC, self.mul, self.shift)
+
+    def gather_modulate(self, x_RLC: torch.Tensor, idx_Rn: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """The branch input (R, n, C) for the tokens ``idx_Rn`` of ``x_RLC``: ``modulate(x[idx])``."""
+        if self.norm_eps is None or self.out_dtype is None:
+            return self.modulate(sparse_ops.gather_rows(x_RLC, idx_Rn, backend=backend))
+        return sparse_ops.gather_norm_modulate(x_RLC, idx_Rn, self.mul, self.shift, self.norm_eps, self.out_dtype,
+                                               backend=backend)
 
     def residual(self, x_RlC: torch.Tensor, idx_Rn: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gated branch output (float32, without the skip connection). For a token subset pass

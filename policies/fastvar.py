@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from ..sparse_ops import ops as sparse_ops
+from ..sparse_ops._backend import check_backend, resolve_backend
 from .base import Policy, ScalePlan, SubLayer
 
 
@@ -32,12 +33,19 @@ class FastVARConfig:
         (0.5, 0.75). Higher ratios: more speed, blurrier detail.
     layer_range: (first, last) layer indices, inclusive, that prune; None = every layer. The
         official Infinity-2B setting prunes layers 3..27 of 32 and runs the rest dense.
+    backend: kernels for the per-sub-layer gather + LayerNorm + AdaLN and the restore with the
+        gated residual: "auto" (Triton on a CUDA GPU where it can run, else pure torch; the
+        default), "triton" (require the kernels: a ValueError at generation if they cannot run on
+        the model's device) or "torch" (the pure-torch references, bit-identical to earlier
+        releases). The kernels change only float rounding.
     """
 
     ratios: tuple = (0.5, 0.75)
     layer_range: Optional[tuple] = None
+    backend: str = "auto"
 
     def __post_init__(self):
+        check_backend(self.backend, "backend")
         if isinstance(self.ratios, (str, bytes)) or not hasattr(self.ratios, "__iter__"):
             raise ValueError(f"ratios must be a sequence of prune ratios, one per final scale, e.g. (0.5, 0.75); "
                              f"got {self.ratios!r}")
@@ -108,7 +116,8 @@ class FastVARPolicy(Policy):
         return run.schedule.num_scales - len(ratios) + first - 1
 
     def begin(self, run) -> None:
-        run.policy_state[self.name] = {"cache_si": self._cache_scale(run), "cache": {}, "cache_eager": False}
+        run.policy_state[self.name] = {"cache_si": self._cache_scale(run), "cache": {}, "cache_eager": False,
+                                       "backend": resolve_backend(self.config.backend, run.device, "backend")}
 
     def graph_replayed(self, si: int, exports: dict, run) -> None:
         # a replayed cache scale refreshed the tensors it exported at capture: use those
@@ -157,14 +166,12 @@ class FastVARPolicy(Policy):
             return sub(x_RLC)
         keep = L - math.floor(L * r)
         idx_Rn = pivotal_tokens(x_RLC, keep)
-        x_RnC = x_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(R, keep, C))
-        fresh_RnC = sub.residual(x_RnC, idx_Rn)
-        cached_RLC, (hc, wc) = st["cache"][key]
-        h, w = run.schedule.hw[si]
-        cached = cached_RLC[:R].transpose(1, 2).reshape(R, C, hc, wc)                 # (R, hw, C) → (R, C, h, w)
-        update_RLC = F.interpolate(cached, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)
-        update_RLC = update_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(R, keep, C), fresh_RnC)
-        return x_RLC + update_RLC
+        backend = st["backend"]
+        branch_RnC = sub.branch(sub.gather_modulate(x_RLC, idx_Rn, backend), idx_Rn)
+        cached_RlC, cache_hw = st["cache"][key]
+        # x + (pivotal ? gate · branch : area-upsampled cache) in one pass over the L tokens
+        return sparse_ops.restore_residual(x_RLC, idx_Rn, branch_RnC, sub.gate, cached_RlC, cache_hw,
+                                           run.schedule.hw[si], backend=backend)
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         r = self._ratio(si, run)

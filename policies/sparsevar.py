@@ -24,14 +24,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..sparse_ops import ops as sparse_ops
+from ..sparse_ops import ref as sparse_ref
+from ..sparse_ops._backend import check_backend, resolve_backend
+# token roles in the maps stored for visualisation (GenerationStats.token_maps); defined beside the ops
+from ..sparse_ops.ref import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT  # noqa: F401
 from .base import Policy, ScalePlan
 from .scale_skip import resolve_scale_index
-
-# token roles in the maps stored for visualisation (GenerationStats.token_maps)
-TOKEN_EXCLUDED = 0        # not computed, zero residual at this scale
-TOKEN_COPIED = 1          # not computed, hidden state copied from its anchor
-TOKEN_KEPT = 2            # computed (high-frequency)
-TOKEN_ANCHOR = 3          # computed (anchor grid)
 
 INTERPOLATIONS = ("nearest", "bilinear")
 
@@ -59,6 +58,11 @@ class SparseVARConfig:
     keep_ratio: instead of the tau rule, keep this fraction of each scale's tokens (anchors
         count towards it; at least the anchors are kept), so the speed-up is predictable and every
         image of a batch keeps the same count. In (0, 1]; None uses tau.
+    backend: kernels for the selection, anchor matching and row gathers: "auto" (Triton on a CUDA
+        GPU where it can run, else pure torch; the default), "triton" (require the kernels: a
+        ValueError at generation if they cannot run on the model's device) or "torch" (the
+        pure-torch references, bit-identical to earlier releases). Same decisions either way up
+        to float rounding of the similarities.
     """
 
     tau: float = 0.6
@@ -69,8 +73,10 @@ class SparseVARConfig:
     beta: float = 0.8
     interpolation: str = "nearest"
     keep_ratio: Optional[float] = None
+    backend: str = "auto"
 
     def __post_init__(self):
+        check_backend(self.backend, "backend")
         _number(self.tau, "tau")
         if not 0.0 <= self.tau < 1.0:
             raise ValueError(f"tau must be in [0, 1) (0 = keep every token that changes), got {self.tau}")
@@ -164,24 +170,27 @@ def upsample_map(m_Bhw: torch.Tensor, hw: tuple[int, int], mode: str) -> torch.T
     return x[:, 0] if m_Bhw.dim() == 3 else x.permute(0, 2, 3, 1)
 
 
+def nearest_source(src_hw: tuple[int, int], hw: tuple[int, int], device=None) -> torch.Tensor:
+    """(h·w,) int64: the token of an (h', w') map that nearest upsampling to (h, w) copies into each
+    token (the mapping ``upsample_map(..., "nearest")`` applies)."""
+    (hs, ws), (h, w) = src_hw, hw
+    pos_1hw = torch.arange(hs * ws, device=device, dtype=torch.float32).view(1, hs, ws)   # exact below 2**24
+    return upsample_map(pos_1hw, (h, w), "nearest").reshape(h * w).long()
+
+
 def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
                   keep_ratio: Optional[float], num_anchors: Optional[int] = None) -> torch.Tensor:
     """(B, L) bool kept tokens: anchors ∪ (change > tau · max) — or, with ``keep_ratio``, anchors
-    ∪ the largest changes up to ``ceil(keep_ratio · L)`` tokens in all (ties broken by position)."""
+    ∪ the largest changes up to ``ceil(keep_ratio · L)`` tokens in all (ties broken by position).
+    The rule of ``sparse_ops.select_kept``, on a map already at this scale's size."""
     B, L = change_BL.shape
-    anchors_BL = anchors_L[None].expand(B, L)
-    if keep_ratio is None:
-        top_B1 = change_BL.amax(dim=1, keepdim=True)
-        keep = change_BL > tau * top_B1
-    else:
+    budget = None
+    if keep_ratio is not None:
         if num_anchors is None:
             num_anchors = int(anchors_L.sum())           # a host read; callers that know it pass it
         budget = max(math.ceil(keep_ratio * L), num_anchors)
-        score = change_BL.masked_fill(anchors_BL, float("inf"))
-        # stable descending order: equal changes keep the earlier position
-        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget]
-        keep = torch.zeros_like(anchors_BL).scatter(1, order, True)
-    return keep | anchors_BL
+    src_L = torch.arange(L, device=change_BL.device)
+    return sparse_ref.select_kept(change_BL, src_L, anchors_L, tau, budget)[2]
 
 
 def pack_indices(keep_BL: torch.Tensor):
@@ -236,9 +245,10 @@ class SparseVARPolicy(Policy):
 
     def begin(self, run) -> None:
         P, first, last = self.resolved(run.info)
+        backend = resolve_backend(self.config.backend, run.device, "backend")
         run.policy_state[self.name] = {"P": P, "first": first, "last": last, "x_in": None,
                                        "change": None, "logits": None, "copy_src": None, "zero": None,
-                                       "roles": None}
+                                       "roles": None, "backend": backend, "geometry": {}}
 
     def uses_model_hooks(self, si: int, run) -> bool:
         return si >= run.policy_state[self.name]["P"] - 1
@@ -248,50 +258,62 @@ class SparseVARPolicy(Policy):
         return {st["first"], st["last"]}
 
     # ---- hooks ------------------------------------------------------------------------------------
+    def _geometry(self, st: dict, hw: tuple[int, int], prev_hw: tuple[int, int], device):
+        """(anchors_L, cand_L4, src_L) of a map size: anchor grid, each token's candidate anchors,
+        and the previous-scale token nearest upsampling maps onto it; once per size pair."""
+        key = (hw, prev_hw)
+        geo = st["geometry"]
+        if key not in geo:
+            (h, w), a = hw, self.config.alpha
+            geo[key] = (anchor_mask(h, w, a, device).reshape(h * w), anchor_candidates(h, w, a, device),
+                        nearest_source(prev_hw, hw, device))
+        return geo[key]
+
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         st = run.policy_state[self.name]
         st["copy_src"] = st["zero"] = st["roles"] = None
         if si < st["P"] or self.config.neutral or st["change"] is None:
             return None
-        c, sch = self.config, run.schedule
+        c, sch, backend = self.config, run.schedule, st["backend"]
         h, w = sch.hw[si]
         L = h * w
-        change_BL = upsample_map(st["change"], (h, w), c.interpolation).reshape(-1, L)
-        geo = st.setdefault("geometry", {})                # anchor grid and cells, once per map size
-        if (h, w) not in geo:
-            geo[(h, w)] = (anchor_mask(h, w, c.alpha, change_BL.device).reshape(L),
-                           anchor_candidates(h, w, c.alpha, change_BL.device))
-        anchors_L, cand_L4 = geo[(h, w)]
-        keep_BL = select_tokens(change_BL, anchors_L, c.tau, c.keep_ratio, anchor_count(h, w, c.alpha))
-        B = keep_BL.shape[0]
-        if c.keep_ratio is not None:
-            # the count follows from the settings: no host read of the kept set
-            n = max(math.ceil(c.keep_ratio * L), anchor_count(h, w, c.alpha))
-            index_Bn, valid_Bn = torch.sort(torch.sort((~keep_BL).to(torch.uint8), dim=1, stable=True)
-                                            .indices[:, :n], dim=1).values, None
-            all_kept = n == L
+        change_Bhw = st["change"]                         # the previous scale's map (B, h', w')
+        B, hp, wp = change_Bhw.shape
+        anchors_L, cand_L4, src_L = self._geometry(st, (h, w), (hp, wp), change_Bhw.device)
+        if c.interpolation == "nearest":                  # index-mapped: the upsampled map is never built
+            change_BM = change_Bhw.reshape(B, hp * wp)                                  # (B, h', w') → (B, M)
         else:
-            index_Bn, valid_Bn, counts = pack_indices(keep_BL)
-            all_kept = min(counts) == L
-        roles = torch.where(keep_BL, torch.full_like(keep_BL, TOKEN_KEPT, dtype=torch.uint8),
-                            torch.full_like(keep_BL, TOKEN_EXCLUDED, dtype=torch.uint8))
-        roles[anchors_L[None].expand(B, L)] = TOKEN_ANCHOR
+            change_BM = upsample_map(change_Bhw, (h, w), c.interpolation).reshape(B, L)  # (B, h, w) → (B, L)
+            src_L = torch.arange(L, device=change_Bhw.device)
+        budget = None
+        if c.keep_ratio is not None:
+            budget = max(math.ceil(c.keep_ratio * L), anchor_count(h, w, c.alpha))
+        idx_BL, count_B, keep_BL = sparse_ops.select_kept(change_BM, src_L, anchors_L, c.tau, budget, backend=backend)
+        if budget is not None:
+            # the count follows from the settings: no host read of the kept set
+            n, valid_Bn, all_kept = budget, None, budget == L
+        else:
+            # the one host read of a pruned scale: the shapes of every kernel after it depend on it
+            counts = count_B.tolist()
+            n, all_kept = max(counts), min(counts) == L
+            valid_Bn = None
+            if any(k != n for k in counts):
+                valid_Bn = torch.arange(n, device=count_B.device)[None, :] < count_B[:, None]
+        index_Bn = idx_BL[:, :n].contiguous()
         if all_kept:                                      # nothing excluded: the dense path
-            st["roles"] = roles.view(B, h, w)
+            roles_L = torch.where(anchors_L, TOKEN_ANCHOR, TOKEN_KEPT).to(torch.uint8)
+            st["roles"] = roles_L.view(1, h, w).expand(B, h, w).clone()
             return None
-        # anchor assignment from the previous scale's guided logits (upsampled, per token)
-        lg = st["logits"]                                 # (B, h', w', V)
-        lg_BLV = F.normalize(upsample_map(lg, (h, w), c.interpolation).reshape(B, L, -1), dim=-1)
-        sims = torch.stack([(lg_BLV * lg_BLV[:, cand_L4[:, j]]).sum(-1) for j in range(4)], dim=-1)  # (B, L, 4)
-        best_sim, best_j = sims.max(dim=-1)
-        anchor_BL = cand_L4[torch.arange(L, device=best_j.device)[None, :], best_j]      # (B, L) chosen anchor
-        excluded = ~keep_BL
-        copied = excluded & (best_sim >= c.beta)
-        ar = torch.arange(L, device=keep_BL.device)[None].expand(B, L)
-        st["copy_src"] = torch.where(copied, anchor_BL, ar)                            # (B, L)
-        st["zero"] = excluded & ~copied                                                 # (B, L)
-        roles[copied] = TOKEN_COPIED
-        st["roles"] = roles.view(B, h, w)             # recorded once the scale has run (after_scale)
+        # anchor assignment from the previous scale's guided logits (upsampled per token)
+        lg_BhwV = st["logits"]                            # (B, h', w', V)
+        if c.interpolation == "nearest":
+            logits_BMV = lg_BhwV.reshape(B, hp * wp, -1)                               # (B, h', w', V) → (B, M, V)
+        else:
+            logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)
+        copy_src_BL, zero_BL, roles_BL, _ = sparse_ops.anchor_match(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
+                                                                    c.beta, backend=backend)
+        st["copy_src"], st["zero"] = copy_src_BL, zero_BL
+        st["roles"] = roles_BL.view(B, h, w)           # recorded once the scale has run (after_scale)
         return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
                          static=c.keep_ratio is not None and valid_Bn is None)
 
@@ -303,27 +325,22 @@ class SparseVARPolicy(Policy):
             st["x_in"] = x_in
         if unit[1] != st["last"]:
             return
-        R, n, _ = x_out.shape
         B = run.batch_size
-        change_Rn = (x_out.float() - st["x_in"].float()).pow(2).mean(dim=-1)                # (R, n)
-        change_Bn = change_Rn.view(R // B, B, n).mean(dim=0)                              # CFG halves averaged
         h, w = run.schedule.hw[si]
-        plan = run.plan
-        if plan.token_index is None:
-            full_BL = change_Bn
-        else:                                   # excluded tokens did not change: 0
-            full_BL = torch.zeros(B, h * w, device=x_out.device, dtype=torch.float32)
-            full_BL.scatter_(1, plan.token_index.to(x_out.device), change_Bn)
-        st["change"] = full_BL.view(B, h, w)
+        idx_Bn = run.plan.token_index
+        if idx_Bn is not None:                  # excluded tokens did not change: 0
+            idx_Bn = idx_Bn.to(x_out.device)
+        full_BL = sparse_ops.change_map(st["x_in"], x_out, B, idx_Bn, h * w, backend=st["backend"])
+        st["change"] = full_BL.view(B, h, w)                                             # (B, hw) → (B, h, w)
         st["x_in"] = None
 
     def post_hidden(self, si: int, h_RLC: torch.Tensor, run) -> torch.Tensor:
         src_BL = run.policy_state[self.name]["copy_src"]
         if src_BL is None:
             return h_RLC
-        R, L, C = h_RLC.shape
-        src_RL = src_BL.repeat(R // src_BL.shape[0], 1)
-        return h_RLC.gather(1, src_RL.unsqueeze(-1).expand(R, L, C))                   # anchor copies
+        R = h_RLC.shape[0]
+        src_RL = src_BL.repeat(R // src_BL.shape[0], 1)                                 # one map per image
+        return sparse_ops.gather_rows(h_RLC, src_RL, backend=run.policy_state[self.name]["backend"])  # anchor copies
 
     def post_residual(self, si: int, residual_BLc: torch.Tensor, run) -> torch.Tensor:
         zero_BL = run.policy_state[self.name]["zero"]

@@ -1,1 +1,20 @@
-"""Plain functions over tensors used by the models and policies (attention dispatch, gather/scatter)."""
+"""Plain functions over tensors used by the models and policies.
+
+- ``ref.py``: the pure-torch reference of every op (CPU path, fallback, test oracle);
+- one file per op with its Triton kernel and launcher, same signature as the reference:
+  ``gather_modulate.py`` (gather → LayerNorm → AdaLN modulation; row gather / scatter),
+  ``restore.py`` (FastVAR's restore with the gated residual), ``select.py`` (SparseVAR's change
+  map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
+  sums per query group);
+- ``ops.py``: the front ends, which pick the kernel or the reference per call
+  (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
+- ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention).
+
+Importing this package never imports triton.
+"""
+from ._backend import BACKENDS, resolve_backend
+from .ops import (anchor_match, attention_colsum, change_map, gather_norm_modulate, gather_rows, restore_residual,
+                  scatter_rows, select_kept)
+
+__all__ = ["BACKENDS", "resolve_backend", "anchor_match", "attention_colsum", "change_map", "gather_norm_modulate",
+           "gather_rows", "restore_residual", "scatter_rows", "select_kept"]

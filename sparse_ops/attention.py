@@ -1,41 +1,197 @@
 """Attention backend dispatch, chosen explicitly per call (never at import time).
 
-Dense VAR-family steps are plain non-causal attention of this scale's queries against the KV cache
-(``Lq != Lk``), so SDPA without a mask is the right default: it keeps the flash / cuDNN backends
-available on GPU. A mask is passed only for teacher forcing (block-causal) or key padding.
+Three cases, each with its backend (research/kernels.md §0, §1):
+
+- **dense scale, no mask** → ``F.scaled_dot_product_attention`` without a mask, so torch keeps
+  its fast kernels eligible (cuDNN, then flash, then memory-efficient on an H100). A VAR step is
+  plain non-causal attention of this scale's queries against the KV cache (``Lq != Lk``).
+- **images of a batch keep different token counts** (SparseVAR with padding; the cache holds
+  padding keys) → varlen flash attention (``torch.nn.attention.varlen``) over each row's valid
+  keys, packed without a host sync; where varlen cannot run (CPU, fp32, no sm_80, an old torch)
+  SDPA with the key mask (which rules the flash kernel out).
+- **block-sparse pattern** (a FlexAttention ``BlockMask``, SparVAR) → FlexAttention, which skips
+  the empty blocks. Pass a compiled ``flex_attention`` as ``flex_fn`` for speed.
+
+Every call logs its choice and the reason at DEBUG (``logging.getLogger(__name__)``).
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+import logging
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flex")
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_probe(device_index: int) -> tuple[Optional[Callable], bool, str]:
+    """(varlen_attn or None, whether it takes ``scale``, reason) on one CUDA device. A pure probe of
+    the installed torch and the hardware, cached because neither changes while the process runs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False, f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.9)"
+    if torch.version.hip is not None:
+        return None, False, "varlen attention is used on NVIDIA GPUs only"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        return None, False, f"flash varlen needs sm_80 or newer, this GPU is sm_{major}{minor}"
+    return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters, "flash varlen available"
+
+
+def _varlen_usable(q_RHld: torch.Tensor) -> tuple[bool, str]:
+    if q_RHld.device.type != "cuda":
+        return False, f"varlen attention runs on CUDA only (tensors on {q_RHld.device.type})"
+    if q_RHld.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"varlen flash attention needs fp16/bf16, got {q_RHld.dtype}"
+    d = q_RHld.shape[-1]
+    if d % 8 or d > 256:
+        return False, f"varlen flash attention needs a head dim that is a multiple of 8 and <= 256, got {d}"
+    index = q_RHld.device.index if q_RHld.device.index is not None else torch.cuda.current_device()
+    fn, _, why = _varlen_probe(index)
+    return fn is not None, why
+
+
+def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                     key_valid_RL: Optional[torch.Tensor] = None, block_mask=None,
+                     backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for one attention call: ``"sdpa"``, ``"varlen"`` or ``"flex"``."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not an attention backend: use one of {ATTENTION_BACKENDS} "
+                         f"('auto' picks per call)")
+    if block_mask is not None:
+        if backend not in ("auto", "flex"):
+            raise ValueError(f"backend={backend!r} cannot run a block mask: use backend='flex' or 'auto'")
+        return "flex", "block-sparse pattern (BlockMask): FlexAttention skips the empty blocks"
+    if backend == "flex":
+        raise ValueError("backend='flex' needs a block_mask (a FlexAttention BlockMask); use 'auto' for dense calls")
+    if key_valid_RL is not None and attn_mask is None:
+        ok, why = _varlen_usable(q_RHld)
+        if backend == "varlen" and not ok:
+            raise ValueError(f"backend='varlen' cannot run here: {why}; use backend='auto' or 'sdpa'")
+        if ok and backend in ("auto", "varlen"):
+            return "varlen", "images keep different token counts: varlen flash attention over each row's valid keys"
+        return "sdpa", f"images keep different token counts: SDPA with a key mask ({why})"
+    if backend == "varlen":
+        raise ValueError("backend='varlen' needs key_valid_RL (rows with different valid key counts); use 'auto'")
+    if attn_mask is not None:
+        return "sdpa", "explicit attention mask (e.g. block-causal teacher forcing): SDPA with a mask"
+    return "sdpa", "dense, no mask: SDPA keeps cuDNN / flash / memory-efficient eligible"
+
+
+def attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, scale: float, *,
+              attn_mask: Optional[torch.Tensor] = None, key_valid_RL: Optional[torch.Tensor] = None,
+              block_mask=None, backend: str = "auto", flex_fn: Optional[Callable] = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [+ mask])·v: (R, H, l, d) out, with the backend chosen per call.
+
+    attn_mask: a full SDPA mask (bool, True = attend, or additive), e.g. block-causal.
+    key_valid_RL: (R, Lk) bool, False for padding keys of rows whose images kept fewer tokens.
+    block_mask: a FlexAttention BlockMask (block-sparse attention).
+    backend: "auto" (the rule above), or force "sdpa" / "varlen" / "flex" (ValueError if it cannot run).
+    flex_fn: the flex_attention to call (e.g. a torch.compile'd one); default the eager one.
+    """
+    if q_RHld.dtype != k_RHLd.dtype:
+        q_RHld = q_RHld.to(k_RHLd.dtype)
+    name, why = choose_attention(q_RHld, k_RHLd, attn_mask=attn_mask, key_valid_RL=key_valid_RL,
+                                 block_mask=block_mask, backend=backend)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("attention backend %s: %s (q %s, k %s, %s)", name, why, tuple(q_RHld.shape), tuple(k_RHLd.shape),
+                  q_RHld.dtype)
+    if name == "flex":
+        if flex_fn is None:
+            from torch.nn.attention.flex_attention import flex_attention as flex_fn
+        return flex_fn(q_RHld, k_RHLd, v_RHLd, block_mask=block_mask, scale=scale)
+    if name == "varlen":
+        return _varlen_attention(q_RHld, k_RHLd, v_RHLd, scale, key_valid_RL)
+    if key_valid_RL is not None and attn_mask is None:
+        attn_mask = key_valid_RL[:, None, None, :]                                  # (R, Lk) → (R, 1, 1, Lk)
+    return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, attn_mask=attn_mask, scale=scale)
+
+
+def _varlen_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, scale: float,
+                      key_valid_RL: torch.Tensor) -> torch.Tensor:
+    """Varlen flash attention: every row's valid keys packed back to back (positions from a prefix
+    sum on the device, padding keys sent to one spare slot), queries packed row after row."""
+    R, H, l, d = q_RHld.shape
+    Lk = k_RHLd.shape[2]
+    index = q_RHld.device.index if q_RHld.device.index is not None else torch.cuda.current_device()
+    varlen_attn, takes_scale, _ = _varlen_probe(index)
+    valid_RL = key_valid_RL.bool()
+    cu_k = torch.zeros(R + 1, device=q_RHld.device, dtype=torch.int32)
+    cu_k[1:] = valid_RL.sum(dim=1, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rank_RL = valid_RL.cumsum(dim=1, dtype=torch.int32) - 1
+    dest_RL = torch.where(valid_RL, cu_k[:-1, None] + rank_RL, R * Lk).long()     # padding → spare slot R·Lk
+    k_TkHd = k_RHLd.new_empty(R * Lk + 1, H, d)
+    v_TkHd = v_RHLd.new_empty(R * Lk + 1, H, d)
+    k_TkHd[dest_RL] = k_RHLd.transpose(1, 2)                                       # (R, H, Lk, d) → (R, Lk, H, d)
+    v_TkHd[dest_RL] = v_RHLd.transpose(1, 2)
+    q_TqHd = q_RHld.transpose(1, 2).reshape(R * l, H, d)                            # (R, H, l, d) → (R·l, H, d)
+    cu_q = torch.arange(0, (R + 1) * l, l, device=q_RHld.device, dtype=torch.int32)
+    if takes_scale:
+        out = varlen_attn(q_TqHd, k_TkHd, v_TkHd, cu_q, cu_k, l, Lk, scale=scale)
+    else:                                   # older torch: its fixed 1/sqrt(d) scale, so pre-scale q
+        out = varlen_attn(q_TqHd * (scale * d ** 0.5), k_TkHd, v_TkHd, cu_q, cu_k, l, Lk)
+    return out.view(R, l, H, d).transpose(1, 2)                                     # (R·l, H, d) → (R, H, l, d)
+
 
 def dense_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor,
                     scale: float, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + mask)·v over the whole key axis; (R, H, l, d) out."""
-    if q_RHld.dtype != k_RHLd.dtype:
-        q_RHld = q_RHld.to(k_RHLd.dtype)
-    return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, attn_mask=attn_mask, scale=scale)
+    """The adapters' entry: softmax(q·kᵀ·scale + mask)·v, (R, H, l, d) out. A boolean mask of shape
+    (R, 1, 1, Lk) is the KV cache's key-padding mask (``KVCache.key_mask``) and goes to
+    :func:`attention` as ``key_valid_RL``; any other mask is passed to SDPA as it is."""
+    key_valid_RL = None
+    if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4 \
+            and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1 and attn_mask.shape[0] == q_RHld.shape[0]:
+        key_valid_RL, attn_mask = attn_mask[:, 0, 0], None
+    return attention(q_RHld, k_RHLd, v_RHLd, scale, attn_mask=attn_mask, key_valid_RL=key_valid_RL)
 
 
 def describe_backends() -> str:
     """What attention / kernel backends this machine offers, and why (for ``sparsevar info --backends``)."""
+    from ._backend import interpreting, triton_status
+
     lines = [f"torch {torch.__version__}"]
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         cap = torch.cuda.get_device_capability()
         lines.append(f"CUDA device: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})")
-        b = torch.backends.cuda
-        lines.append(f"SDPA flash: {'on' if b.flash_sdp_enabled() else 'off'}, "
-                     f"memory-efficient: {'on' if b.mem_efficient_sdp_enabled() else 'off'}, "
-                     f"cuDNN: {'on' if b.cudnn_sdp_enabled() else 'off'}, math: {'on' if b.math_sdp_enabled() else 'off'}")
-        lines.append("dense scales: SDPA without a mask (flash / cuDNN eligible); CUDA graphs for dense scales")
     else:
         lines.append("no CUDA device: SDPA math/CPU kernels; CUDA graphs unavailable")
+    lines.append("attention, chosen per call (log level DEBUG on sparsevar.sparse_ops.attention shows each choice):")
+    if cuda:
+        b = torch.backends.cuda
+        flags = (f"cuDNN {'on' if b.cudnn_sdp_enabled() else 'off'}, flash {'on' if b.flash_sdp_enabled() else 'off'}, "
+                 f"memory-efficient {'on' if b.mem_efficient_sdp_enabled() else 'off'}, "
+                 f"math {'on' if b.math_sdp_enabled() else 'off'}")
+        lines.append(f"  dense scales: SDPA without a mask ({flags}); CUDA graphs for dense scales")
+        fn, _, why = _varlen_probe(torch.cuda.current_device())
+        if fn is not None:
+            lines.append("  images with different token counts: varlen flash attention (fp16/bf16; fp32 uses SDPA "
+                         "with a key mask)")
+        else:
+            lines.append(f"  images with different token counts: SDPA with a key mask (varlen unavailable: {why})")
+    else:
+        lines.append("  dense scales: SDPA without a mask (CPU kernels)")
+        lines.append("  images with different token counts: SDPA with a key mask (varlen attention needs CUDA)")
+    try:
+        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+        lines.append("  block-sparse patterns: FlexAttention (torch.nn.attention.flex_attention; compile it for speed)")
+    except ImportError:
+        lines.append(f"  block-sparse patterns: unavailable (torch {torch.__version__} has no FlexAttention)")
+    lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums):")
     try:
         import triton
-        lines.append(f"triton {triton.__version__}: installed")
+        lines.append(f"  triton {triton.__version__}: installed")
     except ImportError:
-        lines.append("triton: not installed (pip install 'sparsevar[triton]'); pure-torch ops are used")
+        lines.append("  triton: not installed (pip install 'sparsevar[triton]'); pure-torch ops are used")
+    device = ("cuda", torch.cuda.current_device()) if cuda else ("cpu", -1)
+    ok, why = triton_status(device[0], device[1], interpreting())
+    where = "Triton kernels" if ok and cuda else "pure-torch references"
+    lines.append(f"  backend='auto' on {device[0]}: {where} ({why})")
     return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""Which implementation of a sparse op runs: the Triton kernel or its pure-torch twin.
+
+Decided per call from the requested backend and the tensors' device, never at import time:
+
+- ``"torch"``: the references in ``ref.py``, everywhere.
+- ``"auto"``: Triton on a CUDA device where it can run, the torch path otherwise (CPU, no
+  Triton, Windows, a GPU older than sm_80). When Triton cannot run, one log line says why (once
+  per device kind and process: the probe below is cached).
+- ``"triton"``: the kernels, or a ValueError that says why they cannot run here. On CPU they run
+  only through Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which
+  is how CI tests them.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import platform
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status(device_type: str, device_index: int, interpret: bool) -> tuple[bool, str]:
+    """(usable, reason) for Triton kernels on one device.
+
+    A pure probe of the installed packages and the hardware, neither of which changes while the
+    process runs, so it is cached (and its log line is written once per device)."""
+    ok, why = _probe(device_type, device_index, interpret)
+    if not ok:
+        log.info("sparse_ops: the pure-torch path runs on %s: %s", device_type, why)
+    return ok, why
+
+
+def _probe(device_type: str, device_index: int, interpret: bool) -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install 'sparsevar[triton]' on Linux with a CUDA GPU)"
+    if interpret:
+        return True, "Triton's CPU interpreter (TRITON_INTERPRET=1): correct but slow, for tests"
+    if platform.system() == "Windows":
+        return False, "Triton kernels are not used on Windows (no official triton wheel)"
+    if device_type != "cuda":
+        return False, f"Triton kernels run on CUDA devices only, these tensors are on {device_type}"
+    if torch.version.hip is not None:
+        return False, "the kernels are tuned and tested on NVIDIA GPUs only (ROCm build of torch)"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # a broken install must not break generation
+        return False, f"import triton failed: {e!r}"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        return False, f"GPU sm_{major}{minor} is older than sm_80 (bf16 kernels need Ampere or newer)"
+    return True, f"triton {triton.__version__} on sm_{major}{minor}"
+
+
+def check_backend(backend: str, name: str = "backend") -> None:
+    """ValueError naming the argument, its value and the fix unless ``backend`` is known."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}={backend!r} is not a kernel backend: use 'auto' (Triton on a CUDA GPU where it "
+                         f"can run, else pure torch), 'triton' (require the kernels) or 'torch' (pure torch)")
+
+
+def resolve_backend(backend: str, device: torch.device | str, name: str = "backend") -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device``. ``backend="triton"`` where the kernels
+    cannot run raises a ValueError naming ``name`` and the reason."""
+    check_backend(backend, name)
+    if backend == "torch":
+        return "torch"
+    device = torch.device(device)
+    interpret = interpreting()
+    if backend == "auto" and device.type != "cuda":
+        triton_status(device.type, -1, False)       # logs once why the torch path runs
+        return "torch"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else -1
+    ok, why = triton_status(device.type, index, interpret)
+    if ok:
+        return "triton"
+    if backend == "triton":
+        raise ValueError(f"{name}='triton' but the Triton kernels cannot run on {device}: {why}. "
+                         f"Use {name}='auto' (Triton where it can run, else pure torch) or 'torch'")
+    return "torch"

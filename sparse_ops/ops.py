@@ -1,0 +1,85 @@
+"""The sparse ops as the policies and adapters call them: each picks its Triton kernel or its
+pure-torch twin per call (``_backend.resolve_backend``) and has the twins' signature plus
+``backend="auto" | "triton" | "torch"``. Callers inside the scale loop resolve the backend once per
+generation and pass ``"triton"`` or ``"torch"``, so a call costs one string test.
+
+The Triton modules are imported only when their kernels run: importing ``sparse_ops`` never
+imports triton.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from . import ref
+from ._backend import resolve_backend
+
+# op → the module holding its Triton twin
+_TRITON_MODULES = {
+    "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
+    "restore_residual": "restore", "change_map": "select", "select_kept": "select",
+    "anchor_match": "anchor", "attention_colsum": "colsum",
+}
+
+
+def implementation(op: str, backend: str, device: torch.device | str):
+    """The function that runs ``op`` for tensors on ``device`` under ``backend``."""
+    if backend != "torch" and resolve_backend(backend, device) == "triton":
+        module = importlib.import_module(f".{_TRITON_MODULES[op]}", __package__)
+        return getattr(module, op)
+    return getattr(ref, op)
+
+
+def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """(R, n, C) rows ``idx_Rn`` of every batch row (see ``ref.gather_rows``)."""
+    return implementation("gather_rows", backend, x_RLC.device)(x_RLC, idx_Rn)
+
+
+def scatter_rows(base_RLC: torch.Tensor, idx_Rn: torch.Tensor, y_RnC: torch.Tensor, *,
+                 backend: str = "auto") -> torch.Tensor:
+    """A copy of ``base_RLC`` with rows ``idx_Rn`` replaced by ``y_RnC`` (see ``ref.scatter_rows``)."""
+    return implementation("scatter_rows", backend, base_RLC.device)(base_RLC, idx_Rn, y_RnC)
+
+
+def gather_norm_modulate(x_RLC: torch.Tensor, idx_Rn: Optional[torch.Tensor], mul_R1C: torch.Tensor,
+                         shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
+                         backend: str = "auto") -> torch.Tensor:
+    """(R, n, C) ``LN(x[idx])·mul + shift`` in ``out_dtype`` (see ``ref.gather_norm_modulate``)."""
+    return implementation("gather_norm_modulate", backend, x_RLC.device)(x_RLC, idx_Rn, mul_R1C, shift_R1C, eps,
+                                                                         out_dtype)
+
+
+def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torch.Tensor, gate_R1C: torch.Tensor,
+                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int], *,
+                     backend: str = "auto") -> torch.Tensor:
+    """(R, L, C) ``x + (kept ? gate·branch : area(cache))`` (see ``ref.restore_residual``)."""
+    return implementation("restore_residual", backend, x_RLC.device)(x_RLC, idx_Rn, branch_RnC, gate_R1C, cache_RlC,
+                                                                     cache_hw, hw)
+
+
+def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_Bn: Optional[torch.Tensor], L: int,
+               *, backend: str = "auto") -> torch.Tensor:
+    """(B, L) float32 per-token change of the observed block (see ``ref.change_map``)."""
+    return implementation("change_map", backend, x_out_RnC.device)(x_in_RnC, x_out_RnC, batch, idx_Bn, L)
+
+
+def select_kept(change_BM: torch.Tensor, src_L: torch.Tensor, anchors_L: torch.Tensor, tau: float,
+                budget: Optional[int], *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(idx_BL, count_B, keep_BL): kept tokens compacted on the device (see ``ref.select_kept``)."""
+    return implementation("select_kept", backend, change_BM.device)(change_BM, src_L, anchors_L, tau, budget)
+
+
+def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.Tensor, keep_BL: torch.Tensor,
+                 anchors_L: torch.Tensor, beta: float, *, backend: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(copy_src_BL, zero_BL, roles_BL, best_sim_BL) (see ``ref.anchor_match``)."""
+    return implementation("anchor_match", backend, keep_BL.device)(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
+                                                                   beta)
+
+
+def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """(R, H, G, Lk) float32 attention probabilities summed per query group (see ``ref.attention_colsum``)."""
+    return implementation("attention_colsum", backend, q_RHld.device)(q_RHld, k_RHLd, scale, group)

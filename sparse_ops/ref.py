@@ -1,0 +1,166 @@
+"""Pure-torch references of every sparse op: the CPU path, the fallback where Triton cannot run,
+and the oracle the Triton kernels are tested against (tests/test_sparse_ops.py).
+
+Each function here has a Triton twin of the same name and signature in its op's file
+(``gather_modulate.py``, ``restore.py``, ``select.py``, ``anchor.py``, ``colsum.py``); the
+dispatching front ends are in ``ops.py``. None of them reads a tensor's value on the host, so
+they are safe inside the scale loop and under CUDA-graph capture.
+
+Row indices are 1-D per row and applied with ``index_select`` / ``index_copy`` on the flattened
+rows, never with ``gather``/``scatter`` over an index expanded to (n, C) (research/kernels.md §2:
+that index is 4× the bytes of bf16 data).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# token roles in SparseVAR's per-scale maps (GenerationStats.token_maps, sparsevar.viz)
+TOKEN_EXCLUDED = 0        # not computed, zero residual at this scale
+TOKEN_COPIED = 1          # not computed, hidden state copied from its anchor
+TOKEN_KEPT = 2            # computed (high-frequency)
+TOKEN_ANCHOR = 3          # computed (anchor grid)
+
+
+def _flat_rows(idx_Rn: torch.Tensor, L: int) -> torch.Tensor:
+    """(R, n) positions inside each row → (R·n,) positions in the flattened (R·L) rows."""
+    R = idx_Rn.shape[0]
+    offsets_R1 = torch.arange(R, device=idx_Rn.device, dtype=torch.long)[:, None] * L
+    return (idx_Rn.long() + offsets_R1).reshape(-1)                                # (R, n) → (R·n,)
+
+
+# ---- (a) gather → LayerNorm → AdaLN modulation, and its inverse ------------------------------------
+def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""
+    R, L, C = x_RLC.shape
+    n = idx_Rn.shape[1]
+    return x_RLC.reshape(R * L, C).index_select(0, _flat_rows(idx_Rn, L)).view(R, n, C)  # (R, L, C) → (R·L, C)
+
+
+def scatter_rows(base_RLC: torch.Tensor, idx_Rn: torch.Tensor, y_RnC: torch.Tensor) -> torch.Tensor:
+    """A copy of ``base_RLC`` with rows ``idx_Rn`` replaced by ``y_RnC`` (the inverse of
+    :func:`gather_rows`; repeated indices must carry equal rows, as SparseVAR's padding does)."""
+    R, L, C = base_RLC.shape
+    out = base_RLC.reshape(R * L, C).clone()                                        # (R, L, C) → (R·L, C)
+    out.index_copy_(0, _flat_rows(idx_Rn, L), y_RnC.reshape(-1, C).to(out.dtype))  # (R, n, C) → (R·n, C)
+    return out.view(R, L, C)
+
+
+def gather_norm_modulate(x_RLC: torch.Tensor, idx_Rn: Optional[torch.Tensor], mul_R1C: torch.Tensor,
+                         shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``LN(x[idx]) · mul + shift`` (LayerNorm without affine, in float32) as ``out_dtype``:
+    (R, n, C), the packed input of a sub-layer run on a token subset (``idx_Rn`` None: every
+    token). ``mul`` is 1 + the AdaLN scale; both are (R, 1, C)."""
+    x_RnC = x_RLC if idx_Rn is None else gather_rows(x_RLC, idx_Rn)
+    y_RnC = F.layer_norm(x_RnC.float(), (x_RnC.shape[-1],), eps=eps)
+    return torch.addcmul(shift_R1C, y_RnC, mul_R1C).to(out_dtype)
+
+
+def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torch.Tensor, gate_R1C: torch.Tensor,
+                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int]) -> torch.Tensor:
+    """FastVAR's restore: ``x + (kept ? gate · branch[slot] : area_upsample(cache))`` over all L
+    tokens, in float32. ``branch_RnC`` is the sub-layer's output for tokens ``idx_Rn``; the cache
+    (gated branch output of the same sub-layer at the cache scale, (≥R, hc·wc, C)) is upsampled
+    from ``cache_hw`` to ``hw`` with area interpolation."""
+    R, L, C = x_RLC.shape
+    (hc, wc), (h, w) = cache_hw, hw
+    cached_RChw = cache_RlC[:R].transpose(1, 2).reshape(R, C, hc, wc)                # (R, hw, C) → (R, C, h, w)
+    update_RLC = F.interpolate(cached_RChw, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)
+    fresh_RnC = branch_RnC.float() * gate_R1C
+    update_RLC = update_RLC.scatter(1, idx_Rn.long().unsqueeze(-1).expand(R, idx_Rn.shape[1], C), fresh_RnC)
+    return x_RLC + update_RLC
+
+
+# ---- (b) SparseVAR: change map, then threshold / budget selection and compaction --------------------
+def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_Bn: Optional[torch.Tensor],
+               L: int) -> torch.Tensor:
+    """Per-token change of the observed block, ``mean_c (out - in)²``, averaged over the CFG halves
+    (rows are [half 0 images; half 1 images; …]), placed at the tokens' positions ``idx_Bn`` of a
+    zero (B, L) float32 map (excluded tokens did not change); ``idx_Bn`` None: all L tokens ran."""
+    R, n, _ = x_out_RnC.shape
+    change_Rn = (x_out_RnC.float() - x_in_RnC.float()).pow(2).mean(dim=-1)           # (R, n)
+    change_Bn = change_Rn.view(R // batch, batch, n).mean(dim=0)                     # (R, n) → (halves, B, n)
+    if idx_Bn is None:
+        return change_Bn
+    full_BL = torch.zeros(batch, L, device=x_out_RnC.device, dtype=torch.float32)
+    return full_BL.scatter_(1, idx_Bn.long(), change_Bn)
+
+
+def select_kept(change_BM: torch.Tensor, src_L: torch.Tensor, anchors_L: torch.Tensor, tau: float,
+                budget: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept tokens of every image, compacted on the device (no host read).
+
+    The score of token i is ``change_BM[b, src_L[i]]`` (``src_L`` maps this scale's L tokens onto
+    the M entries of the previous scale's map: nearest upsampling; identity for a map already at
+    this size). Kept = anchors ∪ (score > tau · the image's largest score); with ``budget`` instead
+    the anchors plus the largest scores up to ``budget`` tokens in all (ties: earlier position).
+
+    Returns ``idx_BL`` (B, L) int64: the kept positions ascending, then padding entries that repeat
+    the first kept position; ``count_B`` (B,) int64 kept counts; ``keep_BL`` (B, L) bool.
+    """
+    B = change_BM.shape[0]
+    L = src_L.shape[0]
+    change_BL = change_BM.float().index_select(1, src_L.long())
+    anchors_BL = anchors_L.bool()[None].expand(B, L)
+    if budget is None:
+        top_B1 = change_BL.amax(dim=1, keepdim=True)
+        keep_BL = (change_BL > tau * top_B1) | anchors_BL
+    else:
+        score_BL = change_BL.masked_fill(anchors_BL, float("inf"))
+        # stable descending order: equal changes keep the earlier position
+        order_Bk = torch.sort(score_BL, dim=1, descending=True, stable=True).indices[:, :budget]
+        keep_BL = torch.zeros_like(anchors_BL).scatter(1, order_Bk, True) | anchors_BL
+    count_B = keep_BL.sum(dim=1)
+    order_BL = torch.sort((~keep_BL).to(torch.uint8), dim=1, stable=True).indices      # kept first, in order
+    pad_BL = torch.arange(L, device=keep_BL.device)[None, :] >= count_B[:, None]
+    idx_BL = torch.where(pad_BL, order_BL[:, :1], order_BL)
+    return idx_BL, count_B, keep_BL
+
+
+# ---- (c) SparseVAR: anchor matching ---------------------------------------------------------------
+def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.Tensor, keep_BL: torch.Tensor,
+                 anchors_L: torch.Tensor, beta: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every excluded token, the most similar of its 4 candidate anchors by cosine similarity
+    of their upsampled previous-scale logits (token i's vector is ``logits_BMV[b, src_L[i]]``),
+    and whether it is similar enough (≥ ``beta``) to take that anchor's hidden state.
+
+    Returns ``copy_src_BL`` (B, L) int64: the chosen anchor of copied tokens, the token itself
+    otherwise; ``zero_BL`` (B, L) bool: excluded and not copied (zero residual); ``roles_BL``
+    (B, L) uint8 TOKEN_* codes; ``best_sim_BL`` (B, L) float32: the best similarity of excluded
+    tokens (0 for kept ones). On equal similarities the earlier candidate wins.
+    """
+    B, L = keep_BL.shape
+    lg_BLV = F.normalize(logits_BMV.float().index_select(1, src_L.long()), dim=-1)
+    sims_BL4 = torch.stack([(lg_BLV * lg_BLV[:, cand_L4[:, j]]).sum(-1) for j in range(4)], dim=-1)
+    best_sim_BL, best_j_BL = sims_BL4.max(dim=-1)
+    ar_L = torch.arange(L, device=keep_BL.device)
+    anchor_BL = cand_L4.long()[ar_L[None, :], best_j_BL]                             # (B, L) chosen anchor
+    keep_BL = keep_BL.bool()
+    excluded_BL = ~keep_BL
+    copied_BL = excluded_BL & (best_sim_BL >= beta)
+    copy_src_BL = torch.where(copied_BL, anchor_BL, ar_L[None].expand(B, L))
+    zero_BL = excluded_BL & ~copied_BL
+    roles_BL = torch.full((B, L), TOKEN_EXCLUDED, dtype=torch.uint8, device=keep_BL.device)
+    roles_BL = roles_BL.masked_fill(copied_BL, TOKEN_COPIED).masked_fill(keep_BL, TOKEN_KEPT)
+    roles_BL = roles_BL.masked_fill(anchors_L.bool()[None], TOKEN_ANCHOR)
+    return copy_src_BL, zero_BL, roles_BL, best_sim_BL.masked_fill(keep_BL, 0.0)
+
+
+# ---- (d) SparVAR: column sums of attention probabilities per query group --------------------------
+def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """(R, H, G, Lk) float32: for each group of ``group`` consecutive queries (G = ceil(l / group),
+    the last group may be shorter), the sum over its queries of softmax(q·kᵀ·scale) over all Lk
+    keys — SparVAR's decision-scale statistic (research/accel.md §4.2). Computed one group at a
+    time, so memory stays at (R, H, group, Lk)."""
+    R, H, l, _ = q_RHld.shape
+    Lk = k_RHLd.shape[2]
+    G = -(-l // group)
+    out_RHGL = torch.empty(R, H, G, Lk, device=q_RHld.device, dtype=torch.float32)
+    k_T = k_RHLd.float().transpose(-1, -2)
+    for g in range(G):
+        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
+        out_RHGL[:, :, g] = s.softmax(dim=-1).sum(dim=-2)
+    return out_RHGL
