@@ -313,7 +313,8 @@ class BSQVAE(ModelMixin, ConfigMixin):
             levels = sorted({int(k.split(".")[2]) for k in sd if k.startswith("encoder.down.")})
             ch_mult = [sd[f"encoder.down.{i}.block.0.conv1.conv.weight"].shape[0] // base_ch for i in levels]
             blocks = {int(k.split(".")[4]) for k in sd if k.startswith("encoder.down.0.block.")}
-            n_down = sum(1 for i in levels if f"encoder.down.{i}.downsample.conv.conv.weight" in sd)
+            n_down = sum(1 for i in levels if f"encoder.down.{i}.downsample.conv.conv.weight" in sd
+                         or f"encoder.down.{i}.downsample.conv.weight" in sd)
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r} needed to infer the BSQ-VAE configuration; "
                              f"is this an official infinity_vae_*.pth file?") from None

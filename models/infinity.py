@@ -496,6 +496,7 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
         C, Ct5 = self.config.embed_dim, self.config.text_channels
         nn.init.trunc_normal_(self.pos_start, std=std)
         nn.init.trunc_normal_(self.text_proj_for_sos.ca.mat_q, std=std)
+        nn.init.zeros_(self.text_proj_for_sos.ca.v_bias)
         nn.init.ones_(self.text_norm.weight)
         with torch.no_grad():
             self.cfg_uncond.copy_(_official_uncond_rows(self.config.text_maxlen, Ct5))

@@ -372,19 +372,28 @@ def load_infinity_transformer(path, dtype: torch.dtype = torch.float32):
     return model.set_block_dtype(dtype)
 
 
-def _canonical_vae_keys(sd: Mapping[str, torch.Tensor]) -> dict:
+def _canonical_vae_keys(sd: Mapping[str, torch.Tensor], expected: Optional[set] = None) -> dict:
     """Official VAE keys with the un-wrapped aliases the reference loader also accepts
-    (``x.weight`` → ``x.conv.weight``, ``norm1.weight`` → ``norm1.norm.weight``); the quantiser's
-    ``lfq.mask`` buffers (powers of two, unused for bit labels) are dropped."""
+    (``x.weight`` → ``x.conv.weight``, ``norm1.weight`` → ``norm1.norm.weight``), resolved against the
+    ``expected`` key set like the reference (a key that exists is kept as is); without it, a guess good
+    enough to infer the configuration. The quantiser's ``lfq.mask`` buffers (powers of two, unused for
+    bit labels) are dropped."""
     out = {}
     for k, v in sd.items():
         if ".lfq." in k or k.startswith(("quantizer.", "quantize.")):
             continue
         parent, leaf = k.rsplit(".", 1)
-        last = parent.rsplit(".", 1)[-1]
-        if leaf in ("weight", "bias") and last not in ("conv", "norm"):
-            parent = parent + (".norm" if "norm" in last else ".conv")
-        out[f"{parent}.{leaf}"] = v
+        if expected is not None:
+            if k not in expected and leaf in ("weight", "bias"):
+                for wrap in (".conv", ".norm"):
+                    if f"{parent}{wrap}.{leaf}" in expected:
+                        k = f"{parent}{wrap}.{leaf}"
+                        break
+        else:
+            last = parent.rsplit(".", 1)[-1]
+            if leaf in ("weight", "bias") and last not in ("conv", "norm"):
+                k = f"{parent}{'.norm' if 'norm' in last else '.conv'}.{leaf}"
+        out[k] = v
     return out
 
 
@@ -400,10 +409,12 @@ def load_infinity_vae(path, dtype: torch.dtype = torch.float32):
     if detect_infinity_family(sd) == "infinity":
         raise ValueError(f"{p} is an Infinity transformer checkpoint, but it was passed as the VAE; pass the "
                          f"infinity_vae_*.pth file as the VAE and this one as the transformer")
-    sd = _canonical_vae_keys(sd)
     try:
-        cfg = BSQVAE.config_from_state_dict(sd, source=str(p))
+        cfg = BSQVAE.config_from_state_dict(_canonical_vae_keys(sd), source=str(p))
     except ValueError as e:
         raise ValueError(f"{p} is not an Infinity BSQ-VAE checkpoint: {e}") from None
-    model = _load_into(BSQVAE, cfg, sd, p, what)
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        expected = set(BSQVAE(**cfg).state_dict())
+    model = _load_into(BSQVAE, cfg, _canonical_vae_keys(sd, expected), p, what)
     return torch.nn.Module.to(model, dtype)

@@ -1,0 +1,374 @@
+"""Infinity beyond the fixture outputs: official sizes, architecture facts at real size (meta device),
+loaders (aliases, validation, containers), the pipeline's inputs, batching, save/load, and the
+KV-cached path against teacher forcing at a non-square size and with spatial patchify.
+
+Generation runs on random tiny models (``from_random("infinity-tiny")``) at 256-px-class sizes, and on
+the fixture model loaded from its official files.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from accelerate import init_empty_weights
+
+from sparsevar import InfinityPipeline, InfinityPipelineOutput
+from sparsevar.models.bsq_vae import BSQVAE, next_scale_input
+from sparsevar.models.infinity import (INFINITY_PRESETS, InfinityTransformer, ffn_hidden, infinity_resolution,
+                                       infinity_resolutions, resolve_resolution, rope_positions, text_pool_heads)
+from sparsevar.models.loading import load_infinity_transformer, load_infinity_vae
+from sparsevar.models.text_encoder import random_t5
+
+KEYS_DIR = Path(__file__).resolve().parent / "fixtures" / "infinity" / "keys"
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> InfinityPipeline:
+    p = InfinityPipeline.from_random("infinity-tiny", seed=0)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _bits(pipe, prompt, **kw):
+    steps = []
+
+    def grab(p, si, t, d):
+        steps.append(d)
+        return d
+
+    kw.setdefault("height", 256)
+    kw.setdefault("width", 256)
+    kw.setdefault("top_k", 1)
+    out = pipe(prompt, generator=_g(0), output_type="latent", callback_on_step_end=grab,
+               callback_on_step_end_tensor_inputs=["codes", "logits", "latent"], **kw)
+    return torch.cat([s["codes"] for s in steps], dim=1), out.images, steps
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------
+def test_every_official_size_resolves_to_its_template():
+    sizes = infinity_resolutions()
+    assert len(sizes) == 15 * 4
+    assert len({(r.height, r.width) for r in sizes}) == len(sizes)
+    for r in sizes:
+        assert resolve_resolution(r.height, r.width).hw == r.hw
+        assert abs(r.height / r.width - r.h_div_w) < 0.01 * max(1.0, r.h_div_w)
+    r = resolve_resolution(1024, 1024)
+    assert len(r.hw) == 13 and r.schedule.total_tokens == 10521 and r.rope_grid == (64, 64)
+    r = resolve_resolution(864, 1152)                                           # 3:4 at 1M
+    assert r.h_div_w == 0.75 and r.hw[2] == (3, 4) and r.rope_grid == (54, 72)
+    assert [s.height for s in (infinity_resolution(1.0, pn) for pn in ("0.06M", "0.25M", "0.60M", "1M"))] == \
+        [256, 512, 768, 1024]
+
+
+@pytest.mark.parametrize("height, width, listed", [
+    (1000, 1000, "256x256, 512x512, 768x768, 1024x1024"),
+    (864, 1150, "240x320, 432x576, 720x960, 864x1152"),
+])
+def test_unknown_size_lists_the_sizes_of_its_aspect_ratio(tiny, height, width, listed):
+    with pytest.raises(ValueError, match=f"height={height}, width={width}.*{listed}"):
+        tiny("w3", height=height, width=width)
+
+
+def test_rope_positions_scale_to_the_1m_grid_with_half_to_even_rounding():
+    r = infinity_resolution(0.75, "0.06M")                                      # 3:4, rope grid (54, 72)
+    assert r.hw[5] == (12, 16)
+    pos = rope_positions(r.hw, r.rope_grid)
+    start = sum(h * w for h, w in r.hw[:5])
+    rows = pos[start:start + 12 * 16:16, 0].tolist()                              # 54/12 = 4.5 per row
+    assert rows == [0, 4, 9, 14, 18, 22, 27, 32, 36, 40, 45, 50]
+    cols = pos[start:start + 16, 1].tolist()                                    # 72/16 = 4.5 per column
+    assert cols == [round(c * 4.5) for c in range(16)]                          # Python round: half to even
+    assert pos[0].tolist() == [0, 0]
+
+
+# ---- architecture facts at real size ----------------------------------------------------------------------
+def _key_file(name: str) -> dict:
+    out = {}
+    for line in (KEYS_DIR / name).read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, shape, _ = line.split("\t")
+        out[key] = [int(s) for s in shape.strip("[]").split(",") if s.strip()]
+    return out
+
+
+def test_infinity_2b_and_its_vae_have_the_official_keys_shapes_and_size():
+    spec = INFINITY_PRESETS["infinity-2b"]
+    with init_empty_weights():
+        t = InfinityTransformer(**spec["transformer"])
+        v = BSQVAE(**spec["vae"])
+    official = {k: s for k, s in _key_file("infinity_2b_keys.txt").items() if not k.endswith("zero_k_bias")}
+    assert {k: list(p.shape) for k, p in t.state_dict().items()} == official
+    assert sum(p.numel() for p in t.parameters()) == 2_204_564_032
+    vae_official = {k: s for k, s in _key_file("infinity_vae_keys.txt").items() if ".lfq." not in k}
+    assert {k: list(p.shape) for k, p in v.state_dict().items()} == vae_official
+
+
+def test_infinity_8b_sizes():
+    with init_empty_weights():
+        t = InfinityTransformer(**INFINITY_PRESETS["infinity-8b"]["transformer"])
+    assert t.text_proj_for_sos.ca.mat_q.shape == (1, 16, 224)
+    assert t.text_proj_for_sos.ca.mat_kv.weight.shape == (7168, 2048)
+    assert t.head.weight.shape == (112, 3584) and t.word_embed.weight.shape == (3584, 56)
+    assert t.blocks[0].ffn.fc1.out_features == 14336 and len(t.blocks) == 40
+    assert abs(sum(p.numel() for p in t.parameters()) / 1e9 - 8.376) < 0.01
+
+
+def test_text_pool_heads_follow_the_t5_width_and_ffn_rounds_half_to_even():
+    assert text_pool_heads(2048, 2048) == 16
+    assert text_pool_heads(2048, 3584) == 16
+    assert text_pool_heads(2048, 4608) == 32
+    assert ffn_hidden(96, 4) == 512 and ffn_hidden(3360, 4) == 13312 and ffn_hidden(2048, 4) == 8192
+
+
+# ---- loaders ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def official_sd(infinity_official_files):
+    return torch.load(infinity_official_files["transformer"], weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def official_vae_sd(infinity_official_files):
+    return torch.load(infinity_official_files["vae"], weights_only=True)["vae"]
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_missing_and_unexpected_transformer_keys_are_named(official_sd, tmp_path):
+    sd = dict(official_sd)
+    del sd["block_chunks.1.module.0.ca.mat_q.bias"]
+    sd["block_chunks.0.module.0.sa.extra"] = torch.zeros(3)
+    torch.save(sd, tmp_path / "bad.pth")
+    with pytest.raises(ValueError, match=r"missing 1 keys \(block_chunks\.1\.module\.0\.ca\.mat_q\.bias\).*"
+                                         r"unexpected 1 keys \(block_chunks\.0\.module\.0\.sa\.extra\)"):
+        load_infinity_transformer(tmp_path / "bad.pth")
+
+
+def test_wrong_shape_and_nonzero_key_bias_are_refused(official_sd, tmp_path):
+    sd = dict(official_sd)
+    sd["head.bias"] = torch.zeros(7)
+    torch.save(sd, tmp_path / "shape.pth")
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        load_infinity_transformer(tmp_path / "shape.pth")
+    sd = dict(official_sd)
+    sd["block_chunks.0.module.0.sa.zero_k_bias"] = torch.ones_like(sd["block_chunks.0.module.0.sa.zero_k_bias"])
+    torch.save(sd, tmp_path / "kbias.pth")
+    with pytest.raises(ValueError, match="zero_k_bias must be zero"):
+        load_infinity_transformer(tmp_path / "kbias.pth")
+
+
+def test_swapped_files_are_named(infinity_official_files):
+    f = infinity_official_files
+    with pytest.raises(ValueError, match="Infinity VAE"):
+        load_infinity_transformer(f["vae"])
+    with pytest.raises(ValueError, match="transformer checkpoint, but it was passed as the VAE"):
+        load_infinity_vae(f["transformer"])
+
+
+def test_transformer_containers_and_aliases(infinity_official_files, official_sd, tmp_path):
+    ref = load_infinity_transformer(infinity_official_files["transformer"])
+    # training checkpoint layout
+    torch.save({"trainer": {"gpt_fsdp": official_sd}, "args": {"lr": 1.0}}, tmp_path / "ar-ckpt.pth")
+    assert _same_weights(load_infinity_transformer(tmp_path / "ar-ckpt.pth"), ref)
+    # legacy buffers, `module.` prefix, flash-attn (1, 1, H, 1) temperatures
+    sd = {"module." + k: v for k, v in official_sd.items()}
+    sd["module.lvl_1L"] = torch.zeros(1, 5, dtype=torch.long)
+    k = "module.block_chunks.0.module.1.sa.scale_mul_1H11"
+    sd[k] = sd[k].reshape(1, 1, -1, 1)
+    torch.save(sd, tmp_path / "aliases.pth")
+    assert _same_weights(load_infinity_transformer(tmp_path / "aliases.pth"), ref)
+    # safetensors with the same keys
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in official_sd.items()}, str(tmp_path / "t.safetensors"))
+    assert _same_weights(load_infinity_transformer(tmp_path / "t.safetensors"), ref)
+
+
+def test_short_unconditional_table_is_padded_like_the_reference(official_sd, tmp_path):
+    sd = dict(official_sd)
+    sd["cfg_uncond"] = sd["cfg_uncond"][:100].clone()
+    torch.save(sd, tmp_path / "short.pth")
+    t = load_infinity_transformer(tmp_path / "short.pth")
+    assert t.cfg_uncond.shape[0] == 512
+    assert torch.equal(t.cfg_uncond[:100], official_sd["cfg_uncond"][:100])
+
+
+def test_vae_containers_and_unwrapped_alias_keys(infinity_official_files, official_vae_sd, tmp_path):
+    ref = load_infinity_vae(infinity_official_files["vae"])
+    unwrapped = {k.replace(".conv.weight", ".weight").replace(".conv.bias", ".bias")
+                 .replace(".norm.weight", ".weight").replace(".norm.bias", ".bias"): v
+                 for k, v in official_vae_sd.items()}
+    torch.save({"vae": unwrapped, "ema": unwrapped}, tmp_path / "infinity_vae_d32_reg.pth")
+    assert _same_weights(load_infinity_vae(tmp_path / "infinity_vae_d32_reg.pth"), ref)
+    sd = dict(official_vae_sd)
+    del sd["decoder.conv_out.conv.bias"]
+    torch.save({"vae": sd}, tmp_path / "bad_vae.pth")
+    with pytest.raises(ValueError, match=r"missing 1 keys \(decoder\.conv_out\.conv\.bias\)"):
+        load_infinity_vae(tmp_path / "bad_vae.pth")
+
+
+def test_missing_files_say_what_to_put_where(infinity_official_files, tmp_path):
+    f = infinity_official_files
+    with pytest.raises(FileNotFoundError, match="flan-t5-xl"):
+        InfinityPipeline.from_single_file(f["transformer"], f["vae"], text_encoder=tmp_path / "no_t5")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        InfinityPipeline.from_single_file(tmp_path / "infinity_2b_reg.pth", f["vae"], text_encoder=f["t5"])
+    with pytest.raises(FileNotFoundError, match="Nothing is downloaded"):
+        InfinityPipeline.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="also choose vae and text_encoder"):
+        InfinityPipeline.from_path(f["transformer"])
+
+
+def test_text_encoder_width_must_match(infinity_official_files):
+    f = infinity_official_files
+    tok, t5 = random_t5(64)
+    with pytest.raises(ValueError, match="64-channel features.*reads 256"):
+        InfinityPipeline(load_infinity_transformer(f["transformer"]), load_infinity_vae(f["vae"]), t5, tok)
+
+
+# ---- pipeline inputs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=None), r"prompt is required"),
+    (dict(prompt=[]), r"prompt must be a string or a non-empty list"),
+    (dict(prompt=["a", 3]), r"prompt must be a string or a non-empty list"),
+    (dict(negative_prompt=["x", "y", "z"], prompt=["a", "b"]), r"got 3 negative prompts for 2 prompts"),
+    (dict(guidance_scale=-1.0), r"guidance_scale must be a number >= 0.*-1\.0"),
+    (dict(temperature=0.0), r"temperature must be a number > 0"),
+    (dict(top_k=-1), r"top_k must be an int >= 0"),
+    (dict(top_p=1.5), r"top_p must be in \[0, 1\]"),
+    (dict(num_images_per_prompt=0), r"num_images_per_prompt must be an int >= 1"),
+    (dict(output_type="jpeg"), r"output_type must be one of"),
+    (dict(prompt=["a", "b"], generator=[torch.Generator()] * 3), r"got 3 generators for 2 images"),
+    (dict(callback_on_step_end_tensor_inputs=["codes", "hidden"]), r"has \['hidden'\]"),
+    (dict(height=256, width=-3), r"width must be a positive int"),
+])
+def test_invalid_arguments_are_named(tiny, kwargs, message):
+    kw = dict(prompt="w3 w4", height=256, width=256)
+    kw.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw)
+
+
+# ---- generation -----------------------------------------------------------------------------------------------
+def test_output_types_and_sizes(tiny):
+    out = tiny("w3 w4 w5", height=240, width=320, generator=_g(0), output_type="pt")  # 3:4, 7 scales
+    assert isinstance(out, InfinityPipelineOutput)
+    assert out.images.shape == (1, 3, 240, 320) and 0 <= out.images.min() and out.images.max() <= 1
+    assert len(out.stats[0].scales) == 7 and out.stats[0].tokens == sum(h * w for h, w in
+                                                                          resolve_resolution(240, 320).hw)
+    pil = tiny("w3 w4 w5", height=240, width=320, generator=_g(0)).images
+    assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (320, 240)
+    arr = tiny("w3 w4 w5", height=240, width=320, generator=_g(0), output_type="np").images
+    assert arr.shape == (1, 240, 320, 3)
+    np.testing.assert_allclose(arr[0], out.images[0].permute(1, 2, 0).numpy(), atol=1e-6)
+    lat, _ = tiny("w3 w4 w5", height=240, width=320, generator=_g(0), output_type="latent", return_dict=False)
+    assert lat.shape == (1, 32, 15, 20)
+
+
+def test_same_seed_same_bits_other_seed_other_bits(tiny):
+    a = _bits(tiny, "w7 w8", top_k=900)[0]
+    b = _bits(tiny, "w7 w8", top_k=900)[0]
+    assert torch.equal(a, b)
+    steps = []
+    tiny("w7 w8", height=256, width=256, generator=_g(1), output_type="latent",
+         callback_on_step_end=lambda p, si, t, d: steps.append(d) or d)
+    assert not torch.equal(torch.cat([s["codes"] for s in steps], 1), a)
+
+
+def test_batch_of_prompts_of_different_lengths_equals_single_runs(tiny):
+    """Padded text (pool and cross-attention masks) must not leak between images of a batch, nor
+    between the conditional and a shorter/longer negative prompt."""
+    prompts = ["w3 w9 w10 w11 w12 w13 w14", "w5"]
+    for kw in (dict(guidance_scale=3.0), dict(guidance_scale=3.0, negative_prompt=["w20 w21 w22", "w23"])):
+        both, _, _ = _bits(tiny, prompts, **kw)
+        for b, p in enumerate(prompts):
+            one_kw = dict(kw)
+            if "negative_prompt" in kw:
+                one_kw["negative_prompt"] = kw["negative_prompt"][b]
+            one, _, _ = _bits(tiny, p, **one_kw)
+            assert torch.equal(both[b:b + 1], one), (kw, p)
+
+
+def test_num_images_per_prompt_repeats_each_prompt(tiny):
+    bits, _, _ = _bits(tiny, ["w3 w4", "w9"], num_images_per_prompt=2)
+    assert bits.shape[0] == 4
+    assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[3]) and not torch.equal(bits[0], bits[2])
+
+
+def test_negative_prompt_and_guidance_off(tiny):
+    plain, _, _ = _bits(tiny, "w3 w4", guidance_scale=3.0)
+    neg, _, _ = _bits(tiny, "w3 w4", guidance_scale=3.0, negative_prompt="w30 w31")
+    assert not torch.equal(plain, neg)
+    off, _, steps = _bits(tiny, "w3 w4", guidance_scale=1.0, negative_prompt="w30 w31")
+    off2, _, _ = _bits(tiny, "w3 w4", guidance_scale=1.0)
+    assert torch.equal(off, off2)                                            # guidance off ignores the negative
+
+
+def test_save_pretrained_round_trip(tiny, tmp_path):
+    tiny.save_pretrained(tmp_path / "inf")
+    assert {p.name for p in (tmp_path / "inf").iterdir()} >= {"model_index.json", "transformer", "vae",
+                                                               "text_encoder", "tokenizer"}
+    loaded = InfinityPipeline.from_pretrained(tmp_path / "inf")
+    loaded.set_progress_bar_config(disable=True)
+    a = tiny("w3 w4", height=256, width=256, generator=_g(0), output_type="pt").images
+    b = loaded("w3 w4", height=256, width=256, generator=_g(0), output_type="pt").images
+    assert torch.equal(a, b)
+    assert all(not p.requires_grad for p in loaded.transformer.parameters())
+
+
+def test_interrupt_decodes_the_scales_so_far(tiny):
+    def stop_after_3(p, si, t, d):
+        if si == 2:
+            p._interrupt = True
+        return d
+
+    out = tiny("w3", height=256, width=256, generator=_g(0), output_type="pt", callback_on_step_end=stop_after_3)
+    assert sum(not s.skipped for s in out.stats[0].scales) == 3
+    assert out.images.shape == (1, 3, 256, 256)
+
+
+# ---- the KV-cached path equals teacher forcing (non-square, patchify) -----------------------------------------
+def _patchify_pipe() -> InfinityPipeline:
+    """A tiny random model in the 8B layout: 8-bit VAE at stride 8, 2×2 patches → 32-bit tokens."""
+    torch.manual_seed(0)
+    t = InfinityTransformer(token_dim=32, depth=2, embed_dim=128, num_heads=4, text_channels=256, num_block_chunks=2)
+    t.init_random_weights(0.05)
+    v = BSQVAE(codebook_dim=8, base_ch=32, ch_mult=(1, 1, 1, 2), num_res_blocks=1, patch_size=8).init_random_weights()
+    tok, t5 = random_t5(256)
+    p = InfinityPipeline(t.eval().requires_grad_(False), v.eval().requires_grad_(False), t5, tok)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.mark.parametrize("which, height, width", [("tiny", 240, 320), ("tiny", 336, 224), ("patchify", 256, 256)])
+def test_kv_cached_generation_equals_teacher_forcing(tiny, which, height, width):
+    pipe = tiny if which == "tiny" else _patchify_pipe()
+    assert pipe.is_patchify == (which == "patchify")
+    res = resolve_resolution(height, width)
+    bits, latent, steps = _bits(pipe, ["w3 w4 w5", "w6"], height=height, width=width, guidance_scale=1.0,
+                                temperature=1.0)
+    x = torch.cat([next_scale_input(steps[k]["latent"], res.hw[k + 1], pipe.is_patchify)
+                   for k in range(len(res.hw) - 1)], dim=1)
+    with torch.no_grad():
+        logits = pipe.transformer(pipe.encode_prompt(["w3 w4 w5", "w6"]), x, res)
+    torch.testing.assert_close(torch.cat([s["logits"] for s in steps], dim=1), logits, atol=1e-4, rtol=0)
+    if pipe.is_patchify:
+        H, W = res.hw[-1]
+        assert latent.shape == (2, 8, 2 * H, 2 * W)
+        img = pipe("w6", height=height, width=width, generator=_g(0), output_type="pt").images
+        assert img.shape == (1, 3, height, width)
+
+
+def test_flop_model_counts_the_dense_loop(tiny):
+    out = tiny("w3", height=256, width=256, generator=_g(0), output_type="latent")
+    assert math.isclose(tiny.flop_speedup(out.stats[0], 256, 256), 1.0)
