@@ -95,10 +95,10 @@ def _select_kernel(change_ptr, src_ptr, anchor_ptr, idx_ptr, count_ptr, keep_ptr
         # the budget-th largest key, bit by bit from the top (radix select; keys are unique and
         # < 2**(31 + POS_BITS)): 55 masked counts instead of a sort of the whole map
         kth = tl.full((), 0, dtype=tl.int64)
-        for bit in range(30 + POS_BITS, -1, -1):
+        for step in range(0, 31 + POS_BITS):
+            bit = tl.full((), 30 + POS_BITS, dtype=tl.int64) - step
             cand = kth | (tl.full((), 1, dtype=tl.int64) << bit)
-            if tl.sum((key >= cand).to(tl.int32), axis=0) >= budget:
-                kth = cand
+            kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= budget, cand, kth)
         keep = im & (key >= kth)
     else:
         top = tl.max(tl.where(im, score, float("-inf")), axis=0)

@@ -1,0 +1,225 @@
+"""Per-op benchmark of ``sparse_ops``: every Triton kernel against its pure-torch twin and the roof.
+
+    python -m sparsevar.benchmarks.bench_ops --out benchmarks/results/ops_H100.csv
+
+For each op and shape it times the Triton kernel and the torch reference (CUDA events, median of
+``--runs`` timed calls after warm-up, one op per timed call, so launch overhead is included) and
+writes one CSV row per implementation: ms, the op's minimal bytes (each input read once, each
+output written once) as GB/s and the fraction of the HBM roof, or TFLOP/s and the fraction of the
+bf16 tensor-core roof for the attention column sums (research/kernels.md §6: H100 ≈ 3.0 TB/s and
+790 TFLOP/s; H200 4.3 TB/s). Targets (sparse_ops issue): each fused memory-bound op ≥ 60 % of HBM
+bandwidth at 4096 tokens × 2048 channels; SparseVAR's selection + anchor matching ≤ 1 ms per
+64×64 scale. GPU name, torch and triton versions go into every row.
+
+Also times the attention backends on a padded batch (images with different kept counts): varlen
+flash attention versus SDPA with a key mask, and dense SDPA on the same keys as a bound.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..sparse_ops import ref
+from ..sparse_ops.attention import attention
+
+PEAK_TBPS = {"H100": 3.0, "H200": 4.3}
+PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
+TARGET_BW = 0.60                  # fraction of HBM bandwidth for the fused memory-bound ops
+TARGET_SELECT_MS = 1.0            # selection + anchor matching per 64×64 scale
+
+
+def _gpu_key(name: str) -> Optional[str]:
+    return next((k for k in PEAK_TBPS if k in name), None)
+
+
+def time_ms(fn: Callable[[], object], runs: int = 50, warmup: int = 10) -> float:
+    """Median of ``runs`` timed calls (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times)
+
+
+def _cases(dev) -> list[dict]:
+    """Each case: name, shape text, the inputs' dtypes, bytes / FLOPs of one call, and the call of
+    either implementation (``fn(module)`` with the Triton module or ``ref``)."""
+    from .. import sparse_ops
+    from ..policies.sparsevar import anchor_candidates, anchor_count, anchor_mask, nearest_source
+    from ..sparse_ops import anchor, colsum, gather_modulate, restore, select
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases = []
+    R, L, C = 2, 4096, 2048                         # one image with CFG at 64×64, Infinity-2B width
+    x = torch.randn(R, L, C, device=dev, generator=g)
+    mul = torch.randn(R, 1, C, device=dev, generator=g) * 0.1 + 1
+    shift = torch.randn(R, 1, C, device=dev, generator=g) * 0.1
+    for keep in (1.0, 0.5):
+        n = int(L * keep)
+        idx = torch.rand(R, L, device=dev, generator=g).argsort(dim=1)[:, :n].sort(dim=1).values
+        by = R * n * C * (4 + 2) + idx.numel() * 8 + 2 * R * C * 4
+        cases.append(dict(op="gather_norm_modulate", shape=f"R{R} L{L} n{n} C{C}", dtype="fp32→bf16", bytes=by,
+                          memory_bound=True, target=True,
+                          run={"triton": lambda idx=idx: gather_modulate.gather_norm_modulate(x, idx, mul, shift, 1e-6,
+                                                                                              torch.bfloat16),
+                               "torch": lambda idx=idx: ref.gather_norm_modulate(x, idx, mul, shift, 1e-6,
+                                                                                 torch.bfloat16)}))
+    n = L // 2
+    idx = torch.rand(R, L, device=dev, generator=g).argsort(dim=1)[:, :n].sort(dim=1).values
+    by = 2 * R * n * C * 4 + idx.numel() * 8
+    cases.append(dict(op="gather_rows", shape=f"R{R} L{L} n{n} C{C}", dtype="fp32", bytes=by, memory_bound=True,
+                      target=False, run={"triton": lambda: gather_modulate.gather_rows(x, idx),
+                                         "torch": lambda: ref.gather_rows(x, idx)}))
+    y = torch.randn(R, n, C, device=dev, generator=g)
+    by = 2 * R * L * C * 4 + R * n * C * 4 + idx.numel() * 8
+    cases.append(dict(op="scatter_rows", shape=f"R{R} L{L} n{n} C{C}", dtype="fp32", bytes=by, memory_bound=True,
+                      target=False, run={"triton": lambda: gather_modulate.scatter_rows(x, idx, y),
+                                         "torch": lambda: ref.scatter_rows(x, idx, y)}))
+    branch = torch.randn(R, n, C, device=dev, generator=g).to(torch.bfloat16)
+    gate = torch.randn(R, 1, C, device=dev, generator=g)
+    for cache_hw in ((48, 48), (24, 24)):
+        cache = torch.randn(R, cache_hw[0] * cache_hw[1], C, device=dev, generator=g)
+        by = R * L * C * (4 + 4) + R * n * C * 2 + cache.numel() * 4 + idx.numel() * 8 + R * C * 4
+        cases.append(dict(op="restore_residual", shape=f"R{R} 64x64 from {cache_hw[0]}x{cache_hw[1]} n{n} C{C}",
+                          dtype="fp32 + bf16 branch", bytes=by, memory_bound=True, target=True,
+                          run={"triton": lambda cache=cache, hw=cache_hw: restore.restore_residual(
+                                   x, idx, branch, gate, cache, hw, (64, 64)),
+                               "torch": lambda cache=cache, hw=cache_hw: ref.restore_residual(
+                                   x, idx, branch, gate, cache, hw, (64, 64))}))
+    x_out = x + 0.1 * torch.randn(R, L, C, device=dev, generator=g)
+    by = 2 * R * L * C * 4 + L * 4
+    cases.append(dict(op="change_map", shape=f"R{R} L{L} C{C}", dtype="fp32", bytes=by, memory_bound=True,
+                      target=True, run={"triton": lambda: select.change_map(x, x_out, 1, None, L),
+                                        "torch": lambda: ref.change_map(x, x_out, 1, None, L)}))
+    # SparseVAR's scale-level work at 64×64 (previous scale 48×48): selection, then anchor matching
+    h = w = 64
+    hp = wp = 48
+    anchors = anchor_mask(h, w, 4, dev).reshape(h * w)
+    cand = anchor_candidates(h, w, 4, dev)
+    src = nearest_source((hp, wp), (h, w), dev)
+    for B in (1, 8):
+        change = torch.rand(B, hp * wp, device=dev, generator=g)
+        budget = max(math.ceil(0.5 * h * w), anchor_count(h, w, 4))
+        for mode, bud in (("tau", None), ("keep 0.5", budget)):
+            cases.append(dict(op="select_kept", shape=f"B{B} 64x64 from 48x48 {mode}", dtype="fp32",
+                              bytes=change.numel() * 4 + B * h * w * 17, memory_bound=False, target=False,
+                              run={"triton": lambda c=change, b=bud: select.select_kept(c, src, anchors, 0.6, b),
+                                   "torch": lambda c=change, b=bud: ref.select_kept(c, src, anchors, 0.6, b)}))
+        for V in (4096, 64):
+            logits = torch.randn(B, hp * wp, V, device=dev, generator=g)
+            keep = ref.select_kept(change, src, anchors, 0.6, budget)[2]
+            cases.append(dict(op="anchor_match", shape=f"B{B} 64x64 from 48x48 V{V}", dtype="fp32",
+                              bytes=logits.numel() * 4 + B * h * w * 14, memory_bound=False, target=False,
+                              run={"triton": lambda lg=logits, k=keep: anchor.anchor_match(lg, src, cand, k, anchors,
+                                                                                           0.8),
+                                   "torch": lambda lg=logits, k=keep: ref.anchor_match(lg, src, cand, k, anchors,
+                                                                                       0.8)}))
+            cases.append(dict(op="select_kept+anchor_match", shape=f"B{B} 64x64 from 48x48 V{V} keep 0.5",
+                              dtype="fp32", bytes=logits.numel() * 4, memory_bound=False, target=B == 1,
+                              run={impl: (lambda lg=logits, c=change, impl=impl: sparse_ops.anchor_match(
+                                  lg, src, cand, sparse_ops.select_kept(c, src, anchors, 0.6, budget, backend=impl)[2],
+                                  anchors, 0.8, backend=impl)) for impl in ("triton", "torch")}))
+            del logits
+    # SparVAR decision scale: 40×40 queries against the 1024-px cache up to that scale
+    Rq, H, lq, Lk, d = 2, 16, 1600, 4121, 128
+    q = torch.randn(Rq, H, lq, d, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(Rq, H, Lk, d, device=dev, generator=g).to(torch.bfloat16)
+    flops = 2 * (2 * Rq * H * lq * Lk * d)              # q·kᵀ twice (LSE pass, column-sum pass)
+    cases.append(dict(op="attention_colsum", shape=f"R{Rq} H{H} l{lq} Lk{Lk} d{d} group 192", dtype="bf16",
+                      flops=flops, memory_bound=False, target=False,
+                      run={"triton": lambda: colsum.attention_colsum(q, k, d ** -0.5, 192),
+                           "torch": lambda: ref.attention_colsum(q, k, d ** -0.5, 192)}))
+    # attention on a padded batch: VAR-d30 shapes, 8 images with CFG at 13×13, kept counts differ
+    Ra, Ha, da, la, Lka = 16, 30, 64, 120, 680
+    qa = torch.randn(Ra, Ha, la, da, device=dev, generator=g).to(torch.bfloat16)
+    ka, va = (torch.randn(Ra, Ha, Lka, da, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    valid = torch.rand(Ra, Lka, device=dev, generator=g) < 0.85
+    valid[:, 0] = True
+    aflops = 4 * Ra * Ha * la * Lka * da
+    cases.append(dict(op="attention padded batch", shape=f"R{Ra} H{Ha} l{la} Lk{Lka} d{da} 85% keys valid",
+                      dtype="bf16", flops=aflops, memory_bound=False, target=False,
+                      run={"varlen": lambda: attention(qa, ka, va, da ** -0.5, key_valid_RL=valid, backend="varlen"),
+                           "sdpa+mask": lambda: attention(qa, ka, va, da ** -0.5, key_valid_RL=valid, backend="sdpa"),
+                           "sdpa dense (bound)": lambda: attention(qa, ka, va, da ** -0.5)}))
+    return cases
+
+
+def run_ops(out: Optional[Path] = None, runs: int = 50, ops: Optional[Sequence[str]] = None, log=print) -> list[dict]:
+    """Benchmark every op (or those named in ``ops``) on the current CUDA device; rows as dicts,
+    written to ``out`` as CSV when given."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_ops times GPU kernels: no CUDA device is available here")
+    import triton
+    gpu = torch.cuda.get_device_name()
+    key = _gpu_key(gpu)
+    tbps, tflops = (PEAK_TBPS[key], PEAK_TFLOPS[key]) if key else (float("nan"), float("nan"))
+    rows = []
+    for c in _cases("cuda"):
+        if ops and c["op"] not in ops:
+            continue
+        base_ms = None
+        for impl, fn in c["run"].items():
+            try:
+                ms = time_ms(fn, runs=runs)
+            except Exception as e:                 # record the failure and go on
+                log(f"{c['op']:<26} {c['shape']:<42} {impl:<20} FAILED: {type(e).__name__}: {e}")
+                continue
+            if impl in ("torch", "sdpa+mask"):
+                base_ms = ms
+            gbps = c["bytes"] / ms / 1e6 if "bytes" in c else float("nan")
+            tfl = c["flops"] / ms / 1e9 if "flops" in c else float("nan")
+            roof = gbps / (tbps * 1e3) if c.get("memory_bound") else (tfl / tflops if "flops" in c else float("nan"))
+            if c["op"] == "select_kept+anchor_match":
+                target, met = f"<= {TARGET_SELECT_MS} ms", ms <= TARGET_SELECT_MS
+            elif c["target"]:
+                target, met = f">= {TARGET_BW:.0%} of HBM", roof >= TARGET_BW
+            else:
+                target, met = "", ""
+            rows.append(dict(op=c["op"], shape=c["shape"], dtype=c["dtype"], impl=impl, ms=round(ms, 4),
+                             gb_per_s=round(gbps, 1), tflop_per_s=round(tfl, 2), fraction_of_roof=round(roof, 3),
+                             target=target if impl in ("triton", "varlen") else "",
+                             meets_target=met if impl in ("triton", "varlen") else "",
+                             speedup_vs_torch="", gpu=gpu, torch=torch.__version__, triton=triton.__version__))
+            log(f"{c['op']:<26} {c['shape']:<42} {impl:<20} {ms:8.4f} ms  {gbps:8.1f} GB/s  {tfl:7.2f} TFLOP/s  "
+                f"{roof:6.1%} of roof")
+        for r in rows:
+            if r["op"] == c["op"] and r["shape"] == c["shape"] and base_ms:
+                r["speedup_vs_torch"] = round(base_ms / r["ms"], 2)
+        torch.cuda.empty_cache()
+    if out is not None and rows:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(out)
+        log(f"wrote {out}")
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_ops", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="CSV file to write (e.g. benchmarks/results/ops_H100.csv)")
+    p.add_argument("--runs", type=int, default=50, help="timed calls per op and implementation (median reported)")
+    p.add_argument("--ops", nargs="*", default=None, help="only these ops (default: all)")
+    args = p.parse_args(argv)
+    run_ops(args.out, runs=args.runs, ops=args.ops)
+
+
+if __name__ == "__main__":
+    main()
