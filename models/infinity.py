@@ -194,14 +194,15 @@ class _Call:
     scale, or ``pos`` (R, n)), their key validity, and the cross-attention K/V of the text."""
 
     __slots__ = ("kv", "si", "layer", "run", "qkv_bias", "q_mult", "cos_LD", "sin_LD", "start", "pos", "valid_Rl",
-                 "record", "ca_k", "ca_v", "ca_mask", "attn_mask")
+                 "record", "ca_k", "ca_v", "ca_mask", "attn_mask", "rope_l")
 
     def __init__(self, *, kv, si, layer, run, qkv_bias, q_mult, cos_LD, sin_LD, start, pos, valid_Rl, record,
-                 ca_k, ca_v, ca_mask, attn_mask=None):
+                 ca_k, ca_v, ca_mask, attn_mask=None, rope_l=None):
         self.kv, self.si, self.layer, self.run = kv, si, layer, run
         self.qkv_bias, self.q_mult, self.cos_LD, self.sin_LD = qkv_bias, q_mult, cos_LD, sin_LD
         self.start, self.pos, self.valid_Rl, self.record = start, pos, valid_Rl, record
         self.ca_k, self.ca_v, self.ca_mask, self.attn_mask = ca_k, ca_v, ca_mask, attn_mask
+        self.rope_l = rope_l          # cos, sin of ``pos`` gathered once per scale (shared by the layers)
 
     def positions(self, idx_Rn: Optional[torch.Tensor]):
         """(absolute positions (l,) or (R, n), validity or None) of the tokens being written."""
@@ -214,6 +215,8 @@ class _Call:
 
     def rope(self, pos: torch.Tensor):
         """cos, sin for positions (l,) → (1, l, 1, D) or (R, n) → (R, n, 1, D)."""
+        if pos is self.pos and self.rope_l is not None:
+            return self.rope_l
         if pos.ndim == 1:
             return self.cos_LD[pos][None, :, None], self.sin_LD[pos][None, :, None]
         return self.cos_LD[pos][:, :, None], self.sin_LD[pos][:, :, None]
@@ -253,10 +256,10 @@ class InfinitySelfAttention(nn.Module):
         q_RlHd = apply_rope(qk_Rl2Hd[:, :, 0] * ctx.q_mult, cos, sin)
         k_RlHd = apply_rope(qk_Rl2Hd[:, :, 1].contiguous(), cos, sin)
         v_RlHd = qkv_Rl3Hd[:, :, 2]
-        q = q_RlHd.transpose(1, 2)                                                  # (R, H, l, d)
+        q = q_RlHd.transpose(1, 2).to(v_RlHd.dtype)                                 # (R, H, l, d) in the weight dtype
         out = None
         if ctx.kv is None:                                                          # teacher forcing: one pass
-            k, v, attn_mask = k_RlHd.transpose(1, 2), v_RlHd.transpose(1, 2), ctx.attn_mask
+            k, v, attn_mask = k_RlHd.transpose(1, 2).to(v_RlHd.dtype), v_RlHd.transpose(1, 2), ctx.attn_mask
         else:
             record = ctx.record or idx_Rn is not None
             k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos if record else None, valid)
@@ -808,11 +811,14 @@ class InfinityAdapter:
             if not record:
                 kv.record_positions(kv.lengths[0], pos)
         observe = bool(stack.active["observe"])
+        rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,
+                       sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca_k=None, ca_v=None,
+                       ca_mask=None).rope(pos)
         for i, blk in enumerate(self.transformer.blocks):
             x_in = x_RlC
             call = _Call(kv=kv, si=si, layer=i, run=run, qkv_bias=ws.qkv_bias_N3C[i], q_mult=ws.q_mult_NH1[i],
                          cos_LD=ws.cos_LD, sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=valid_Rn, record=record,
-                         ca_k=st["ca_k"][i], ca_v=st["ca_v"][i], ca_mask=st["ca_mask"])
+                         ca_k=st["ca_k"][i], ca_v=st["ca_v"][i], ca_mask=st["ca_mask"], rope_l=rope_l)
             x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
