@@ -695,6 +695,7 @@ class InfinityAdapter:
                              f"{d_vae} bits per position (expected {d_tok}, or {d_tok // 4} for a 2×2-patchify VAE); "
                              f"pass the VAE the transformer was trained with")
         self.transformer, self.vae = transformer, vae
+        self._code = code_value(d_vae)                 # every code entry is ±this (1/√d of the VAE's bits)
         self.resolution = resolution
         self.schedule = resolution.schedule
         self.num_layers = transformer.config.depth
@@ -847,10 +848,6 @@ class InfinityAdapter:
     def residual(self, si: int, bits_Bld: torch.Tensor, run: RunState) -> torch.Tensor:
         """Per-token codes ±1/√d (B, h·w, d) float32 (with patchify, d = 4 × the VAE's bits)."""
         return torch.where(bits_Bld.bool(), self._code, -self._code).float()
-
-    @property
-    def _code(self) -> float:
-        return code_value(self.vae.config.codebook_dim)
 
     @torch.no_grad()
     def accumulate(self, si: int, residual_BlD: torch.Tensor, run: RunState) -> None:

@@ -418,3 +418,25 @@ def load_infinity_vae(path, dtype: torch.dtype = torch.float32):
         expected = set(BSQVAE(**cfg).state_dict())
     model = _load_into(BSQVAE, cfg, _canonical_vae_keys(sd, expected), p, what)
     return torch.nn.Module.to(model, dtype)
+
+
+def describe_infinity_checkpoint(path) -> dict:
+    """What an Infinity file or shard folder is (for ``sparsevar info``): family, configuration, size.
+    Raises ValueError for files of other families (``describe_checkpoint`` covers VAR)."""
+    p = Path(path)
+    sd = _read_sharded(p, "checkpoint") if p.is_dir() else _read_nested(p, "checkpoint", [("vae",), ("trainer", "gpt_fsdp")])
+    family = detect_infinity_family(sd)
+    info = {"path": str(p), "family": family, "dtype": str(next(iter(sd.values())).dtype).replace("torch.", "")}
+    if family == "infinity":
+        sd = _canonical_infinity_keys(sd, p)
+        info.update(infinity_config_from_state_dict(sd, source=str(p)))
+        info["parameters"] = sum(v.numel() for v in sd.values())
+
+    elif family == "infinity-vae":
+        from .bsq_vae import BSQVAE
+        sd = _canonical_vae_keys(sd)
+        info.update(BSQVAE.config_from_state_dict(sd, source=str(p)))
+        info["parameters"] = sum(v.numel() for v in sd.values())
+    else:
+        raise ValueError(f"{p} is neither an Infinity transformer nor its VAE")
+    return info

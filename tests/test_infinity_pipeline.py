@@ -372,3 +372,29 @@ def test_kv_cached_generation_equals_teacher_forcing(tiny, which, height, width)
 def test_flop_model_counts_the_dense_loop(tiny):
     out = tiny("w3", height=256, width=256, generator=_g(0), output_type="latent")
     assert math.isclose(tiny.flop_speedup(out.stats[0], 256, 256), 1.0)
+
+
+def test_sharded_folder_like_the_8b_release(infinity_official_files, official_sd, tmp_path):
+    import json
+    from safetensors.torch import save_file
+    keys = list(official_sd)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    weight_map = {}
+    for name, ks in shards.items():
+        save_file({k: official_sd[k].contiguous() for k in ks}, str(tmp_path / name))
+        weight_map.update({k: name for k in ks})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ref = load_infinity_transformer(infinity_official_files["transformer"])
+    assert _same_weights(load_infinity_transformer(tmp_path), ref)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="shard .*model-00002-of-00002.safetensors.* is missing"):
+        load_infinity_transformer(tmp_path)
+
+
+def test_describe_infinity_files(infinity_official_files):
+    from sparsevar.models.loading import describe_infinity_checkpoint
+    t = describe_infinity_checkpoint(infinity_official_files["transformer"])
+    assert t["family"] == "infinity" and t["depth"] == 4 and t["token_dim"] == 32
+    v = describe_infinity_checkpoint(infinity_official_files["vae"])
+    assert v["family"] == "infinity-vae" and v["codebook_dim"] == 32 and v["patch_size"] == 16
