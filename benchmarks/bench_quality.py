@@ -1,0 +1,681 @@
+"""Quality benchmark (issue #7): how far each acceleration setting moves the picture, and what it buys.
+
+    sparsevar bench quality --settings sparsevar-keep0.5 fastvar-preset skip-last-1 --seeds 16
+    python -m sparsevar.benchmarks.bench_quality --device cuda
+
+For every seed (class ``seed % num_classes`` unless given) the model generates once dense and once
+per setting with the same generator seed, so every difference comes from the setting. Per setting
+it reports, against dense:
+
+- ``psnr_db`` / ``ssim``: mean over seeds (:mod:`.metrics`: PSNR over RGB with data range 1, ``inf``
+  for identical pictures; SSIM with an 11×11 Gaussian window, σ = 1.5, per RGB channel and averaged);
+- ``speedup``: the scale loop's measured time (sum of the per-scale ms in the generation's stats,
+  CUDA events on a GPU), dense / accelerated per seed, median over seeds, after ``warmup``
+  untimed generations of every setting; ``speedup_e2e`` the same for the whole call with decode;
+- ``flop_speedup``: what the token counts allow in FLOPs (``pipe.flop_speedup``), mean over seeds;
+- ``kept_ratio``: tokens computed / dense tokens, mean over seeds (a scale run without the
+  unconditional half still counts all its tokens, so cond-only settings show 1.0 here).
+
+It writes ``quality.csv`` (one row per setting), ``quality.png`` (PSNR against measured speed-up,
+one marker per method family; drawn with PIL) and ``grid_<setting>.png`` (rows: the first seeds;
+columns: dense | accelerated | amplified absolute difference) into the output folder. Every file is
+written to a temporary name and renamed, so an interrupted run leaves no half-written file.
+
+Settings are named; several join with "+" (``sparsevar-keep0.5+skip-last-1``). The names:
+:func:`describe_settings` / ``--list-settings``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+import PIL.ImageFont
+import torch
+
+from ..engine.state import SamplingSettings
+from ..policies.base import Policy, PolicyStack
+from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
+from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
+from .metrics import psnr, ssim
+
+FAMILY = "var"                          # preset family of the models this harness loads (VARPipeline)
+_SAMPLING = SamplingSettings()          # the pipeline's sampling defaults, defined once there
+
+# ---- settings -----------------------------------------------------------------------------------------
+_NUM = r"(\d+(?:\.\d+)?)"
+
+
+@dataclass(frozen=True)
+class QualitySetting:
+    """One point of the sweep: the policy configs a named setting enables (None = that method off).
+
+    name: the setting as written ("sparsevar-keep0.5+skip-last-1"); family: "sparsevar", "fastvar",
+    "skip" (scale skipping and cond-only scales) or "combo" (parts from several families).
+    """
+
+    name: str
+    family: str
+    sparsevar: Optional[SparseVARConfig] = None
+    fastvar: Optional[FastVARConfig] = None
+    scale_skip: Optional[ScaleSkipConfig] = None
+
+    def policies(self) -> list[Policy]:
+        """Fresh policy objects for the pipeline's per-call ``policies=`` argument."""
+        out: list[Policy] = []
+        if self.sparsevar is not None:
+            out.append(SparseVARPolicy(self.sparsevar))
+        if self.fastvar is not None:
+            out.append(FastVARPolicy(self.fastvar))
+        if self.scale_skip is not None:
+            out.append(ScaleSkipPolicy(self.scale_skip))
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        for label, cfg in (("sparsevar", self.sparsevar), ("fastvar", self.fastvar), ("scale_skip", self.scale_skip)):
+            if cfg is not None:
+                fields = ", ".join(f"{k}={v}" for k, v in vars(cfg).items() if k != "backend")
+                parts.append(f"{label}({fields})")
+        return " + ".join(parts)
+
+
+def _sparsevar_keep(m) -> dict:
+    # the same meaning as bench_speed's sparsevar-keep* methods: a fixed share on the last 3 scales
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), start_scale=-3)}
+
+
+def _sparsevar_tau(m) -> dict:
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]))}
+
+
+def _fastvar_ratios(m) -> dict:
+    return {"fastvar": FastVARConfig(ratios=tuple(float(r) for r in m[1].split("-")))}
+
+
+def _skip_last(m) -> dict:
+    return {"skip_last": int(m[1])}
+
+
+def _cond_only_last(m) -> dict:
+    n = int(m[1])
+    if n < 1:
+        raise ValueError("cond-only-last-N needs N >= 1 (the number of final scales run without the "
+                         "unconditional half)")
+    return {"cond_only_from": -n}
+
+
+# One registry: (pattern, form shown to users, what it means, builder of its configs).
+SETTING_FORMS: tuple = (
+    (re.compile(r"sparsevar-preset"), "sparsevar-preset",
+     "SparseVAR, the VAR family preset (SPARSEVAR_PRESETS['var']: tau 0.6 from the second-to-last scale)",
+     lambda m: {"sparsevar": SPARSEVAR_PRESETS[FAMILY]}),
+    (re.compile(rf"sparsevar-keep{_NUM}"), "sparsevar-keep<R>",
+     "SparseVAR keeping a fixed share R in (0, 1] of each of the last 3 scales (1.0 = neutral)", _sparsevar_keep),
+    (re.compile(rf"sparsevar-tau{_NUM}"), "sparsevar-tau<T>",
+     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token)", _sparsevar_tau),
+    (re.compile(r"fastvar-preset"), "fastvar-preset",
+     "FastVAR, the VAR family preset (FASTVAR_PRESETS['var']: prune 50 % / 75 % of the last two scales)",
+     lambda m: {"fastvar": FASTVAR_PRESETS[FAMILY]}),
+    (re.compile(rf"fastvar-r({_NUM[1:-1]}(?:-{_NUM[1:-1]})*)"), "fastvar-r<R1>-<R2>…",
+     "FastVAR with prune ratios of the last scales, earliest first (fastvar-r0.5-0.75 = the preset)",
+     _fastvar_ratios),
+    (re.compile(r"skip-last-(\d+)"), "skip-last-<N>", "skip the last N scales", _skip_last),
+    (re.compile(r"cond-only-last-(\d+)"), "cond-only-last-<N>",
+     "run the last N scales without the unconditional CFG half", _cond_only_last),
+)
+
+# Examples of every form, and what `--settings all` runs.
+SETTINGS: tuple[str, ...] = (
+    "sparsevar-preset", "sparsevar-keep1.0", "sparsevar-keep0.7", "sparsevar-keep0.5", "sparsevar-keep0.3",
+    "sparsevar-tau0.0", "sparsevar-tau0.1", "sparsevar-tau0.3", "sparsevar-tau0.8",
+    "fastvar-preset", "fastvar-r0.25-0.5", "fastvar-r0.75-0.9",
+    "skip-last-1", "skip-last-2", "cond-only-last-2",
+    "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
+)
+
+# The sweep behind the README's quality / speed curves.
+DEFAULT_SETTINGS: tuple[str, ...] = (
+    "sparsevar-keep0.7", "sparsevar-keep0.5", "sparsevar-keep0.3",
+    "sparsevar-tau0.3", "sparsevar-preset", "sparsevar-tau0.8",
+    "fastvar-preset",
+    "skip-last-1", "skip-last-2",
+    "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2",
+)
+
+FAMILIES = ("sparsevar", "fastvar", "skip", "combo")
+
+
+def describe_settings() -> str:
+    """The setting forms and examples, one per line (what an unknown name's error lists)."""
+    forms = "\n".join(f"  {form:<22} {text}" for _, form, text, _ in SETTING_FORMS)
+    return (f"setting forms (join several with '+'):\n{forms}\n"
+            f"registered settings: {', '.join(SETTINGS)}\n"
+            f"default sweep: {', '.join(DEFAULT_SETTINGS)}")
+
+
+def _parse_part(part: str, name: str) -> tuple[str, dict]:
+    for pattern, _form, _text, build in SETTING_FORMS:
+        m = pattern.fullmatch(part)
+        if m is None:
+            continue
+        try:
+            fields = build(m)
+        except ValueError as e:
+            raise ValueError(f"setting {name!r}: {part!r} is out of range: {e}") from None
+        family = "skip" if "skip_last" in fields or "cond_only_from" in fields else next(iter(fields))
+        return family, fields
+    hint = " ('dense' is the reference every setting is compared with; it always runs)" if part == "dense" else ""
+    where = f" (in {name!r})" if part != name else ""
+    raise ValueError(f"unknown setting {part!r}{where} in settings{hint}. Valid settings:\n"
+                     f"{describe_settings()}")
+
+
+def parse_setting(name: str) -> QualitySetting:
+    """A :class:`QualitySetting` from its name; parts join with "+". Raises ValueError naming the
+    unknown or out-of-range part and listing the valid forms."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a setting must be a non-empty name like 'sparsevar-keep0.5', got {name!r}. "
+                         f"Valid settings:\n{describe_settings()}")
+    name = name.strip()
+    families, configs, skip = set(), {}, {}
+    for part in name.split("+"):
+        family, fields = _parse_part(part.strip(), name)
+        families.add(family)
+        if family == "skip":
+            for k, v in fields.items():
+                if k in skip:
+                    raise ValueError(f"setting {name!r} sets {k} twice; give each scale-skip form once")
+                skip[k] = v
+            continue
+        if family in configs:
+            raise ValueError(f"setting {name!r} has two {family} parts; combine a method with others, not itself")
+        configs.update(fields)
+    if "sparsevar" in configs and "fastvar" in configs:
+        raise ValueError(f"setting {name!r} combines SparseVAR with FastVAR, which prune the same tokens and cannot "
+                         f"be stacked; combine either with skip-last-N or cond-only-last-N")
+    scale_skip = ScaleSkipConfig(**skip) if skip else None
+    family = next(iter(families)) if len(families) == 1 else "combo"
+    return QualitySetting(name=name, family=family, sparsevar=configs.get("sparsevar"),
+                          fastvar=configs.get("fastvar"), scale_skip=scale_skip)
+
+
+def parse_settings(settings: Optional[Sequence[str]]) -> list[QualitySetting]:
+    """Parse a list of names (None → :data:`DEFAULT_SETTINGS`; ``["all"]`` → :data:`SETTINGS`)."""
+    if settings is None:
+        settings = DEFAULT_SETTINGS
+    if isinstance(settings, str):
+        settings = [settings]
+    settings = list(settings)
+    if settings == ["all"]:
+        settings = list(SETTINGS)
+    if not settings:
+        raise ValueError(f"settings is empty: give at least one setting name. Valid settings:\n{describe_settings()}")
+    parsed = [parse_setting(s) for s in settings]
+    seen = set()
+    for s in parsed:
+        if s.name in seen:
+            raise ValueError(f"settings lists {s.name!r} twice; give each setting once")
+        seen.add(s.name)
+    return parsed
+
+
+# ---- model, seeds, classes ---------------------------------------------------------------------------------
+def _resolve_device(device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; use 'auto', 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device is available on this machine; use device='cpu'")
+    return dev
+
+
+def load_model(model=None, device="auto", dtype: Optional[torch.dtype] = None):
+    """(pipeline, model name, loaded_here) for ``run_quality``'s ``model`` argument: None = the demo
+    model, a folder path, or a ``VARPipeline`` used as is (moved only when ``device`` names one)."""
+    from ..pipelines.var_pipeline import VARPipeline
+
+    if isinstance(model, VARPipeline):
+        if dtype is not None:
+            raise ValueError(f"dtype={dtype} applies when the harness loads the model; convert a VARPipeline you "
+                             f"pass yourself (pipe.transformer.to(dtype)) and leave dtype=None")
+        if device != "auto":
+            model.to(_resolve_device(device))
+        cfg = model.transformer.config
+        return model, f"var-d{cfg.depth}-w{cfg.embed_dim}-{16 * cfg.patch_nums[-1]}px", False
+    dev = _resolve_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if model is None:
+        from ..demo import DEMO_MODEL_DIR
+        if not (Path(DEMO_MODEL_DIR) / "model_index.json").is_file():
+            raise FileNotFoundError(f"the demo model is not trained yet ({DEMO_MODEL_DIR} has no model_index.json): "
+                                    f"run `sparsevar train-demo` first, or pass model=FOLDER (--model FOLDER)")
+        path, name = Path(DEMO_MODEL_DIR), "demo"
+    elif isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model={str(model)!r} is not a folder; pass a VARPipeline folder written by "
+                                    f"save_pretrained / `sparsevar convert`, or None for the demo model")
+        name = path.resolve().name
+    else:
+        raise TypeError(f"model must be None (the demo model), a folder path or a VARPipeline, got "
+                        f"{type(model).__name__}")
+    pipe = VARPipeline.from_pretrained(path, dtype=dtype).to(dev)
+    return pipe, name, True
+
+
+def _seed_list(seeds) -> list[int]:
+    if isinstance(seeds, (int, np.integer)) and not isinstance(seeds, bool):
+        raise ValueError(f"seeds={seeds!r}: pass a sequence of seeds, e.g. range({seeds}) for {seeds} seeds")
+    out = list(seeds)
+    if not out:
+        raise ValueError("seeds is empty: pass at least one seed, e.g. range(16)")
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise ValueError(f"seeds must be ints >= 0, got {s!r} in seeds")
+    if len(set(out)) != len(out):
+        raise ValueError(f"seeds has repeats ({out}); each seed is one sample, give each once")
+    return [int(s) for s in out]
+
+
+def _class_list(pipe, classes, seeds: list[int]) -> list[int]:
+    if classes is None:
+        return [s % pipe.num_classes for s in seeds]
+    if isinstance(classes, (int, str, np.integer)):
+        return pipe.get_label_ids([classes] * len(seeds))
+    classes = list(classes)
+    if len(classes) != len(seeds):
+        raise ValueError(f"classes has {len(classes)} entries for {len(seeds)} seeds; give one class per seed, "
+                         f"one class for all, or None (class = seed % {pipe.num_classes})")
+    return pipe.get_label_ids(classes)
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+@dataclass
+class _Sample:
+    image_13HW: torch.Tensor       # float32 in [0, 1], on the CPU
+    loop_ms: float
+    e2e_ms: float
+    flop_speedup: float
+    kept_ratio: float
+
+
+def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSettings) -> _Sample:
+    dev = pipe.transformer.device
+    gen = torch.Generator(dev).manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    out = pipe([label], guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
+               generator=gen, output_type="pt", policies=policies)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    e2e_ms = (time.perf_counter() - t0) * 1e3
+    st = out.stats[0]
+    return _Sample(image_13HW=out.images.detach().float().clamp(0, 1).cpu(), loop_ms=st.transformer_ms,
+                   e2e_ms=e2e_ms, flop_speedup=pipe.flop_speedup(st), kept_ratio=st.tokens_computed / st.tokens)
+
+
+def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Sequence[int] = range(16),
+                classes=None, out_dir: Union[str, Path] = Path("benchmarks/results/quality"),
+                device: str = "auto", dtype: Optional[torch.dtype] = None,
+                guidance_scale: float = _SAMPLING.guidance_scale, top_k: int = _SAMPLING.top_k,
+                top_p: float = _SAMPLING.top_p, log: Callable[[str], None] = print, warmup: int = 1,
+                grid_seeds: int = 4, diff_gain: float = 4.0, model_name: Optional[str] = None) -> list[dict]:
+    """Generate dense and accelerated images at the same seeds; measure quality and speed per setting.
+
+    Args:
+        model: None (the demo model; FileNotFoundError until ``sparsevar train-demo`` wrote it), a
+            VARPipeline folder, or a ``VARPipeline`` used as is (its enabled policies are ignored:
+            every call passes its own).
+        settings: setting names (module docstring; None = :data:`DEFAULT_SETTINGS`, ["all"] =
+            :data:`SETTINGS`). Checked before anything is generated.
+        seeds: generator seeds, one image each. classes: None (seed % num_classes), one class id or
+            name for all seeds, or one per seed.
+        out_dir: folder for quality.csv, quality.png and grid_<setting>.png (created).
+        device: "auto" (CUDA when available; for a passed pipeline: where it is), "cpu", "cuda", …
+        dtype: transformer weight dtype when loading (None: bfloat16 on CUDA, float32 on CPU).
+        guidance_scale, top_k, top_p: sampling, the pipeline's defaults.
+        warmup: untimed generations of dense and of every setting before timing (first seed).
+        grid_seeds: rows of each grid (the first seeds). diff_gain: factor on |dense − accelerated|.
+        model_name: written into the CSV (default: "demo", the folder name, or the size of a pipeline).
+    Returns:
+        The CSV rows, one dict per setting.
+    """
+    parsed = parse_settings(settings)
+    seed_list = _seed_list(seeds)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0 (untimed generations per setting), got {warmup!r}")
+    if isinstance(grid_seeds, bool) or not isinstance(grid_seeds, int) or grid_seeds < 1:
+        raise ValueError(f"grid_seeds must be an int >= 1 (rows of each image grid), got {grid_seeds!r}")
+    sampling = SamplingSettings(guidance_scale=guidance_scale, top_k=top_k, top_p=top_p)
+    pipe, default_name, loaded = load_model(model, device=device, dtype=dtype)
+    name = model_name or default_name
+    if loaded:
+        pipe.set_progress_bar_config(disable=True)
+    labels = _class_list(pipe, classes, seed_list)
+
+    info = pipe.adapter().model_info()
+    policies: dict[str, list] = {}
+    for s in parsed:                                   # every setting checked against the model first
+        ps = s.policies()
+        try:
+            PolicyStack(ps)
+            for p in ps:
+                p.validate(info)
+        except ValueError as e:
+            raise ValueError(f"setting {s.name!r} does not fit this model: {e}") from None
+        policies[s.name] = ps
+
+    dev = pipe.transformer.device
+    log(f"quality: {name} on {_device_name(dev)} ({dev.type}), {len(seed_list)} seeds, {len(parsed)} settings, "
+        f"cfg {sampling.guidance_scale} top_k {sampling.top_k} top_p {sampling.top_p}")
+    for _ in range(warmup):
+        _generate(pipe, labels[0], seed_list[0], [], sampling)
+        for s in parsed:
+            _generate(pipe, labels[0], seed_list[0], policies[s.name], sampling)
+
+    per: dict[str, dict[str, list]] = {s.name: {k: [] for k in ("psnr", "ssim", "ratio", "ratio_e2e", "ms",
+                                                                "flops", "kept", "grid")} for s in parsed}
+    dense_ms, dense_grid = [], []
+    for i, (seed, label) in enumerate(zip(seed_list, labels)):
+        dense = _generate(pipe, label, seed, [], sampling)          # [] = dense, whatever the pipe has enabled
+        dense_ms.append(dense.loop_ms)
+        if i < grid_seeds:
+            dense_grid.append((seed, label, dense.image_13HW))
+        for s in parsed:
+            acc = _generate(pipe, label, seed, policies[s.name], sampling)
+            r = per[s.name]
+            r["psnr"].append(float(psnr(acc.image_13HW, dense.image_13HW)[0]))
+            r["ssim"].append(float(ssim(acc.image_13HW, dense.image_13HW)[0]))
+            r["ratio"].append(dense.loop_ms / acc.loop_ms if acc.loop_ms > 0 else math.nan)
+            r["ratio_e2e"].append(dense.e2e_ms / acc.e2e_ms)
+            r["ms"].append(acc.loop_ms)
+            r["flops"].append(acc.flop_speedup)
+            r["kept"].append(acc.kept_ratio)
+            if i < grid_seeds:
+                r["grid"].append(acc.image_13HW)
+        log(f"  seed {seed} (class {label}) done")
+
+    dev_name = _device_name(dev)
+    wdtype = str(pipe.transformer.dtype).replace("torch.", "")
+    rows = []
+    for s in parsed:
+        r = per[s.name]
+        row = dict(setting=s.name, family=s.family,
+                   psnr_db=round(statistics.fmean(r["psnr"]), 3), psnr_db_min=round(min(r["psnr"]), 3),
+                   ssim=round(statistics.fmean(r["ssim"]), 5), ssim_min=round(min(r["ssim"]), 5),
+                   speedup=round(statistics.median(r["ratio"]), 3),
+                   speedup_e2e=round(statistics.median(r["ratio_e2e"]), 3),
+                   flop_speedup=round(statistics.fmean(r["flops"]), 3),
+                   kept_ratio=round(statistics.fmean(r["kept"]), 4),
+                   loop_ms=round(statistics.median(r["ms"]), 3), dense_loop_ms=round(statistics.median(dense_ms), 3),
+                   seeds=len(seed_list), device=dev_name, torch=torch.__version__, model=name, dtype=wdtype,
+                   guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
+                   config=s.describe())
+        rows.append(row)
+        log(f"{s.name:<36} PSNR {row['psnr_db']:7.2f} dB  SSIM {row['ssim']:.4f}  speed-up {row['speedup']:5.2f}x "
+            f"(FLOPs {row['flop_speedup']:4.2f}x)  kept {row['kept_ratio']:.0%}")
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    _atomic_write(out_dir / "quality.csv", lambda p: p.write_text(buf.getvalue()))
+    title = f"{name} on {dev_name}, {len(seed_list)} seeds"
+    plot = plot_quality(rows, title=title)
+    _atomic_write(out_dir / "quality.png", lambda p: plot.save(p, format="PNG"))
+    for s in parsed:
+        grid = image_grid([(sd, lb, d, a) for (sd, lb, d), a in zip(dense_grid, per[s.name]["grid"])],
+                          s.name, diff_gain=diff_gain)
+        _atomic_write(out_dir / f"grid_{s.name}.png", lambda p, g=grid: g.save(p, format="PNG"))
+    log(f"wrote {out_dir / 'quality.csv'}, quality.png and {len(parsed)} grids")
+    return rows
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same folder, then rename it over ``path``."""
+    # a unique name (not mkstemp, whose 0600 mode the renamed file would keep); the folder's umask applies
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# ---- pictures (PIL only) --------------------------------------------------------------------------------------
+FAMILY_STYLE = {            # family → (legend label, RGB, marker)
+    "sparsevar": ("SparseVAR", (31, 119, 180), "circle"),
+    "fastvar": ("FastVAR", (255, 127, 14), "square"),
+    "skip": ("scale skip / cond-only", (44, 160, 44), "triangle"),
+    "combo": ("combinations", (214, 39, 40), "diamond"),
+}
+
+
+def _font(size: int):
+    try:
+        return PIL.ImageFont.load_default(size=size)
+    except TypeError:                     # Pillow < 10.1: one bitmap size
+        return PIL.ImageFont.load_default()
+
+
+def _marker(draw, x: float, y: float, kind: str, colour, r: int = 6) -> None:
+    if kind == "circle":
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=colour, outline=(0, 0, 0))
+    elif kind == "square":
+        draw.rectangle((x - r, y - r, x + r, y + r), fill=colour, outline=(0, 0, 0))
+    elif kind == "triangle":
+        draw.polygon([(x, y - r - 1), (x - r - 1, y + r), (x + r + 1, y + r)], fill=colour, outline=(0, 0, 0))
+    else:
+        draw.polygon([(x, y - r - 2), (x + r + 1, y), (x, y + r + 2), (x - r - 1, y)], fill=colour, outline=(0, 0, 0))
+
+
+def nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
+    """Round tick values (steps 1, 2, 2.5, 5 × 10^k) covering [lo, hi] with about n ticks."""
+    if not hi > lo:
+        hi = lo + 1.0
+    raw = (hi - lo) / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(first + k * step, 10) for k in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, height: int = 640) -> PIL.Image.Image:
+    """PSNR (y) against measured speed-up (x), one marker and colour per family, labelled points.
+    Identical-to-dense points (PSNR inf) sit on a band at the top marked "inf"."""
+    img = PIL.Image.new("RGB", (width, height), "white")
+    d = PIL.ImageDraw.Draw(img)
+    f_small, f_mid, f_big = _font(12), _font(14), _font(17)
+    left, right, top, bottom = 78, 24, 48, 64
+    x0, x1, y0, y1 = left, width - right, top, height - bottom          # plot area in pixels
+    pts = [(r["speedup"], r["psnr_db"], r["setting"], r.get("family", "combo")) for r in rows
+           if isinstance(r["speedup"], (int, float)) and math.isfinite(r["speedup"])]
+    finite = [p for p in pts if math.isfinite(p[1])]
+    xs = [p[0] for p in pts] + [1.0]
+    xlo, xhi = min(xs), max(xs)
+    pad = max(0.08 * (xhi - xlo), 0.05)
+    xlo, xhi = xlo - pad, xhi + pad
+    if finite:
+        ylo, yhi = min(p[1] for p in finite), max(p[1] for p in finite)
+        ypad = max(0.1 * (yhi - ylo), 1.0)
+        ylo, yhi = ylo - ypad, yhi + ypad
+    else:
+        ylo, yhi = 0.0, 50.0
+    inf_band = any(not math.isfinite(p[1]) for p in pts)
+    y_plot_top = y0 + (28 if inf_band else 0)
+
+    def px(v):
+        return x0 + (v - xlo) / (xhi - xlo) * (x1 - x0)
+
+    def py(v):
+        if not math.isfinite(v):
+            return y0 + 12
+        return y1 - (v - ylo) / (yhi - ylo) * (y1 - y_plot_top)
+
+    for t in nice_ticks(xlo, xhi, n=8):                                       # grid and ticks
+        if xlo <= t <= xhi:
+            d.line((px(t), y0, px(t), y1), fill=(232, 232, 232))
+            d.line((px(t), y1, px(t), y1 + 5), fill=(0, 0, 0))
+            d.text((px(t), y1 + 8), f"{t:g}x", fill=(0, 0, 0), font=f_small, anchor="ma")
+    for t in nice_ticks(ylo, yhi):
+        if ylo <= t <= yhi:
+            d.line((x0, py(t), x1, py(t)), fill=(232, 232, 232))
+            d.line((x0 - 5, py(t), x0, py(t)), fill=(0, 0, 0))
+            d.text((x0 - 8, py(t)), f"{t:g}", fill=(0, 0, 0), font=f_small, anchor="rm")
+    if inf_band:
+        d.line((x0, y_plot_top - 6, x1, y_plot_top - 6), fill=(180, 180, 180))
+        d.text((x0 - 8, py(math.inf)), "inf", fill=(0, 0, 0), font=f_small, anchor="rm")
+        d.text((x0 + 6, y_plot_top - 8), "identical to dense", fill=(120, 120, 120), font=f_small, anchor="lb")
+    if xlo <= 1.0 <= xhi:                                                # dense = speed-up 1
+        for yy in range(int(y0), int(y1), 8):
+            d.line((px(1.0), yy, px(1.0), min(yy + 4, y1)), fill=(150, 150, 150))
+        d.text((px(1.0) + 4, y1 - 4), "dense", fill=(120, 120, 120), font=f_small, anchor="lb")
+    d.rectangle((x0, y0, x1, y1), outline=(0, 0, 0))
+    for sx, sy, label, fam in pts:
+        _, colour, kind = FAMILY_STYLE.get(fam, FAMILY_STYLE["combo"])
+        cx, cy = px(sx), py(sy)
+        _marker(d, cx, cy, kind, colour)
+        if cx + 10 + d.textlength(label, font=f_small) < x1 - 4:           # label right of the point, or left
+            d.text((cx + 10, cy), label, fill=(40, 40, 40), font=f_small, anchor="lm")
+        else:
+            d.text((cx - 10, cy), label, fill=(40, 40, 40), font=f_small, anchor="rm")
+    d.text((width / 2, 12), title or "PSNR against measured speed-up", fill=(0, 0, 0), font=f_big, anchor="ma")
+    d.text(((x0 + x1) / 2, height - 22), "measured speed-up of the scale loop (dense / accelerated)",
+           fill=(0, 0, 0), font=f_mid, anchor="ma")
+    ylabel = "PSNR against dense (dB)"
+    tw = int(d.textlength(ylabel, font=f_mid)) + 4
+    lab = PIL.Image.new("RGB", (tw, 20), "white")
+    PIL.ImageDraw.Draw(lab).text((2, 2), ylabel, fill=(0, 0, 0), font=f_mid)
+    lab = lab.rotate(90, expand=True)
+    img.paste(lab, (6, int((y0 + y1) / 2 - lab.height / 2)))
+    present = [f for f in FAMILY_STYLE if any(p[3] == f for p in pts)] or list(FAMILY_STYLE)
+    lw = max(int(d.textlength(FAMILY_STYLE[f][0], font=f_small)) for f in present) + 40
+    lx, ly = x1 - lw - 10, y_plot_top + 10
+    d.rectangle((lx, ly, lx + lw, ly + 8 + 20 * len(present)), fill=(255, 255, 255), outline=(120, 120, 120))
+    for k, f in enumerate(present):
+        label, colour, kind = FAMILY_STYLE[f]
+        _marker(d, lx + 14, ly + 14 + 20 * k, kind, colour, r=5)
+        d.text((lx + 28, ly + 14 + 20 * k), label, fill=(0, 0, 0), font=f_small, anchor="lm")
+    return img
+
+
+def _to_pil(x_13HW: torch.Tensor) -> PIL.Image.Image:
+    arr_HW3 = (x_13HW[0].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)   # (3,H,W)→(H,W,3)
+    return PIL.Image.fromarray(arr_HW3)
+
+
+def image_grid(samples: Sequence[tuple], setting: str, diff_gain: float = 4.0) -> PIL.Image.Image:
+    """Rows (seed, class, dense (1, 3, H, W), accelerated (1, 3, H, W)) → one picture:
+    dense | accelerated | ``diff_gain`` × |dense − accelerated| (clipped to 1), with a header."""
+    if not samples:
+        raise ValueError(f"image_grid({setting!r}) got no samples; generate at least one seed")
+    H, W = samples[0][2].shape[-2:]
+    head, side, gap = 24, 84, 2
+    img = PIL.Image.new("RGB", (side + 3 * W + 2 * gap, head + (H + gap) * len(samples) - gap), "white")
+    d = PIL.ImageDraw.Draw(img)
+    font = _font(13)
+    for c, text in enumerate(("dense", setting, f"|difference| x {diff_gain:g}")):
+        d.text((side + c * (W + gap) + W / 2, head / 2), text, fill=(0, 0, 0), font=font, anchor="mm")
+    for r, (seed, label, dense_13HW, acc_13HW) in enumerate(samples):
+        y = head + r * (H + gap)
+        diff_13HW = ((dense_13HW - acc_13HW).abs() * diff_gain).clamp(0, 1)
+        for c, t in enumerate((dense_13HW, acc_13HW, diff_13HW)):
+            img.paste(_to_pil(t), (side + c * (W + gap), y))
+        d.text((side / 2, y + H / 2 - 9), f"seed {seed}", fill=(0, 0, 0), font=font, anchor="mm")
+        d.text((side / 2, y + H / 2 + 9), f"class {label}", fill=(90, 90, 90), font=font, anchor="mm")
+    return img
+
+
+# ---- command line -----------------------------------------------------------------------------------------------
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of ``sparsevar bench quality`` (also this module's own ``main``)."""
+    p.add_argument("--model", help="VARPipeline folder (default: the demo model; run `sparsevar train-demo` first)")
+    p.add_argument("--settings", nargs="+", default=None, metavar="NAME",
+                   help="settings to compare with dense, parts joined with '+' (e.g. sparsevar-keep0.5+skip-last-1); "
+                        "default: the README sweep; 'all': every registered one; see --list-settings")
+    p.add_argument("--seeds", type=int, default=16, metavar="N", help="seeds 0..N-1, one image each (default 16)")
+    p.add_argument("--classes", nargs="+", default=None, metavar="CLASS",
+                   help="one class for all seeds or one per seed (ids or names; default seed %% num_classes)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality"), metavar="DIR",
+                   help="folder for quality.csv, quality.png and grid_<setting>.png")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer dtype (auto: bfloat16 on CUDA)")
+    p.add_argument("--cfg", type=float, default=_SAMPLING.guidance_scale, help="guidance scale")
+    p.add_argument("--top-k", type=int, default=_SAMPLING.top_k)
+    p.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per setting before timing")
+    p.add_argument("--grid-seeds", type=int, default=4, help="rows of each image grid")
+    p.add_argument("--list-settings", action="store_true", help="print the setting names and exit")
+    return p
+
+
+def run_from_args(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[dict]:
+    """``run_quality`` for parsed :func:`add_arguments` arguments (what the CLI calls)."""
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: give the number of seeds, at least 1")
+    classes = args.classes
+    if classes is not None:
+        classes = [int(c) if c.isdigit() else c for c in classes]
+        if len(classes) == 1:
+            classes = classes[0]
+    return run_quality(model=args.model, settings=args.settings, seeds=range(args.seeds), classes=classes,
+                       out_dir=args.out, device=args.device,
+                       dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                       guidance_scale=args.cfg, top_k=args.top_k, top_p=args.top_p, log=log,
+                       warmup=args.warmup, grid_seeds=args.grid_seeds)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_quality",
+                                              description="Quality of acceleration settings against dense."))
+    args = p.parse_args(argv)
+    if args.list_settings:
+        print(describe_settings())
+        return 0
+    try:
+        run_from_args(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"bench quality: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["DEFAULT_SETTINGS", "SETTINGS", "SETTING_FORMS", "QualitySetting", "add_arguments", "describe_settings",
+           "image_grid", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "plot_quality",
+           "run_from_args", "run_quality"]
+
+if __name__ == "__main__":
+    sys.exit(main())

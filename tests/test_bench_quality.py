@@ -1,0 +1,208 @@
+"""Quality harness (issue #7): the metrics on known inputs, setting names, and one small run of
+``run_quality`` on the random ``var-tiny`` model (2 seeds, 3 settings, CPU) — neutral setting equals
+dense, files written atomically, no policy state leaks into or out of the pipeline."""
+from __future__ import annotations
+
+import csv
+import math
+
+import PIL.Image
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+from sparsevar.benchmarks import bench_quality as bq
+from sparsevar.benchmarks.metrics import gaussian_window, mse, psnr, ssim
+
+SETTINGS = ["sparsevar-keep1.0", "skip-last-2", "sparsevar-keep0.5+cond-only-last-1"]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+def test_psnr_identical_is_inf_and_known_mse():
+    a_B3HW = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.isinf(psnr(a_B3HW, a_B3HW)).all() and (psnr(a_B3HW, a_B3HW) > 0).all()
+    zeros_B3HW = torch.zeros(2, 3, 16, 16)
+    b_B3HW = torch.full((2, 3, 16, 16), 0.1)                       # MSE 0.01 → 20 dB
+    assert torch.allclose(mse(zeros_B3HW, b_B3HW), torch.full((2,), 0.01, dtype=torch.float64))
+    assert torch.allclose(psnr(zeros_B3HW, b_B3HW), torch.full((2,), 20.0, dtype=torch.float64))
+    # half the pixels off by 0.2: MSE 0.02 → 10·log10(50) dB; per image, in 8-bit units too
+    c_B3HW = zeros_B3HW.clone()
+    c_B3HW[1, :, :8] = 0.2
+    got = psnr(zeros_B3HW, c_B3HW)
+    assert math.isinf(got[0]) and got[1].item() == pytest.approx(10 * math.log10(50))
+    assert psnr(zeros_B3HW * 255, c_B3HW * 255, data_range=255)[1].item() == pytest.approx(10 * math.log10(50))
+
+
+def test_ssim_identical_is_one_and_falls_with_noise():
+    g = torch.Generator().manual_seed(0)
+    a_B3HW = torch.rand(1, 3, 48, 48, generator=g)
+    a_B3HW = torch.nn.functional.avg_pool2d(a_B3HW, 3, 1, 1)      # some structure for the window to see
+    assert ssim(a_B3HW, a_B3HW).item() == 1.0
+    noise_B3HW = torch.randn(1, 3, 48, 48, generator=g)
+    values = [ssim(a_B3HW, (a_B3HW + s * noise_B3HW).clamp(0, 1)).item() for s in (0.01, 0.05, 0.2)]
+    assert 1.0 > values[0] > values[1] > values[2] > 0.0
+    assert ssim(a_B3HW, a_B3HW + 0.01 * noise_B3HW).item() == pytest.approx(
+        ssim(a_B3HW + 0.01 * noise_B3HW, a_B3HW).item())           # symmetric
+
+
+def test_ssim_of_flat_images_matches_the_formula():
+    # flat images: no variance, so SSIM reduces to the luminance term (2·μx·μy + C1) / (μx² + μy² + C1)
+    x, y, c1 = 0.3, 0.6, 0.01 ** 2
+    got = ssim(torch.full((1, 3, 20, 20), x), torch.full((1, 3, 20, 20), y)).item()
+    assert got == pytest.approx((2 * x * y + c1) / (x * x + y * y + c1), rel=1e-9)
+    g_K = gaussian_window()
+    assert g_K.shape == (11,) and g_K.sum().item() == pytest.approx(1.0) and g_K.argmax().item() == 5
+
+
+def test_metrics_reject_bad_inputs():
+    a = torch.zeros(1, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"same shape.*\(1, 3, 16, 16\).*\(1, 3, 16, 8\)"):
+        psnr(a, torch.zeros(1, 3, 16, 8))
+    with pytest.raises(ValueError, match=r"\(B, C, H, W\).*\(3, 16, 16\).*a\[None\]"):
+        ssim(a[0], a[0])
+    with pytest.raises(ValueError, match=r"at least 11×11.*8×8"):
+        ssim(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"data_range=0"):
+        psnr(a, a, data_range=0)
+
+
+# ---- settings -----------------------------------------------------------------------------------------------
+def test_parse_settings_families_and_combinations():
+    s = bq.parse_setting("sparsevar-keep0.5+skip-last-1")
+    assert s.family == "combo" and s.sparsevar.keep_ratio == 0.5 and s.sparsevar.start_scale == -3
+    assert s.scale_skip.skip_last == 1 and s.fastvar is None
+    assert [type(p).__name__ for p in s.policies()] == ["SparseVARPolicy", "ScaleSkipPolicy"]
+    both = bq.parse_setting("skip-last-1+cond-only-last-2")       # one ScaleSkipConfig with both fields
+    assert both.family == "skip" and (both.scale_skip.skip_last, both.scale_skip.cond_only_from) == (1, -2)
+    assert bq.parse_setting("fastvar-r0.25-0.5").fastvar.ratios == (0.25, 0.5)
+    assert bq.parse_setting("sparsevar-tau0.1").sparsevar.tau == 0.1
+    assert bq.parse_setting("sparsevar-preset").sparsevar == bq.SPARSEVAR_PRESETS["var"]
+    every = bq.parse_settings(["all"])
+    assert [x.name for x in every] == list(bq.SETTINGS)
+    assert {x.family for x in every} == set(bq.FAMILIES)
+    assert [x.name for x in bq.parse_settings(None)] == list(bq.DEFAULT_SETTINGS)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["sparsevar-keep0.5", "warp-speed"],
+     r"(?s)unknown setting 'warp-speed' in settings.*sparsevar-keep<R>.*skip-last-<N>"),
+    (["sparsevar-keep0.5+nope"], r"unknown setting 'nope' \(in 'sparsevar-keep0.5\+nope'\)"),
+    (["dense"], r"'dense' is the reference"),
+    (["sparsevar-keep1.5"], r"setting 'sparsevar-keep1.5'.*keep_ratio must be in \(0, 1\]"),
+    (["sparsevar-preset+fastvar-preset"], r"combines SparseVAR with FastVAR"),
+    (["skip-last-1+skip-last-2"], r"sets skip_last twice"),
+    (["skip-last-1", "skip-last-1"], r"lists 'skip-last-1' twice"),
+    ([], r"settings is empty"),
+])
+def test_bad_settings_raise_naming_the_value(settings, message):
+    with pytest.raises(ValueError, match=message):
+        bq.parse_settings(settings)
+
+
+# ---- one small run --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny() -> VARPipeline:
+    p = VARPipeline.from_random("var-tiny", seed=0)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def quality_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality")
+    tiny.enable_scale_skip(skip_last=1)            # enabled on the pipeline: must not reach dense or the settings
+    logs: list[str] = []
+    try:
+        rows = bq.run_quality(tiny, settings=SETTINGS, seeds=range(2), out_dir=out, warmup=0, log=logs.append)
+        names_after = [p.name for p in tiny.policies]
+    finally:
+        tiny.disable_scale_skip()
+    return rows, out, logs, names_after
+
+
+def test_run_quality_rows(quality_run):
+    rows, _, logs, names_after = quality_run
+    assert names_after == ["scale_skip"]                             # the pipeline's own stack is untouched
+    by = {r["setting"]: r for r in rows}
+    assert list(by) == SETTINGS
+    neutral = by["sparsevar-keep1.0"]                                 # neutral: the dense picture exactly
+    assert math.isinf(neutral["psnr_db"]) and neutral["ssim"] == 1.0
+    assert neutral["kept_ratio"] == 1.0 and neutral["flop_speedup"] == pytest.approx(1.0)
+    skip = by["skip-last-2"]
+    assert math.isfinite(skip["psnr_db"]) and skip["ssim"] < 1.0 and skip["psnr_db_min"] <= skip["psnr_db"]
+    assert skip["kept_ratio"] == pytest.approx((680 - 169 - 256) / 680, abs=1e-4)   # var-tiny: 680 tokens
+    assert skip["flop_speedup"] > 1.0 and skip["speedup"] > 0
+    combo = by["sparsevar-keep0.5+cond-only-last-1"]
+    assert combo["family"] == "combo" and combo["kept_ratio"] < 1.0 and combo["ssim"] < 1.0
+    for r in rows:
+        assert r["seeds"] == 2 and r["model"] == "var-d4-w256-256px" and r["torch"] == torch.__version__
+    assert any("skip-last-2" in line and "PSNR" in line for line in logs)
+
+
+def test_run_quality_files(quality_run):
+    rows, out, _, _ = quality_run
+    with open(out / "quality.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [r["setting"] for r in table] == SETTINGS
+    for col in ("setting", "psnr_db", "ssim", "speedup", "flop_speedup", "kept_ratio", "seeds", "device", "torch",
+                "model"):
+        assert col in table[0]
+    assert float(table[0]["psnr_db"]) == math.inf and float(table[1]["psnr_db"]) == rows[1]["psnr_db"]
+    with PIL.Image.open(out / "quality.png") as im:
+        assert im.size == (1000, 640)
+    for name in SETTINGS:
+        with PIL.Image.open(out / f"grid_{name}.png") as im:
+            assert im.size == (84 + 3 * 256 + 2 * 2, 24 + 2 * 256 + 2)     # label column + 3 tiles, 2 seeds
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_run_quality_checks_before_generating(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"setting 'skip-last-10' does not fit this model.*skip_last=10"):
+        bq.run_quality(tiny, settings=["skip-last-10"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
+    with pytest.raises(ValueError, match=r"classes has 1 entries for 2 seeds"):
+        bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0, 1], classes=[3], out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"seeds=4: pass a sequence of seeds, e.g. range\(4\)"):
+        bq.run_quality(tiny, settings=["skip-last-1"], seeds=4, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 applies when the harness loads"):
+        bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0], dtype=torch.float16, out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_demo_model_says_how_to_train_it(monkeypatch, tmp_path):
+    import sparsevar.demo
+    monkeypatch.setattr(sparsevar.demo, "DEMO_MODEL_DIR", tmp_path / "weights")
+    with pytest.raises(FileNotFoundError, match=r"sparsevar train-demo"):
+        bq.run_quality(None, settings=["skip-last-1"], seeds=[0], out_dir=tmp_path / "out", device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"is not a folder"):
+        bq.load_model(tmp_path / "missing", device="cpu")
+
+
+def test_atomic_write_leaves_nothing_when_interrupted(tmp_path):
+    target = tmp_path / "quality.csv"
+
+    def broken(p):
+        p.write_text("setting,psnr")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bq._atomic_write(target, broken)
+    assert not any(tmp_path.iterdir())
+    bq._atomic_write(target, lambda p: p.write_text("ok"))
+    assert target.read_text() == "ok" and [x.name for x in tmp_path.iterdir()] == ["quality.csv"]
+
+
+def test_plot_and_ticks():
+    rows = [dict(setting="a", family="sparsevar", psnr_db=31.0, speedup=1.4),
+            dict(setting="b", family="skip", psnr_db=math.inf, speedup=0.9),
+            dict(setting="c", family="combo", psnr_db=18.5, speedup=float("nan"))]     # nan: left out
+    img = bq.plot_quality(rows, title="t", width=640, height=400)
+    assert img.size == (640, 400) and img.getcolors(1 << 20) is not None and len(img.getcolors(1 << 20)) > 10
+    assert bq.nice_ticks(0.0, 1.0, n=6) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert bq.nice_ticks(0.7, 5.3, n=6) == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_main_lists_settings_and_reports_errors(capsys):
+    assert bq.main(["--list-settings"]) == 0
+    assert "sparsevar-keep<R>" in capsys.readouterr().out
+    assert bq.main(["--settings", "bogus", "--seeds", "1"]) == 2
+    assert "unknown setting 'bogus'" in capsys.readouterr().err
