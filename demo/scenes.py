@@ -150,7 +150,7 @@ class _Draw:
         if textured:
             t, probs = self.rand(), self.cfg.texture_probs
             c2 = (1.0 - colour_B311) * 0.8 + 0.1 * self.colour()                 # a contrasting colour
-            freq = 8 + 20 * self.rand()                                           # cycles per image side
+            freq = 4 + 10 * self.rand()                                           # cycles per image side (18–64 px)
             ang = math.pi * self.rand()
             ux = (gx * torch.cos(ang) + gy * torch.sin(ang)) * freq
             uy = (-gx * torch.sin(ang) + gy * torch.cos(ang)) * freq
