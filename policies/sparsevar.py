@@ -174,8 +174,8 @@ def nearest_source(src_hw: tuple[int, int], hw: tuple[int, int], device=None) ->
     """(h·w,) int64: the token of an (h', w') map that nearest upsampling to (h, w) copies into each
     token (the mapping ``upsample_map(..., "nearest")`` applies)."""
     (hs, ws), (h, w) = src_hw, hw
-    pos_1hw = torch.arange(hs * ws, device=device, dtype=torch.float32).view(1, hs, ws)   # exact below 2**24
-    return upsample_map(pos_1hw, (h, w), "nearest").reshape(h * w).long()
+    pos_1hw = torch.arange(hs * ws, device=device, dtype=torch.float32).view(1, hs, ws)   # (M,) → (1, h', w'); exact
+    return upsample_map(pos_1hw, (h, w), "nearest").reshape(h * w).long()                 # (1, h, w) → (L,)
 
 
 def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
@@ -265,7 +265,8 @@ class SparseVARPolicy(Policy):
         geo = st["geometry"]
         if key not in geo:
             (h, w), a = hw, self.config.alpha
-            geo[key] = (anchor_mask(h, w, a, device).reshape(h * w), anchor_candidates(h, w, a, device),
+            geo[key] = (anchor_mask(h, w, a, device).reshape(h * w),                    # (h, w) → (L,)
+                        anchor_candidates(h, w, a, device),
                         nearest_source(prev_hw, hw, device))
         return geo[key]
 
@@ -302,18 +303,18 @@ class SparseVARPolicy(Policy):
         index_Bn = idx_BL[:, :n].contiguous()
         if all_kept:                                      # nothing excluded: the dense path
             roles_L = torch.where(anchors_L, TOKEN_ANCHOR, TOKEN_KEPT).to(torch.uint8)
-            st["roles"] = roles_L.view(1, h, w).expand(B, h, w).clone()
+            st["roles"] = roles_L.view(1, h, w).expand(B, h, w).clone()                 # (L,) → (B, h, w)
             return None
         # anchor assignment from the previous scale's guided logits (upsampled per token)
         lg_BhwV = st["logits"]                            # (B, h', w', V)
         if c.interpolation == "nearest":
             logits_BMV = lg_BhwV.reshape(B, hp * wp, -1)                               # (B, h', w', V) → (B, M, V)
         else:
-            logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)
+            logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)  # (B, h, w, V) → (B, L, V)
         copy_src_BL, zero_BL, roles_BL, _ = sparse_ops.anchor_match(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
                                                                     c.beta, backend=backend)
         st["copy_src"], st["zero"] = copy_src_BL, zero_BL
-        st["roles"] = roles_BL.view(B, h, w)           # recorded once the scale has run (after_scale)
+        st["roles"] = roles_BL.view(B, h, w)           # (B, L) → (B, h, w); recorded once the scale has run
         return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
                          static=c.keep_ratio is not None and valid_Bn is None)
 

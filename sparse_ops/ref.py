@@ -45,7 +45,7 @@ def scatter_rows(base_RLC: torch.Tensor, idx_Rn: torch.Tensor, y_RnC: torch.Tens
     R, L, C = base_RLC.shape
     out = base_RLC.reshape(R * L, C).clone()                                        # (R, L, C) → (R·L, C)
     out.index_copy_(0, _flat_rows(idx_Rn, L), y_RnC.reshape(-1, C).to(out.dtype))  # (R, n, C) → (R·n, C)
-    return out.view(R, L, C)
+    return out.view(R, L, C)                                                        # (R·L, C) → (R, L, C)
 
 
 def gather_norm_modulate(x_RLC: torch.Tensor, idx_Rn: Optional[torch.Tensor], mul_R1C: torch.Tensor,
@@ -67,7 +67,7 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
     R, L, C = x_RLC.shape
     (hc, wc), (h, w) = cache_hw, hw
     cached_RChw = cache_RlC[:R].transpose(1, 2).reshape(R, C, hc, wc)                # (R, hw, C) → (R, C, h, w)
-    update_RLC = F.interpolate(cached_RChw, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)
+    update_RLC = F.interpolate(cached_RChw, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)  # → (R, L, C)
     fresh_RnC = branch_RnC.float() * gate_R1C
     update_RLC = update_RLC.scatter(1, idx_Rn.long().unsqueeze(-1).expand(R, idx_Rn.shape[1], C), fresh_RnC)
     return x_RLC + update_RLC
