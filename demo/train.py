@@ -57,11 +57,11 @@ class DemoTrainConfig:
     var_depth: int = 8
     var_width: int = 256
     var_heads: int = 4
-    var_steps: int = 10_000
+    var_steps: int = 8_000
     var_batch: int = 96
     var_lr: float = 8e-4
     var_label_dropout: float = 0.1
-    var_data: int = 100_000
+    var_data: int = 60_000
     cls_steps: int = 4000
     cls_batch: int = 128
     cls_data: int = 12_000
