@@ -2,11 +2,12 @@
 
     python -m sparsevar.benchmarks.bench_ops --out benchmarks/results/ops_H100.csv
 
-For each op and shape it times the Triton kernel and the torch reference (CUDA events, median of
-``--runs`` timed calls after warm-up, one op per timed call, so launch overhead is included) and
-writes one CSV row per implementation: ms, the op's minimal bytes (each input read once, each
-output written once) as GB/s and the fraction of the HBM roof, or TFLOP/s and the fraction of the
-bf16 tensor-core roof for the attention column sums (research/kernels.md §6: H100 ≈ 3.0 TB/s and
+For each op and shape it times the Triton kernel and the torch reference twice: ``ms`` is the GPU
+time per call (10 calls captured in a CUDA graph, median of 20 replays: how the policies' layer
+stacks run them) and ``ms_eager`` one call between CUDA events (median of ``--runs``), which also
+counts host launch overhead when that is longer. One CSV row per implementation: the op's minimal
+bytes (each input read once, each output written once) over ``ms`` as GB/s and the fraction of
+the HBM roof, or TFLOP/s and the fraction of the bf16 tensor-core roof for the attention column sums (research/kernels.md §6: H100 ≈ 3.0 TB/s and
 790 TFLOP/s; H200 4.3 TB/s). Targets (sparse_ops issue): each fused memory-bound op ≥ 60 % of HBM
 bandwidth at 4096 tokens × 2048 channels; SparseVAR's selection + anchor matching ≤ 1 ms per
 64×64 scale. GPU name, torch and triton versions go into every row.
@@ -39,7 +40,8 @@ def _gpu_key(name: str) -> Optional[str]:
 
 
 def time_ms(fn: Callable[[], object], runs: int = 50, warmup: int = 10) -> float:
-    """Median of ``runs`` timed calls (CUDA events around each call)."""
+    """Eager: median of ``runs`` single calls, CUDA events around each, so host launch overhead
+    (Python, Triton's launcher, allocations) counts whenever it exceeds the GPU time."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -52,6 +54,33 @@ def time_ms(fn: Callable[[], object], runs: int = 50, warmup: int = 10) -> float
         times.append((a, b))
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in times)
+
+
+def time_graph_ms(fn: Callable[[], object], runs: int = 20, calls: int = 10) -> float:
+    """GPU time per call: ``calls`` calls captured into one CUDA graph (as the policies' layer
+    stacks run), median of ``runs`` replays / ``calls``. Raises if the call cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    del graph
+    return statistics.median(a.elapsed_time(b) for a, b in times) / calls
 
 
 def _cases(dev) -> list[dict]:
@@ -142,18 +171,24 @@ def _cases(dev) -> list[dict]:
                       flops=flops, memory_bound=False, target=False,
                       run={"triton": lambda: colsum.attention_colsum(q, k, d ** -0.5, 192),
                            "torch": lambda: ref.attention_colsum(q, k, d ** -0.5, 192)}))
-    # attention on a padded batch: VAR-d30 shapes, 8 images with CFG at 13×13, kept counts differ
-    Ra, Ha, da, la, Lka = 16, 30, 64, 120, 680
-    qa = torch.randn(Ra, Ha, la, da, device=dev, generator=g).to(torch.bfloat16)
-    ka, va = (torch.randn(Ra, Ha, Lka, da, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
-    valid = torch.rand(Ra, Lka, device=dev, generator=g) < 0.85
-    valid[:, 0] = True
-    aflops = 4 * Ra * Ha * la * Lka * da
-    cases.append(dict(op="attention padded batch", shape=f"R{Ra} H{Ha} l{la} Lk{Lka} d{da} 85% keys valid",
-                      dtype="bf16", flops=aflops, memory_bound=False, target=False,
-                      run={"varlen": lambda: attention(qa, ka, va, da ** -0.5, key_valid_RL=valid, backend="varlen"),
-                           "sdpa+mask": lambda: attention(qa, ka, va, da ** -0.5, key_valid_RL=valid, backend="sdpa"),
-                           "sdpa dense (bound)": lambda: attention(qa, ka, va, da ** -0.5)}))
+    # attention with padding keys: VAR-d30, 8 images with CFG at 13×13 whose kept counts differ;
+    # Infinity-2B's last scale (2 images, half the 4096 tokens kept, 10k-token cache); Infinity's
+    # cross-attention to padded prompts
+    for Ra, Ha, da, la, Lka, frac, what in ((16, 30, 64, 120, 680, 0.85, "VAR-d30 b8 13x13"),
+                                            (4, 16, 128, 2048, 8000, 0.85, "Infinity-2B b2 64x64"),
+                                            (4, 16, 128, 4096, 128, 0.6, "Infinity cross-attn, text 128")):
+        qa = torch.randn(Ra, Ha, la, da, device=dev, generator=g).to(torch.bfloat16)
+        ka, va = (torch.randn(Ra, Ha, Lka, da, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+        valid = torch.rand(Ra, Lka, device=dev, generator=g) < frac
+        valid[:, 0] = True
+        cases.append(dict(op="attention with padding keys", shape=f"{what}: R{Ra} H{Ha} l{la} Lk{Lka} d{da} "
+                                                               f"{frac:.0%} valid",
+                          dtype="bf16", flops=4 * Ra * Ha * la * Lka * da, memory_bound=False, target=False,
+                          run={"varlen": lambda q=qa, k=ka, v=va, m=valid, d=da: attention(
+                                   q, k, v, d ** -0.5, key_valid_RL=m, backend="varlen"),
+                               "sdpa+mask": lambda q=qa, k=ka, v=va, m=valid, d=da: attention(
+                                   q, k, v, d ** -0.5, key_valid_RL=m, backend="sdpa"),
+                               "sdpa dense (bound)": lambda q=qa, k=ka, v=va, d=da: attention(q, k, v, d ** -0.5)}))
     return cases
 
 
@@ -173,28 +208,34 @@ def run_ops(out: Optional[Path] = None, runs: int = 50, ops: Optional[Sequence[s
         base_ms = None
         for impl, fn in c["run"].items():
             try:
-                ms = time_ms(fn, runs=runs)
+                eager_ms = time_ms(fn, runs=runs)
             except Exception as e:                 # record the failure and go on
                 log(f"{c['op']:<26} {c['shape']:<42} {impl:<20} FAILED: {type(e).__name__}: {e}")
                 continue
+            try:
+                ms = time_graph_ms(fn)
+            except Exception as e:                 # not capturable: the eager time stands
+                log(f"{c['op']:<26} {c['shape']:<42} {impl:<20} no CUDA graph ({type(e).__name__}: {e})")
+                ms = eager_ms
             if impl in ("torch", "sdpa+mask"):
                 base_ms = ms
             gbps = c["bytes"] / ms / 1e6 if "bytes" in c else float("nan")
             tfl = c["flops"] / ms / 1e9 if "flops" in c else float("nan")
             roof = gbps / (tbps * 1e3) if c.get("memory_bound") else (tfl / tflops if "flops" in c else float("nan"))
-            if c["op"] == "select_kept+anchor_match":
-                target, met = f"<= {TARGET_SELECT_MS} ms", ms <= TARGET_SELECT_MS
+            if c["op"] == "select_kept+anchor_match":        # eager: the plan runs outside the graphs
+                target, met = f"<= {TARGET_SELECT_MS} ms", eager_ms <= TARGET_SELECT_MS
             elif c["target"]:
                 target, met = f">= {TARGET_BW:.0%} of HBM", roof >= TARGET_BW
             else:
                 target, met = "", ""
             rows.append(dict(op=c["op"], shape=c["shape"], dtype=c["dtype"], impl=impl, ms=round(ms, 4),
+                             ms_eager=round(eager_ms, 4),
                              gb_per_s=round(gbps, 1), tflop_per_s=round(tfl, 2), fraction_of_roof=round(roof, 3),
                              target=target if impl in ("triton", "varlen") else "",
                              meets_target=met if impl in ("triton", "varlen") else "",
                              speedup_vs_torch="", gpu=gpu, torch=torch.__version__, triton=triton.__version__))
-            log(f"{c['op']:<26} {c['shape']:<42} {impl:<20} {ms:8.4f} ms  {gbps:8.1f} GB/s  {tfl:7.2f} TFLOP/s  "
-                f"{roof:6.1%} of roof")
+            log(f"{c['op']:<24} {c['shape']:<40} {impl:<18} {ms:7.4f} ms (eager {eager_ms:7.4f})  {gbps:7.1f} GB/s  "
+                f"{tfl:6.1f} TFLOP/s  {roof:6.1%} of roof")
         for r in rows:
             if r["op"] == c["op"] and r["shape"] == c["shape"] and base_ms:
                 r["speedup_vs_torch"] = round(base_ms / r["ms"], 2)

@@ -87,6 +87,13 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
     tl.store(out_ptr + (rh.to(tl.int64) * G + g) * Lk + n, acc, mask=n < Lk)
 
 
+def _colsum_launch(d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes."""
+    if interpreting():
+        return 16, 32, 4, 1
+    return 64, 64, 4, 2
+
+
 def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int) -> torch.Tensor:
     """Triton twin of ``ref.attention_colsum``: (R, H, G, Lk) float32 summed probabilities."""
     R, H, l, d = q_RHld.shape
@@ -105,14 +112,15 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     upcast = interp and q.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if q.dtype == torch.float32 else None
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = 16 if interp else 64
-    block_n = 32 if interp else 64
+    block_m, block_n, num_warps, num_stages = _colsum_launch(d)
     scale_log2 = float(scale) * _LOG2E
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     _lse_kernel[(triton.cdiv(l, block_m), R * H)](
         q, k, lse, H, l, Lk, d, scale_log2, *strides,
-        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages)
     _colsum_kernel[(triton.cdiv(Lk, block_n), G, R * H)](
         q, k, lse, out, H, l, Lk, d, group, G, scale_log2, *strides,
-        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages)
     return out

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_modulate import _launch_shape, _rows_contiguous
+from .gather_modulate import _launch_shape as _restore_launch
+from .gather_modulate import _rows_contiguous
 
 
 def _max_window(n_in: int, n_out: int) -> int:
@@ -86,7 +87,7 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
     branch_RnC = _rows_contiguous(branch_RnC)
     gate_R1C = _rows_contiguous(gate_R1C.expand(R, 1, C))
     cache_RlC = _rows_contiguous(cache_RlC[:R])
-    block_c, rows, num_warps = _launch_shape(C)
+    block_c, rows, num_warps = _restore_launch(C)
     _restore_kernel[(triton.cdiv(L, rows), R)](
         x_RLC, slot_RL, branch_RnC, gate_R1C, cache_RlC, out,
         L, C, h, w, hc, wc,

@@ -24,6 +24,13 @@ MAX_TOKENS = 16384
 _POS_BITS = 24            # positions < 2**24 in the sort keys
 
 
+def _change_launch(C: int) -> tuple[int, int, int]:
+    """(BLOCK_C, ROWS, num_warps) of the change-map kernel: ROWS tokens per program, C in chunks."""
+    if interpreting():
+        return min(triton.next_power_of_2(C), 1024), 64, 4
+    return min(triton.next_power_of_2(C), 256), 16, 4
+
+
 @triton.jit
 def _change_map_kernel(xin_ptr, xout_ptr, idx_ptr, out_ptr, B, G, n, C,
                        stride_ir, stride_il, stride_or_, stride_ol, stride_xb, stride_ob,
@@ -67,13 +74,12 @@ def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_
         idx_Bn = idx_Bn if idx_Bn.stride(-1) == 1 else idx_Bn.contiguous()
     if n == 0 or batch == 0:
         return out_BL
-    block_c = min(triton.next_power_of_2(C), 1024 if interpreting() else 256)
-    rows = 64 if interpreting() else 16
+    block_c, rows, num_warps = _change_launch(C)
     _change_map_kernel[(triton.cdiv(n, rows), batch)](
         x_in_RnC, x_out_RnC, idx_Bn if idx_Bn is not None else out_BL, out_BL, batch, R // batch, n, C,
         x_in_RnC.stride(0), x_in_RnC.stride(1), x_out_RnC.stride(0), x_out_RnC.stride(1),
         idx_Bn.stride(0) if idx_Bn is not None else 0, out_BL.stride(0),
-        HAS_IDX=idx_Bn is not None, ROWS=rows, BLOCK_C=block_c, num_warps=4)
+        HAS_IDX=idx_Bn is not None, ROWS=rows, BLOCK_C=block_c, num_warps=num_warps)
     return out_BL
 
 
