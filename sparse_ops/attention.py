@@ -6,9 +6,12 @@ Three cases, each with its backend (research/kernels.md §0, §1):
   its fast kernels eligible (cuDNN, then flash, then memory-efficient on an H100). A VAR step is
   plain non-causal attention of this scale's queries against the KV cache (``Lq != Lk``).
 - **images of a batch keep different token counts** (SparseVAR with padding; the cache holds
-  padding keys) → varlen flash attention (``torch.nn.attention.varlen``) over each row's valid
-  keys, packed without a host sync; where varlen cannot run (CPU, fp32, no sm_80, an old torch)
-  SDPA with the key mask (which rules the flash kernel out).
+  padding keys between each scale's tokens; Infinity's padded prompts) → SDPA with the key mask.
+  Varlen flash attention (``torch.nn.attention.varlen``, ``backend="varlen"``) needs every row's
+  valid keys packed back to back first; on an H100 that packing made it slower than the masked
+  SDPA at every measured shape (VAR-d30 batch 8: 0.31 vs 0.07 ms; Infinity-2B's last scale: 2.07
+  vs 1.40 ms; Infinity's cross-attention: 0.23 vs 0.09 ms; benchmarks/results/ops_H100.csv), so
+  "auto" does not pick it. It pays off only once the KV cache stores each row's keys compacted.
 - **block-sparse pattern** (a FlexAttention ``BlockMask``, SparVAR) → FlexAttention, which skips
   the empty blocks. Pass a compiled ``flex_attention`` as ``flex_fn`` for speed.
 
@@ -72,12 +75,13 @@ def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: O
     if backend == "flex":
         raise ValueError("backend='flex' needs a block_mask (a FlexAttention BlockMask); use 'auto' for dense calls")
     if key_valid_RL is not None and attn_mask is None:
-        ok, why = _varlen_usable(q_RHld)
-        if backend == "varlen" and not ok:
-            raise ValueError(f"backend='varlen' cannot run here: {why}; use backend='auto' or 'sdpa'")
-        if ok and backend in ("auto", "varlen"):
-            return "varlen", "images keep different token counts: varlen flash attention over each row's valid keys"
-        return "sdpa", f"images keep different token counts: SDPA with a key mask ({why})"
+        if backend == "varlen":
+            ok, why = _varlen_usable(q_RHld)
+            if not ok:
+                raise ValueError(f"backend='varlen' cannot run here: {why}; use backend='auto' or 'sdpa'")
+            return "varlen", "requested: varlen flash attention over each row's valid keys, packed"
+        return "sdpa", ("rows keep different valid key counts: SDPA with a key mask (packing the keys for varlen "
+                        "measured slower; backend='varlen' forces it)")
     if backend == "varlen":
         raise ValueError("backend='varlen' needs key_valid_RL (rows with different valid key counts); use 'auto'")
     if attn_mask is not None:
@@ -93,7 +97,7 @@ def attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, 
     attn_mask: a full SDPA mask (bool, True = attend, or additive), e.g. block-causal.
     key_valid_RL: (R, Lk) bool, False for padding keys of rows whose images kept fewer tokens.
     block_mask: a FlexAttention BlockMask (block-sparse attention).
-    backend: "auto" (the rule above), or force "sdpa" / "varlen" / "flex" (ValueError if it cannot run).
+    backend: "auto" (the rules above), or force "sdpa" / "varlen" / "flex" (ValueError if it cannot run).
     flex_fn: the flex_attention to call (e.g. a torch.compile'd one); default the eager one.
     """
     if q_RHld.dtype != k_RHLd.dtype:
@@ -171,11 +175,9 @@ def describe_backends() -> str:
                  f"math {'on' if b.math_sdp_enabled() else 'off'}")
         lines.append(f"  dense scales: SDPA without a mask ({flags}); CUDA graphs for dense scales")
         fn, _, why = _varlen_probe(torch.cuda.current_device())
-        if fn is not None:
-            lines.append("  images with different token counts: varlen flash attention (fp16/bf16; fp32 uses SDPA "
-                         "with a key mask)")
-        else:
-            lines.append(f"  images with different token counts: SDPA with a key mask (varlen unavailable: {why})")
+        varlen = ("available with backend='varlen' (fp16/bf16; slower than the mask while the cache keeps "
+                  "padding keys)" if fn is not None else f"unavailable: {why}")
+        lines.append(f"  images with different token counts: SDPA with a key mask; varlen flash attention {varlen}")
     else:
         lines.append("  dense scales: SDPA without a mask (CPU kernels)")
         lines.append("  images with different token counts: SDPA with a key mask (varlen attention needs CUDA)")

