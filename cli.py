@@ -46,9 +46,29 @@ def _load_pipeline(args, device, dtype, say):
             raise CLIError(f"official checkpoints come in pairs: also pass {missing}")
         pipe = VARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype)
     else:
-        say("no model given: using var-tiny, a small RANDOMLY INITIALISED model (it draws noise, not pictures). "
-            "Pass --model FOLDER or --var-ckpt/--vae-ckpt for real images.")
-        pipe = VARPipeline.from_random("var-tiny", seed=0, dtype=dtype)
+        say("no model given: using the built-in demo model (12 procedural classes: "
+            "disc, box, triangle, star, ring, cross, crescent, house, tree, flower, car, fish)")
+        pipe = VARPipeline.from_demo(dtype=dtype)
+    return pipe.to(device)
+
+
+def _load_infinity(args, device, dtype, say):
+    import torch
+    from .pipelines.infinity_pipeline import InfinityPipeline
+
+    if args.var_ckpt:
+        raise CLIError("--var-ckpt is a class-conditional VAR file; text prompts need an Infinity model: pass "
+                       "--model (Infinity .pth, 8B shard folder or converted folder) --vae-ckpt and --text-encoder")
+    te_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model:
+        pipe = InfinityPipeline.from_path(args.model, vae=args.vae_ckpt, text_encoder=args.text_encoder, dtype=dtype,
+                                          text_encoder_dtype=te_dtype)
+    else:
+        if args.vae_ckpt or args.text_encoder:
+            raise CLIError("--vae-ckpt / --text-encoder go with an Infinity transformer: add --model infinity_2b_reg.pth")
+        say("no model given: using infinity-tiny, a small RANDOMLY INITIALISED Infinity model (it draws noise, "
+            "not pictures). Pass --model, --vae-ckpt and --text-encoder for real images.")
+        pipe = InfinityPipeline.from_random("infinity-tiny", dtype=dtype)
     return pipe.to(device)
 
 
@@ -70,16 +90,28 @@ def cmd_generate(args) -> int:
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     if args.out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
         raise CLIError(f"--out {args.out}: use a .png, .jpg or .webp file name")
+    text = args.prompt is not None
+    if text and args.class_labels is not None:
+        raise CLIError("--class is for class-conditional VAR models and --prompt for text-to-image (Infinity): "
+                       "give one of them")
+    if not text and (args.negative_prompt or args.text_encoder or args.height or args.width):
+        raise CLIError("--negative-prompt / --text-encoder / --height / --width are for text-to-image: add --prompt")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
-    pipe = _load_pipeline(args, device, dtype, say)
+    pipe = (_load_infinity if text else _load_pipeline)(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
     _apply_acceleration(pipe, args)
-    labels = [int(c) if c.strip().lstrip("-").isdigit() else c for c in args.class_labels]
     gen = torch.Generator(device).manual_seed(args.seed)
     t0 = time.perf_counter()
-    out = pipe(labels, guidance_scale=args.cfg, top_k=args.top_k, top_p=args.top_p, num_images_per_prompt=args.num,
-               generator=gen)
+    if text:
+        out = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height or 1024,
+                   width=args.width or 1024, guidance_scale=3.0 if args.cfg is None else args.cfg,
+                   temperature=args.temperature, top_k=args.top_k, top_p=0.97 if args.top_p is None else args.top_p,
+                   num_images_per_prompt=args.num, generator=gen)
+    else:
+        labels = [int(c) if c.strip().lstrip("-").isdigit() else c for c in (args.class_labels or ["0"])]
+        out = pipe(labels, guidance_scale=4.0 if args.cfg is None else args.cfg, top_k=args.top_k,
+                   top_p=0.95 if args.top_p is None else args.top_p, num_images_per_prompt=args.num, generator=gen)
     dt = time.perf_counter() - t0
     paths = _save_images(out.images, args.out, say)
     st = out.stats[0]
@@ -143,8 +175,13 @@ def cmd_info(args) -> int:
             return 0
     if not args.path:
         raise CLIError("info needs a checkpoint file or model folder (or --backends)")
-    from .models.loading import describe_checkpoint
+    from .models.loading import describe_checkpoint, describe_infinity_checkpoint
     info = describe_checkpoint(args.path)
+    if info.get("family") == "unknown":
+        try:
+            info = describe_infinity_checkpoint(args.path)
+        except ValueError:
+            pass
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -155,6 +192,21 @@ def cmd_info(args) -> int:
                 print(f"  {kk}: {vv}")
         else:
             print(f"{k}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}: {v}")
+    return 0
+
+
+def cmd_bench_quality(args) -> int:
+    from .benchmarks.bench_quality import describe_settings, run_from_args
+    if args.list_settings:
+        print(describe_settings())
+        return 0
+    run_from_args(args)
+    return 0
+
+
+def cmd_bench_ops(args) -> int:
+    from .benchmarks.bench_ops import run_ops
+    run_ops(out=args.out, runs=args.runs, ops=args.ops)
     return 0
 
 
@@ -201,16 +253,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate images with a VAR model")
-    g.add_argument("--model", help="a folder written by `sparsevar convert` / save_pretrained")
+    g = sub.add_parser("generate", help="generate images (class-conditional VAR, or text-to-image Infinity)")
+    g.add_argument("--model", help="a folder written by `sparsevar convert` / save_pretrained; with --prompt also an "
+                                    "Infinity .pth file or 8B shard folder (default: the built-in demo model)")
     g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth")
-    g.add_argument("--vae-ckpt", help="official VQVAE file, vae_ch160v4096z32.pth")
-    g.add_argument("--class", dest="class_labels", nargs="+", default=["207"],
-                   help="class ids or ImageNet names (default 207, golden retriever)")
+    g.add_argument("--vae-ckpt", help="official VAE file: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth")
+    g.add_argument("--class", dest="class_labels", nargs="+",
+                   help="class ids or names (the model's labels: ImageNet names, or the demo's 'tree', 'car', …; "
+                        "default 0)")
+    g.add_argument("--prompt", nargs="+", help="text prompt(s): text-to-image with an Infinity model")
+    g.add_argument("--negative-prompt", help="Infinity: what to steer away from")
+    g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer)")
+    g.add_argument("--height", type=int, help="Infinity: image height (default 1024; see the valid sizes)")
+    g.add_argument("--width", type=int, help="Infinity: image width (default 1024)")
+    g.add_argument("--temperature", type=float, help="Infinity: sampling temperature (default 0.5, 1.0 for 8B)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cfg", type=float, default=4.0, help="guidance scale (ramped over scales; 0 = off)")
+    g.add_argument("--cfg", type=float, help="guidance scale (VAR default 4, ramped over scales; Infinity 3)")
     g.add_argument("--top-k", type=int, default=900)
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-p", type=float, help="nucleus sampling (VAR default 0.95, Infinity 0.97)")
     g.add_argument("--num", type=int, default=1, help="images per class")
     g.add_argument("--out", type=Path, default=Path("out.png"), help="image path; several images get _0, _1, …")
     g.add_argument("--device", default="auto")
@@ -261,8 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)
 
-    b = sub.add_parser("bench", help="benchmarks (GPU)")
-    b.add_argument("what", choices=["speed"])
+    b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU) and `bench quality`")
+    bsub = b.add_subparsers(dest="what", required=True)
+    q = bsub.add_parser("quality", help="PSNR / SSIM against dense, speed-up and kept ratio per setting; CSV, "
+                                         "plot and image grids (default model: the demo)")
+    from .benchmarks.bench_quality import add_arguments as add_quality_arguments
+    add_quality_arguments(q)
+    q.set_defaults(func=cmd_bench_quality)
+    o = bsub.add_parser("ops", help="each sparse op (Triton and its torch twin) in GB/s or TFLOP/s against the roof (GPU)")
+    o.add_argument("--ops", nargs="+", help="ops to run (default: all)")
+    o.add_argument("--runs", type=int, default=50)
+    o.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
+    o.set_defaults(func=cmd_bench_ops)
+    b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
     b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"])
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)

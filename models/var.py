@@ -33,6 +33,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
+from ..sparse_ops.ops import gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
@@ -177,9 +178,9 @@ class VARBlock(nn.Module):
         if ctx is not None and ctx.run.policies.active["wrap_sublayer"]:
             stack, run = ctx.run.policies, ctx.run
             x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), m1, b1, g1,
-                                                 attn_branch, modulate, ops.gated_residual), x_RlC, run)
+                                                 attn_branch, modulate, ops.gated_residual, eps, wdtype), x_RlC, run)
             return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), m2, b2, g2,
-                                                ffn_branch, modulate, ops.gated_residual), x_RlC, run)
+                                                ffn_branch, modulate, ops.gated_residual, eps, wdtype), x_RlC, run)
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1, m2, b2, eps, wdtype)
         return ops.gated_residual(x_RlC, self.ffn(y_RlC), g2)
 
@@ -452,7 +453,7 @@ class VARAdapter:
         idx_Rn, valid_Rn = None, None
         if idx_Bn is not None:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
-            x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
+            x_RlC = gather_rows(x0_RLC, idx_Rn)                                      # (R, L, C) → (R, n, C)
             pos, record = idx_Rn + start, True
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
@@ -473,7 +474,7 @@ class VARAdapter:
             elif taps is not None and i in taps:
                 collected.append((i, x_in, x_RlC))
         if idx_Rn is not None:
-            x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
+            x_RlC = scatter_rows(x0_RLC, idx_Rn, x_RlC)                              # (R, n, C) → (R, L, C)
         return x_RlC, collected
 
     def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:

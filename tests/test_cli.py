@@ -13,16 +13,6 @@ import pytest
 from sparsevar.cli import main
 
 
-def test_generate_without_a_model_uses_the_random_tiny_model_and_says_so(tmp_path, capsys):
-    out = tmp_path / "x.png"
-    assert main(["generate", "--class", "3", "--out", str(out), "--seed", "1"]) == 0
-    captured = capsys.readouterr()
-    assert "RANDOMLY INITIALISED" in captured.err
-    assert "tokens computed" in captured.out and str(out) in captured.out
-    img = PIL.Image.open(out)
-    assert img.size == (256, 256) and img.mode == "RGB"
-
-
 def test_generate_from_official_files_writes_one_file_per_image(tmp_path, var_official_files, capsys):
     out = tmp_path / "img.png"
     rc = main(["generate", "--var-ckpt", str(var_official_files["var"]), "--vae-ckpt", str(var_official_files["vae"]),
