@@ -238,7 +238,8 @@ def cmd_train_demo(args) -> int:
     if args.quick:
         cfg = cfg.quick()
     steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("var_steps", args.var_steps),
-                               ("cls_steps", args.cls_steps), ("var_data", args.var_data)) if v is not None}
+                               ("cls_steps", args.cls_steps), ("var_data", args.var_data),
+                               ("cls_data", args.cls_data)) if v is not None}
     cfg = replace(cfg, **steps)
     out = Path(args.out) if args.out else DEMO_MODEL_DIR
     device = _device(args.device)
@@ -318,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--var-steps", type=int)
     t.add_argument("--cls-steps", type=int)
     t.add_argument("--var-data", type=int, help="tokenised scenes the transformer trains on")
+    t.add_argument("--cls-data", type=int, help="scenes the classifier trains on")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..models.var import VAR_SCHEDULES, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
+from .classifier import INPUT_SIZE as CLASSIFIER_SIZE
 from .classifier import SceneClassifier
 from .scenes import CLASS_NAMES, NUM_CLASSES, SceneConfig, random_labels, render_scenes
 
@@ -43,6 +44,8 @@ class DemoTrainConfig:
     vq_data, var_data, cls_data: distinct scenes each stage trains on (rendered once, re-used over
         epochs; ``var_data`` scenes are kept tokenised, ≈45 KB each in bfloat16).
     cls_steps, cls_batch: the classifier's steps and batch.
+    cls_reconstructions: also train the classifier on the VQVAE's reconstructions of its scenes
+        (off by default: random blurs stand in for them, and the stage then runs in minutes on a CPU).
     compile: run the transformer's training step through torch.compile on CUDA (≈2× faster).
     """
 
@@ -62,9 +65,10 @@ class DemoTrainConfig:
     var_lr: float = 8e-4
     var_label_dropout: float = 0.1
     var_data: int = 60_000
-    cls_steps: int = 10_000
+    cls_steps: int = 6_000
     cls_batch: int = 128
-    cls_data: int = 16_000
+    cls_data: int = 12_000
+    cls_reconstructions: bool = False
     compile: bool = True
 
     def __post_init__(self):
@@ -277,26 +281,37 @@ def train_var(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
 
 # ---- stage 3: the classifier ---------------------------------------------------------------------
 def _soften(x_B3HW: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Blur a random third of the batch (box filters of 5 or 9 px): generated pictures are softer
-    than renders and reconstructions, and the judge should not be thrown by that alone."""
+    """Blur two thirds of the batch (one or two 3×3 box passes at the classifier's 64 px, about
+    12 / 20 px at 256): generated pictures are softer than renders, and the judge should not be
+    thrown by that alone."""
     B = x_B3HW.shape[0]
     which_B = torch.randint(0, 3, (B,), generator=gen, device=x_B3HW.device).view(-1, 1, 1, 1)
-    blur5 = F.avg_pool2d(x_B3HW, 5, 1, 2, count_include_pad=False)
-    blur9 = F.avg_pool2d(x_B3HW, 9, 1, 4, count_include_pad=False)
-    return torch.where(which_B == 0, x_B3HW, torch.where(which_B == 1, blur5, blur9))
+    blur1 = F.avg_pool2d(x_B3HW, 3, 1, 1, count_include_pad=False)
+    blur2 = F.avg_pool2d(blur1, 3, 1, 1, count_include_pad=False)
+    return torch.where(which_B == 0, x_B3HW, torch.where(which_B == 1, blur1, blur2))
+
+
+def _to_classifier_size(img_N3HW_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, 3, 256, 256) → uint8 (N, 3, 64, 64), antialiased as the classifier resizes."""
+    out = []
+    for chunk in img_N3HW_u8.split(512):
+        small = F.interpolate(chunk.float(), size=(CLASSIFIER_SIZE, CLASSIFIER_SIZE), mode="bilinear",
+                              antialias=True, align_corners=False)
+        out.append(small.round().clamp(0, 255).to(torch.uint8))
+    return torch.cat(out)
 
 
 def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device: torch.device,
                      log: Callable[[str], None]) -> SceneClassifier:
-    """Trained on scenes and (half of each batch) on their VQVAE reconstructions, so it judges
-    generated pictures (which look like reconstructions) as well as clean renders."""
+    """Trained on scenes, a third of them blurred (and, with ``cls_reconstructions``, on their VQVAE
+    reconstructions too), so it judges generated pictures, which are softer than renders."""
     torch.manual_seed(cfg.seed)
     clf = SceneClassifier(NUM_CLASSES).to(device).train()
     opt = torch.optim.AdamW(clf.parameters(), lr=2e-3, weight_decay=0.01)
     gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 4)
     t0 = time.time()
     clean_N3HW, labels_N = render_dataset(cfg.cls_data, cfg.seed * 1000 + 6, device)
-    if vq is not None:
+    if vq is not None and cfg.cls_reconstructions:
         recs = []
         with torch.no_grad():
             for start in range(0, cfg.cls_data, 256):
@@ -304,6 +319,7 @@ def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device
                     rec = vq(clean_N3HW[start:start + 256].float() / 127.5 - 1).float()
                 recs.append(((rec + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))
         clean_N3HW, labels_N = torch.cat([clean_N3HW, torch.cat(recs)]), labels_N.repeat(2)
+    clean_N3HW = _to_classifier_size(clean_N3HW)
     log(f"classifier: {clean_N3HW.shape[0]} training images in {time.time() - t0:.0f}s")
     t0 = time.time()
     for step in range(cfg.cls_steps):

@@ -78,3 +78,25 @@ def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "sparsevar", "info", "--backends"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and "torch" in res.stdout
+
+
+def test_generate_from_a_prompt_uses_infinity_and_checks_the_size(tmp_path, capsys):
+    out = tmp_path / "t.png"
+    assert main(["generate", "--prompt", "w3 w4 w5", "--height", "256", "--width", "256", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "infinity-tiny" in captured.err and "RANDOMLY INITIALISED" in captured.err
+    assert PIL.Image.open(out).size == (256, 256)
+    bad = tmp_path / "bad.png"
+    assert main(["generate", "--prompt", "w3", "--height", "300", "--width", "256", "--out", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "height" in err and len(err.splitlines()) == 1 and not bad.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "w3", "--class", "3"], "give one of them"),
+    (["--class", "3", "--negative-prompt", "blur"], "add --prompt"),
+    (["--prompt", "w3", "--vae-ckpt", "x.pth"], "add --model"),
+])
+def test_generate_text_and_class_arguments_do_not_mix(tmp_path, capsys, args, message):
+    assert main(["generate", *args, "--out", str(tmp_path / "x.png"), "--quiet"]) == 2
+    assert message in capsys.readouterr().err
