@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
 from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
@@ -56,12 +57,18 @@ def _files() -> list[str]:
     return [f for f in folder_paths.get_filename_list(FOLDER) if not any(f.startswith(d + os.sep) for d in folders)]
 
 
+DEMO_CHOICE = "sparsevar-demo (built in)"
+
+
 def model_choices() -> list[str]:
-    """Converted folders (with model_index.json) and checkpoint files under models/var."""
-    return _folders() + _files() or ["(put models in models/var)"]
+    """The built-in demo model, then converted folders (with model_index.json) and checkpoint files
+    under models/var."""
+    return [DEMO_CHOICE] + _folders() + _files()
 
 
 def _resolve(name: str) -> str:
+    if name == DEMO_CHOICE:
+        return str(DEMO_MODEL_DIR)
     for root in _model_roots():
         if (root / name).exists():
             return str(root / name)
@@ -97,7 +104,8 @@ class VARModelLoader(io.ComfyNode):
                         "converted folder from models/var.",
             inputs=[
                 io.Combo.Input("model", options=model_choices(),
-                               tooltip="transformer file (var_d*.pth) or converted folder in models/var"),
+                               tooltip="transformer file (var_d*.pth) or converted folder in models/var; the built-in "
+                                       "demo model draws 12 simple classes (disc … fish) with nothing to download"),
                 io.Combo.Input("vae", options=[FROM_FOLDER] + _files(),
                                tooltip="the VQVAE file (vae_ch160v4096z32.pth); not needed for a converted folder"),
                 io.Combo.Input("dtype", options=["auto", "bfloat16", "float16", "float32"], default="auto",

@@ -10,9 +10,13 @@ VERSION = "0.1.0"
 # The frontend's workflow schema wants a url per model: the official release (the library itself
 # never downloads; ComfyUI may offer it to the user when the file is missing from models/var).
 OFFICIAL = "https://huggingface.co/FoundationVision/var/resolve/main/"
-MODELS = [{"name": n, "url": OFFICIAL + n, "directory": "var"} for n in ("var_d16.pth", "vae_ch160v4096z32.pth")]
+MODEL_NAMES = ("var_d16.pth", "vae_ch160v4096z32.pth")
+MODELS = [{"name": n, "url": OFFICIAL + n, "directory": "var"} for n in MODEL_NAMES]
 LOADER = ("SparseVAR_VARModelLoader", ["var_d16.pth", "vae_ch160v4096z32.pth", "auto"])
 SAMPLER_WIDGETS = ["207", 0, "fixed", 4.0, 900, 0.95, 1]
+# The built-in demo model: nothing to download, so the workflow runs on a fresh install.
+DEMO_LOADER = ("SparseVAR_VARModelLoader", ["sparsevar-demo (built in)", "(converted folder: none needed)", "auto"])
+DEMO_SAMPLER_WIDGETS = ["tree", 0, "fixed", 4.0, 900, 0.95, 1]
 OUT_TYPES = {
     "SparseVAR_VARModelLoader": [("model", "SPARSEVAR_MODEL")],
     "SparseVAR_Settings": [("sparsevar", "SPARSEVAR_SETTINGS")],
@@ -42,7 +46,7 @@ def build(nodes: list[tuple[int, str, list]], edges: list[tuple[int, int, int, s
         props = {"Node name for S&R": ntype}
         if ntype.startswith("SparseVAR_"):
             props.update(cnr_id="sparsevar", ver=VERSION)
-        if ntype == "SparseVAR_VARModelLoader":
+        if ntype == "SparseVAR_VARModelLoader" and widgets[0] in MODEL_NAMES:
             props["models"] = MODELS
         ui_nodes.append({"id": nid, "type": ntype, "pos": [40 + 360 * (n % 4), 60 + 320 * (n // 4)],
                          "size": [320, 160], "flags": {}, "order": n, "mode": 0, "inputs": inputs,
@@ -62,6 +66,13 @@ def build(nodes: list[tuple[int, str, list]], edges: list[tuple[int, int, int, s
 def workflows() -> dict[str, dict]:
     sv = ("SparseVAR_Settings", [0.6, -2, -1, 0.0])
     return {
+        "demo_dense_vs_sparsevar.json": build(
+            [(1, *DEMO_LOADER), (2, "SparseVAR_Sampler", DEMO_SAMPLER_WIDGETS), (3, "PreviewImage", []),
+             (4, *sv), (5, "SparseVAR_Sampler", DEMO_SAMPLER_WIDGETS), (6, "PreviewImage", []),
+             (7, "SparseVAR_TokenMapPreview", []), (8, "PreviewImage", [])],
+            [(1, 0, 2, "model"), (2, 0, 3, "images"), (1, 0, 5, "model"), (4, 0, 5, "sparsevar"),
+             (5, 0, 6, "images"), (5, 2, 7, "token_maps"), (5, 0, 7, "images"), (7, 0, 8, "images")],
+            "Demo model (built in): dense and SparseVAR side by side"),
         "var_dense_vs_sparsevar.json": build(
             [(1, *LOADER), (2, "SparseVAR_Sampler", SAMPLER_WIDGETS), (3, "PreviewImage", []),
              (4, *sv), (5, "SparseVAR_Sampler", SAMPLER_WIDGETS), (6, "PreviewImage", []),
