@@ -29,7 +29,7 @@ from ..models.var import VAR_SCHEDULES, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
 from .classifier import INPUT_SIZE as CLASSIFIER_SIZE
 from .classifier import SceneClassifier
-from .scenes import CLASS_NAMES, NUM_CLASSES, SceneConfig, random_labels, render_scenes
+from .scenes import CLASS_NAMES, NUM_CLASSES, random_labels, render_scenes
 
 STAGES = ("vqvae", "var", "classifier")
 

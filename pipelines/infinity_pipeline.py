@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
-import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
+from ._accelerated import AcceleratedPipelineMixin
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
@@ -32,9 +32,6 @@ from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, 
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
 from ..policies.base import Policy, PolicyStack
-from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
-from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 LIBRARY_NAME = "sparsevar"
@@ -50,13 +47,15 @@ class InfinityPipelineOutput(BaseOutput):
     stats: list
 
 
-class InfinityPipeline(DiffusionPipeline):
+class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     """Text-to-image next-scale prediction with bitwise tokens (Infinity) and pluggable acceleration.
 
     Components: ``transformer`` (:class:`InfinityTransformer`), ``vae`` (:class:`BSQVAE`),
     ``text_encoder`` (a ``transformers`` ``T5EncoderModel``, Flan-T5-XL for the released models) and
     ``tokenizer`` (its tokenizer).
     """
+
+    PRESET_FAMILY = PRESET_FAMILY
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["codes", "logits", "latent"]
@@ -201,72 +200,13 @@ class InfinityPipeline(DiffusionPipeline):
         """Packed T5 features of the prompts (official tokenisation: EOS, truncation at 512 tokens)."""
         return encode_prompts(self.tokenizer, self.text_encoder, prompt)
 
-    # ---- policies ---------------------------------------------------------------------------------
-    @property
-    def policies(self) -> PolicyStack:
-        return self._policies
-
-    def add_policy(self, policy: Policy) -> "InfinityPipeline":
-        policy.validate(self.adapter().model_info())
-        self._policies = self._policies.without(policy.name).with_policy(policy)
-        return self
-
-    def remove_policy(self, name: str) -> "InfinityPipeline":
-        self._policies = self._policies.without(name)
-        return self
-
-    @staticmethod
-    def _config(config, cls, presets: dict, overrides: dict, method: str):
-        if config is None:
-            config = presets.get(PRESET_FAMILY, cls())
-        elif not isinstance(config, cls):
-            raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
-        return _replace(config, overrides) if overrides else config
-
-    def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides) -> "InfinityPipeline":
-        """SparseVAR token exclusion (default: the ``infinity-2b`` preset, block-group granularity)."""
-        cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, overrides, "enable_sparsevar")
-        return self.add_policy(SparseVARPolicy(cfg))
-
-    def disable_sparsevar(self) -> "InfinityPipeline":
-        return self.remove_policy(SparseVARPolicy.name)
-
-    def enable_fastvar(self, config: Optional[FastVARConfig] = None, **overrides) -> "InfinityPipeline":
-        cfg = self._config(config, FastVARConfig, FASTVAR_PRESETS, overrides, "enable_fastvar")
-        return self.add_policy(FastVARPolicy(cfg))
-
-    def disable_fastvar(self) -> "InfinityPipeline":
-        return self.remove_policy(FastVARPolicy.name)
-
-    def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
-                          cond_only_from: Optional[int] = None) -> "InfinityPipeline":
-        overrides = {k: v for k, v in (("skip_last", skip_last), ("cond_only_from", cond_only_from)) if v is not None}
-        cfg = self._config(config, ScaleSkipConfig, {}, overrides, "enable_scale_skip")
-        return self.add_policy(ScaleSkipPolicy(cfg))
-
-    def disable_scale_skip(self) -> "InfinityPipeline":
-        return self.remove_policy(ScaleSkipPolicy.name)
-
     # ---- diffusers-style properties ------------------------------------------------------------------
-    @property
-    def current_timestep(self):
-        return self._current_scale
-
-    @property
-    def interrupt(self) -> bool:
-        return self._interrupt
-
     def adapter(self) -> InfinityAdapter:
         """The engine adapter over the current modules (rebuilt when a component was replaced)."""
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vae is not self.vae:
             a = self._adapter = InfinityAdapter(self.transformer, self.vae, DEFAULT_RESOLUTION)
         return a
-
-    def release_memory(self) -> None:
-        """Drop the KV cache kept for repeated calls."""
-        if self._adapter is not None:
-            self._adapter.release()
 
     def flop_speedup(self, stats: GenerationStats, height: int = 1024, width: int = 1024,
                      text_tokens: int = 64) -> float:
@@ -405,15 +345,5 @@ class InfinityPipeline(DiffusionPipeline):
         if not return_dict:
             return images, [result.stats]
         return InfinityPipelineOutput(images=images, stats=[result.stats])
-
-    @staticmethod
-    def _postprocess(x: torch.Tensor, output_type: str):
-        if output_type in ("pt", "latent"):
-            return x
-        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
-        if output_type == "np":
-            return arr
-        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
-
 
 __all__ = ["InfinityPipeline", "InfinityPipelineOutput"]

@@ -12,23 +12,20 @@ import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
-import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
+from ._accelerated import AcceleratedPipelineMixin
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
 from ..policies.base import Policy, PolicyStack
-from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
-from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
@@ -48,7 +45,7 @@ def _imagenet_classes() -> tuple[str, ...]:
     return IMAGENET_CLASSES
 
 
-class VARPipeline(DiffusionPipeline):
+class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     """Class-conditional next-scale prediction (VAR d16–d36) with pluggable acceleration policies.
 
     Components: ``transformer`` (:class:`VARTransformer`) and ``vqvae`` (:class:`MultiScaleVQVAE`).
@@ -247,74 +244,10 @@ class VARPipeline(DiffusionPipeline):
         raise ValueError(f"unknown class name {name!r}.{hint} See pipe.labels for all {len(names)} names, "
                          f"or pass a class id")
 
-    # ---- policies ---------------------------------------------------------------------------------
-    @property
-    def policies(self) -> PolicyStack:
-        """The acceleration policies applied to every call (empty: dense generation)."""
-        return self._policies
-
-    def add_policy(self, policy: Policy) -> "VARPipeline":
-        """Stack an acceleration policy. Its settings are checked against this model now; a policy
-        of the same name is replaced; one that cannot be combined raises a ValueError naming what
-        to disable."""
-        policy.validate(self.adapter().model_info())
-        self._policies = self._policies.without(policy.name).with_policy(policy)
-        return self
-
-    def remove_policy(self, name: str) -> "VARPipeline":
-        self._policies = self._policies.without(name)
-        return self
-
-    @staticmethod
-    def _config(config, cls, presets: dict, family: str, overrides: dict, method: str):
-        if config is None:
-            config = presets.get(family, cls())
-        elif not isinstance(config, cls):
-            raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
-        return _replace(config, overrides) if overrides else config
-
-    def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides) -> "VARPipeline":
-        """Frequency-aware token exclusion with anchors. ``config`` defaults to the family preset
-        (``SPARSEVAR_PRESETS``); keyword overrides change single fields, e.g. ``tau=0.5`` or
-        ``keep_ratio=0.3``. Cannot be combined with FastVAR."""
-        cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, "var", overrides, "enable_sparsevar")
-        return self.add_policy(SparseVARPolicy(cfg))
-
-    def disable_sparsevar(self) -> "VARPipeline":
-        return self.remove_policy(SparseVARPolicy.name)
-
-    def enable_fastvar(self, config: Optional[FastVARConfig] = None, **overrides) -> "VARPipeline":
-        """Cached token pruning at the last scales. ``config`` defaults to the family preset
-        (``FASTVAR_PRESETS``); e.g. ``ratios=(0.5, 0.75)``. Cannot be combined with SparseVAR."""
-        cfg = self._config(config, FastVARConfig, FASTVAR_PRESETS, "var", overrides, "enable_fastvar")
-        return self.add_policy(FastVARPolicy(cfg))
-
-    def disable_fastvar(self) -> "VARPipeline":
-        return self.remove_policy(FastVARPolicy.name)
-
-    def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
-                          cond_only_from: Optional[int] = None) -> "VARPipeline":
-        """Skip the last ``skip_last`` scales and/or run scales from ``cond_only_from`` (negative =
-        from the end) without the unconditional half. Combines with SparseVAR or FastVAR."""
-        overrides = {k: v for k, v in (("skip_last", skip_last), ("cond_only_from", cond_only_from)) if v is not None}
-        cfg = self._config(config, ScaleSkipConfig, {}, "var", overrides, "enable_scale_skip")
-        return self.add_policy(ScaleSkipPolicy(cfg))
-
-    def disable_scale_skip(self) -> "VARPipeline":
-        return self.remove_policy(ScaleSkipPolicy.name)
-
     # ---- diffusers-style properties ----------------------------------------------------------------
     @property
     def num_timesteps(self) -> int:
         return self.transformer.schedule.num_scales
-
-    @property
-    def current_timestep(self):
-        return self._current_scale
-
-    @property
-    def interrupt(self) -> bool:
-        return self._interrupt
 
     def adapter(self) -> VARAdapter:
         """The engine adapter over the current modules (rebuilt when a component was replaced)."""
@@ -338,11 +271,6 @@ class VARPipeline(DiffusionPipeline):
                 raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
         self._compiled_elementwise = bool(enabled)
         return self
-
-    def release_memory(self) -> None:
-        """Drop KV caches and CUDA graphs kept for repeated calls."""
-        if self._adapter is not None:
-            self._adapter.release()
 
     # ---- call -------------------------------------------------------------------------------------
     def check_inputs(self, class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
@@ -435,15 +363,5 @@ class VARPipeline(DiffusionPipeline):
         if not return_dict:
             return images, [result.stats]
         return VARPipelineOutput(images=images, stats=[result.stats])
-
-    @staticmethod
-    def _postprocess(x: torch.Tensor, output_type: str):
-        if output_type in ("pt", "latent"):
-            return x
-        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
-        if output_type == "np":
-            return arr
-        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
-
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats"]

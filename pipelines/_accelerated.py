@@ -1,0 +1,102 @@
+"""What every family's pipeline shares: the stack of acceleration policies, the diffusers-style
+run properties and the image post-processing. Each pipeline supplies ``adapter()`` (its engine
+adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` / ``FASTVAR_PRESETS``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import PIL.Image
+import torch
+
+from ..policies.base import Policy, PolicyStack
+from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
+from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+
+
+class AcceleratedPipelineMixin:
+    """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
+    InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
+    ``self._current_scale`` and ``self._adapter`` in its ``__init__``."""
+
+    PRESET_FAMILY: str = "var"
+
+    # ---- policies ---------------------------------------------------------------------------------
+    @property
+    def policies(self) -> PolicyStack:
+        """The acceleration policies applied to every call (empty: dense generation)."""
+        return self._policies
+
+    def add_policy(self, policy: Policy):
+        """Stack an acceleration policy. Its settings are checked against this model now; a policy
+        of the same name is replaced; one that cannot be combined raises a ValueError naming what
+        to disable."""
+        policy.validate(self.adapter().model_info())
+        self._policies = self._policies.without(policy.name).with_policy(policy)
+        return self
+
+    def remove_policy(self, name: str):
+        self._policies = self._policies.without(name)
+        return self
+
+    def _config(self, config, cls, presets: dict, overrides: dict, method: str):
+        if config is None:
+            config = presets.get(self.PRESET_FAMILY, cls())
+        elif not isinstance(config, cls):
+            raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
+        return _replace(config, overrides) if overrides else config
+
+    def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides):
+        """Frequency-aware token exclusion with anchors. ``config`` defaults to the family preset
+        (``SPARSEVAR_PRESETS``); keyword overrides change single fields, e.g. ``tau=0.5`` or
+        ``keep_ratio=0.3``. Cannot be combined with FastVAR."""
+        cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, overrides, "enable_sparsevar")
+        return self.add_policy(SparseVARPolicy(cfg))
+
+    def disable_sparsevar(self):
+        return self.remove_policy(SparseVARPolicy.name)
+
+    def enable_fastvar(self, config: Optional[FastVARConfig] = None, **overrides):
+        """Cached token pruning at the last scales. ``config`` defaults to the family preset
+        (``FASTVAR_PRESETS``); e.g. ``ratios=(0.5, 0.75)``. Cannot be combined with SparseVAR."""
+        cfg = self._config(config, FastVARConfig, FASTVAR_PRESETS, overrides, "enable_fastvar")
+        return self.add_policy(FastVARPolicy(cfg))
+
+    def disable_fastvar(self):
+        return self.remove_policy(FastVARPolicy.name)
+
+    def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
+                          cond_only_from: Optional[int] = None):
+        """Skip the last ``skip_last`` scales and/or run scales from ``cond_only_from`` (negative =
+        from the end) without the unconditional half. Combines with SparseVAR or FastVAR."""
+        overrides = {k: v for k, v in (("skip_last", skip_last), ("cond_only_from", cond_only_from)) if v is not None}
+        cfg = self._config(config, ScaleSkipConfig, {}, overrides, "enable_scale_skip")
+        return self.add_policy(ScaleSkipPolicy(cfg))
+
+    def disable_scale_skip(self):
+        return self.remove_policy(ScaleSkipPolicy.name)
+
+    # ---- diffusers-style properties ---------------------------------------------------------------
+    @property
+    def current_timestep(self):
+        return self._current_scale
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    def release_memory(self) -> None:
+        """Drop the KV caches (and CUDA graphs) kept for repeated calls."""
+        if self._adapter is not None:
+            self._adapter.release()
+
+    @staticmethod
+    def _postprocess(x: torch.Tensor, output_type: str):
+        if output_type in ("pt", "latent"):
+            return x
+        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
+        if output_type == "np":
+            return arr
+        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
