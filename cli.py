@@ -223,7 +223,7 @@ def cmd_bench(args) -> int:
             from .benchmarks.bench_speed import METHODS
             methods = list(METHODS)
         run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
-                  dtype=args.dtype, out=out, device=args.device)
+                  dtype=args.dtype, out=out, device=args.device, resolution=args.resolution)
         return 0
     raise CLIError(f"unknown benchmark {args.what!r}")
 
@@ -336,7 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
     o.set_defaults(func=cmd_bench_ops)
     b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
-    b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"])
+    b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"],
+                   help="VAR_PRESETS (var-tiny, var-d16 … var-d36) or INFINITY_PRESETS (infinity-tiny, infinity-2b, "
+                        "infinity-8b); random weights at real size")
+    b.add_argument("--resolution", type=int, help="Infinity models: square image side (default 1024; VAR models keep their own)")
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)

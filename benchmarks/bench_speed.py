@@ -1,6 +1,8 @@
 """Speed benchmark: dense generation of real-size models with random weights.
 
     sparsevar bench speed --models var-d16 var-d30 --batch 1 8 --runs 10
+    sparsevar bench speed --models infinity-2b --methods dense sparsevar-preset sparsevar-keep0.3 \
+        fastvar-preset skip-last-2          # Infinity at 1024 × 1024 (--resolution for others)
 
 For each model × batch × method it times whole generations after warm-up and writes one CSV row:
 median / min of the scale loop (sum of per-scale CUDA-event times), end-to-end wall time with
@@ -19,7 +21,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..models.var import var_loop_flops
 
 # H100 SXM ceilings used for the floor (kernels.md §6): dense bf16 tensor-core peak and HBM copy rate.
 PEAK_TFLOPS = {"H100": 790.0, "H200": 790.0}
@@ -78,14 +79,13 @@ def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
     return total * 1e3
 
 
-def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens,
-               policy) -> None:
+def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal) -> None:
     for i in range(warmup + runs):
         gen = torch.Generator(device).manual_seed(i)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
+        result, flop_speedup = call(gen, kw)
         if device == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -98,13 +98,41 @@ def _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_m
         per_scale.append([s.ms for s in st.scales])
         tokens.append([s.tokens_computed for s in st.scales])
         policy.append([s.policy_ms for s in st.scales])
+        ideal.append(flop_speedup(st))
+
+
+def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]):
+    """(pipeline, resolution, call(generator, kwargs, batch) → (output, flop-speed-up fn), floor fn).
+    ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule)."""
+    if name.startswith("infinity"):
+        from ..pipelines.infinity_pipeline import InfinityPipeline
+
+        pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype)
+        res = resolution or 1024
+
+        def call(gen, kw, batch):
+            kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}     # Infinity runs eagerly for now
+            out = pipe(["w3 w4 w5 w6"] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
+            return out, lambda st: pipe.flop_speedup(st, height=res, width=res)
+
+        return pipe, res, call, lambda batch, wbytes, gpu: float("nan")
+    from ..pipelines.var_pipeline import VARPipeline
+
+    pipe = VARPipeline.from_random(name, device=device, dtype=dtype)
+    cfg = pipe.transformer.config
+
+    def call(gen, kw, batch):
+        labels = [i % cfg.num_classes for i in range(batch)]
+        out = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
+        return out, pipe.flop_speedup
+
+    return pipe, 16 * cfg.patch_nums[-1], call, lambda batch, wbytes, gpu: var_floor_ms(cfg, batch, wbytes, gpu)
 
 
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
               methods: Sequence[str] = ("dense", "dense-graphs", "dense-eager"), dtype: str = "bfloat16",
-              out: Optional[Path] = None, device: str = "cuda", log=print) -> list[dict]:
-    from ..pipelines.var_pipeline import VARPipeline
-
+              out: Optional[Path] = None, device: str = "cuda", log=print,
+              resolution: Optional[int] = None) -> list[dict]:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench speed measures GPU generation: no CUDA device is available here "
                            "(pass --device cpu for a functional run without meaningful numbers)")
@@ -126,28 +154,30 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         triton_version = ""
     rows = []
     for name in models:
-        pipe = VARPipeline.from_random(name, device=device, dtype=torch_dtype)
+        pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution)
         pipe.set_progress_bar_config(disable=True)
-        cfg = pipe.transformer.config
-        res = 16 * cfg.patch_nums[-1]
         dense_ms: dict[int, float] = {}
         for batch in batches:
-            labels = [i % cfg.num_classes for i in range(batch)]
-            floor = var_floor_ms(cfg, batch, torch.finfo(torch_dtype).bits // 8, gpu)
+            floor = floor_fn(batch, torch.finfo(torch_dtype).bits // 8, gpu)
             for method in methods:
                 setup, kw, compiled, settings = METHODS[method]
                 for name_ in [p.name for p in pipe.policies]:
                     pipe.remove_policy(name_)
-                setup(pipe)
-                pipe.enable_compiled_elementwise(compiled and device == "cuda")
+                try:
+                    setup(pipe)
+                except ValueError as e:     # a setting this model cannot take: say so, go on
+                    log(f"{name} b{batch} {method}: skipped: {e}")
+                    continue
+                if hasattr(pipe, "enable_compiled_elementwise"):
+                    pipe.enable_compiled_elementwise(compiled and device == "cuda")
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy = [], [], [], [], [], []
+                loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideals = [], [], [], [], [], [], []
                 try:
-                    _time_runs(pipe, labels, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens,
-                               policy)
+                    _time_runs(lambda gen, kw_: call_model(gen, kw_, batch), kw, warmup, runs, device, loop_ms,
+                               e2e_ms, decode_ms, per_scale, tokens, policy, ideals)
                 except Exception as e:      # record the failure and go on with the other settings
                     log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
                     continue
@@ -155,7 +185,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
                 tok_mean = [statistics.fmean(col) for col in zip(*tokens)]
                 pol_med = [statistics.median(col) for col in zip(*policy)]
-                ideal = var_loop_flops(cfg, batch, [p * p for p in cfg.patch_nums]) / var_loop_flops(cfg, batch, tok_mean)
+                ideal = statistics.fmean(ideals)
                 base = dense_ms.get(batch)
                 speedup = base / statistics.median(loop_ms) if base else float("nan")
                 if method == "dense":

@@ -65,9 +65,9 @@ class DemoTrainConfig:
     var_lr: float = 8e-4
     var_label_dropout: float = 0.1
     var_data: int = 60_000
-    cls_steps: int = 6_000
+    cls_steps: int = 2_500
     cls_batch: int = 128
-    cls_data: int = 12_000
+    cls_data: int = 8_000
     cls_reconstructions: bool = False
     compile: bool = True
 
