@@ -156,7 +156,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 hook_timer.stop(("plan", si))
             if skipping or plan.skip:
                 skipping = True
-                run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True))
+                run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
                 continue
             run.plan = plan
             run.tokens_computed = None
@@ -198,7 +198,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 n = float(plan.token_valid.sum()) / batch_size
             else:
                 n = int(plan.token_index.shape[-1])
-            run.stats.scales.append(ScaleStats(si, h, w, h * w, n))
+            run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1))
             if callback is not None:
                 callback(si, {"codes": codes, "logits": guided, "latent": adapter.latent(run)})
             if stop is not None and stop():

@@ -51,7 +51,8 @@ class SamplingSettings:
 @dataclass
 class ScaleStats:
     """What one scale cost. ``tokens_computed`` counts token rows that ran through the transformer
-    per image (the CFG half is not counted twice)."""
+    per image (the CFG half is not counted twice); ``rows`` says how many rows per image ran: 2 with
+    guidance, 1 in cond-only mode or without guidance."""
 
     si: int
     h: int
@@ -61,6 +62,7 @@ class ScaleStats:
     ms: float = float("nan")
     skipped: bool = False
     policy_ms: float = 0.0          # time in the policies' own scale-level work (plan, post hooks)
+    rows: int = 2
 
     @property
     def kept_ratio(self) -> float:

@@ -292,10 +292,11 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return self.logits(x_BLC, self.head_adaln(cond_BD))
 
 
-def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None) -> float:
+def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None, rows_per_scale=None) -> float:
     """FLOPs of the scale loop with CFG (2·batch rows) when scale k runs ``tokens_per_scale[k]``
     tokens per image (0 = skipped) and attends to ``kv_per_scale[k]`` cached tokens (default: the
-    running sum). The head always runs on the full map (excluded tokens still get logits)."""
+    running sum); ``rows_per_scale[k]`` rows per image (default 2; 1 in cond-only mode). The head
+    always runs on the full map (excluded tokens still get logits)."""
     C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
     hidden = round(C * cfg.mlp_ratio)
     rows, total, prefix = 2 * batch, 0.0, 0.0
@@ -304,6 +305,8 @@ def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None) -> floa
             continue
         prefix += n
         kv = prefix if kv_per_scale is None else kv_per_scale[k]
+        if rows_per_scale is not None:
+            rows = batch * rows_per_scale[k]
         total += rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * kv * C) + 2 * p * p * C * V)
     return total
 

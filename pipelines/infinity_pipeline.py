@@ -213,8 +213,10 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
         hw = resolve_resolution(height, width).hw
         cfg = self.transformer.config
-        dense = infinity_loop_flops(cfg, hw, text_tokens)
-        return dense / infinity_loop_flops(cfg, hw, text_tokens, tokens_per_scale=[s.tokens_computed for s in stats.scales])
+        rows = [s.rows for s in stats.scales]
+        dense = infinity_loop_flops(cfg, hw, text_tokens, rows_per_scale=[max(rows)] * len(rows))
+        return dense / infinity_loop_flops(cfg, hw, text_tokens, tokens_per_scale=[s.tokens_computed for s in stats.scales],
+                                           rows_per_scale=rows)
 
     # ---- call -------------------------------------------------------------------------------------
     @staticmethod

@@ -97,8 +97,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
         from ..models.var import var_loop_flops
         cfg = self.transformer.config
-        dense = var_loop_flops(cfg, 1, [p * p for p in cfg.patch_nums])
-        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales])
+        rows = [s.rows for s in stats.scales]
+        dense = var_loop_flops(cfg, 1, [p * p for p in cfg.patch_nums], rows_per_scale=[max(rows)] * len(rows))
+        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales], rows_per_scale=rows)
 
     @classmethod
     def from_demo(cls, dtype: torch.dtype = torch.float32) -> "VARPipeline":

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparsevar import VARPipeline, VARPipelineOutput
+from sparsevar.policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 
 
 def _g(seed: int) -> torch.Generator:
@@ -309,3 +310,15 @@ def test_interrupt_inside_the_callback_stops_early(pipe, size):
 
     again = pipe([2], generator=_g(0), output_type="latent")        # the flag does not outlive the call
     assert not any(s.skipped for s in again.stats[0].scales)
+
+
+def test_flop_speedup_counts_the_rows_cond_only_drops():
+    """Cond-only scales run one row per image instead of two: the FLOP ideal must show it."""
+    pipe = VARPipeline.from_random("var-tiny")
+    pipe.set_progress_bar_config(disable=True)
+    dense = pipe([1], generator=torch.Generator().manual_seed(0), output_type="latent").stats[0]
+    assert [s.rows for s in dense.scales] == [2] * 10 and pipe.flop_speedup(dense) == 1.0
+    cond = pipe([1], generator=torch.Generator().manual_seed(0), output_type="latent",
+                policies=[ScaleSkipPolicy(ScaleSkipConfig(cond_only_from=-2))]).stats[0]
+    assert [s.rows for s in cond.scales] == [2] * 8 + [1] * 2
+    assert 1.3 < pipe.flop_speedup(cond) < 2.0          # the last two scales hold most of the FLOPs
