@@ -205,8 +205,15 @@ def cmd_bench_quality(args) -> int:
 
 
 def cmd_bench_ops(args) -> int:
+    import torch
     from .benchmarks.bench_ops import run_ops
-    run_ops(out=args.out, runs=args.runs, ops=args.ops)
+    if not torch.cuda.is_available():
+        raise CLIError("bench ops times the GPU kernels: no CUDA device is available on this machine "
+                       "(the kernels' correctness tests run on CPU: python -m pytest tests/test_sparse_ops.py)")
+    out = args.out
+    if out is None:
+        out = Path("benchmarks/results") / f"ops_{torch.cuda.get_device_name().replace(' ', '_')}.csv"
+    run_ops(out=out, runs=args.runs, ops=args.ops)
     return 0
 
 

@@ -18,13 +18,14 @@ flash attention versus SDPA with a key mask, and dense SDPA on the same keys as 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from ._results import write_csv
 
 from ..sparse_ops import ref
 from ..sparse_ops.attention import attention
@@ -201,8 +202,14 @@ def run_ops(out: Optional[Path] = None, runs: int = 50, ops: Optional[Sequence[s
     gpu = torch.cuda.get_device_name()
     key = _gpu_key(gpu)
     tbps, tflops = (PEAK_TBPS[key], PEAK_TFLOPS[key]) if key else (float("nan"), float("nan"))
+    if runs < 1:
+        raise ValueError(f"runs={runs!r}: time each op at least once (e.g. --runs 50)")
+    cases = _cases("cuda")
+    unknown = sorted(set(ops or ()) - {c["op"] for c in cases})
+    if unknown:
+        raise ValueError(f"ops {unknown} are unknown; choose from {sorted({c['op'] for c in cases})}")
     rows = []
-    for c in _cases("cuda"):
+    for c in cases:
         if ops and c["op"] not in ops:
             continue
         base_ms = None
@@ -240,16 +247,8 @@ def run_ops(out: Optional[Path] = None, runs: int = 50, ops: Optional[Sequence[s
             if r["op"] == c["op"] and r["shape"] == c["shape"] and base_ms:
                 r["speedup_vs_torch"] = round(base_ms / r["ms"], 2)
         torch.cuda.empty_cache()
-    if out is not None and rows:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
-        tmp.replace(out)
-        log(f"wrote {out}")
+    if out is not None:
+        write_csv(rows, out, log)
     return rows
 
 

@@ -27,8 +27,6 @@ Settings are named; several join with "+" (``sparsevar-keep0.5+skip-last-1``). T
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import math
 import os
 import platform
@@ -36,7 +34,6 @@ import re
 import statistics
 import sys
 import time
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -52,6 +49,7 @@ from ..policies.base import Policy, PolicyStack
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
+from ._results import atomic_write, write_csv
 from .metrics import psnr, ssim
 
 FAMILY = "var"                          # preset family of the models this harness loads (VARPipeline)
@@ -444,32 +442,16 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()), lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    _atomic_write(out_dir / "quality.csv", lambda p: p.write_text(buf.getvalue()))
+    write_csv(rows, out_dir / "quality.csv")
     title = f"{name} on {dev_name}, {len(seed_list)} seeds"
     plot = plot_quality(rows, title=title)
-    _atomic_write(out_dir / "quality.png", lambda p: plot.save(p, format="PNG"))
+    atomic_write(out_dir / "quality.png", lambda p: plot.save(p, format="PNG"))
     for s in parsed:
         grid = image_grid([(sd, lb, d, a) for (sd, lb, d), a in zip(dense_grid, per[s.name]["grid"])],
                           s.name, diff_gain=diff_gain)
-        _atomic_write(out_dir / f"grid_{s.name}.png", lambda p, g=grid: g.save(p, format="PNG"))
+        atomic_write(out_dir / f"grid_{s.name}.png", lambda p, g=grid: g.save(p, format="PNG"))
     log(f"wrote {out_dir / 'quality.csv'}, quality.png and {len(parsed)} grids")
     return rows
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same folder, then rename it over ``path``."""
-    # a unique name (not mkstemp, whose 0600 mode the renamed file would keep); the folder's umask applies
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # ---- pictures (PIL only) --------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ so every number says how far it is from the roof.
 """
 from __future__ import annotations
 
-import csv
 import platform
 import statistics
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+from ._results import write_csv
 
 
 # H100 SXM ceilings used for the floor (kernels.md §6): dense bf16 tensor-core peak and HBM copy rate.
@@ -134,8 +135,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
               out: Optional[Path] = None, device: str = "cuda", log=print,
               resolution: Optional[int] = None) -> list[dict]:
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench speed measures GPU generation: no CUDA device is available here "
-                           "(pass --device cpu for a functional run without meaningful numbers)")
+        raise ValueError("device='cuda': bench speed measures GPU generation and no CUDA device is available "
+                         "here (pass --device cpu for a functional run without meaningful numbers)")
     methods = list(methods)
     if any(m in POLICY_METHODS for m in methods) and "dense" not in methods:
         methods.insert(0, "dense")             # speed-ups are measured against our dense path, same run
@@ -210,13 +211,5 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         if device == "cuda":
             torch.cuda.empty_cache()
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
-        tmp.replace(out)
-        log(f"wrote {out}")
+        write_csv(rows, out, log)
     return rows

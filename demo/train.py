@@ -78,7 +78,8 @@ class DemoTrainConfig:
         for name in ("vq_steps", "var_steps", "cls_steps", "vq_batch", "var_batch", "cls_batch", "vq_data",
                      "var_data", "cls_data"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1 "
+                                 f"(`sparsevar train-demo --{name.replace('_', '-')} N`)")
 
     def quick(self) -> "DemoTrainConfig":
         """A tiny run of every stage (smoke tests: seconds on a CPU; draws no real pictures)."""

@@ -4,7 +4,9 @@ adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` 
 """
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 import PIL.Image
@@ -14,6 +16,25 @@ from ..policies.base import Policy, PolicyStack
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+
+
+def read_pipeline_index(path, pipeline: str, subfolders: Sequence[str], official_hint: str) -> dict:
+    """``model_index.json`` of a local folder written by ``save_pretrained``, after checking that it
+    holds a ``pipeline`` and every component subfolder; errors say what to pass instead."""
+    path = Path(path)
+    index_path = path / "model_index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a {pipeline} folder (no model_index.json). Nothing is downloaded: pass a local "
+            f"folder written by save_pretrained, or {official_hint}")
+    index = json.loads(index_path.read_text())
+    if index.get("_class_name") != pipeline:
+        raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not a {pipeline}")
+    for sub in subfolders:
+        if not (path / sub).is_dir():
+            raise FileNotFoundError(f"{path / sub} is missing (a {pipeline} folder has "
+                                    f"{', '.join(s + '/' for s in subfolders)})")
+    return index
 
 
 class AcceleratedPipelineMixin:

@@ -23,7 +23,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin
+from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
@@ -144,19 +144,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
         dtype = dtype if dtype is not None else torch_dtype
         path = Path(pretrained_model_name_or_path)
-        index_path = path / "model_index.json"
-        if not index_path.is_file():
-            raise FileNotFoundError(
-                f"{path} is not an InfinityPipeline folder (no model_index.json). Nothing is downloaded: pass a local "
-                f"folder written by save_pretrained, or load the official files with "
-                f"InfinityPipeline.from_single_file(transformer_ckpt, vae_ckpt, text_encoder=<flan-t5-xl folder>)")
-        index = json.loads(index_path.read_text())
-        if index.get("_class_name") not in (cls.__name__, "InfinityPipeline"):
-            raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not an InfinityPipeline")
-        for sub in ("transformer", "vae", "text_encoder", "tokenizer"):
-            if not (path / sub).is_dir():
-                raise FileNotFoundError(f"{path / sub} is missing (an InfinityPipeline folder has transformer/, vae/, "
-                                        f"text_encoder/ and tokenizer/)")
+        read_pipeline_index(path, "InfinityPipeline", ("transformer", "vae", "text_encoder", "tokenizer"),
+                                    "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
+                                    "vae_ckpt, text_encoder=<flan-t5-xl folder>)")
         transformer = InfinityTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True)
         transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
         vae = BSQVAE.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype)

@@ -20,7 +20,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin
+from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
@@ -155,18 +155,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
         dtype = dtype if dtype is not None else torch_dtype
         path = Path(pretrained_model_name_or_path)
-        index_path = path / "model_index.json"
-        if not index_path.is_file():
-            raise FileNotFoundError(
-                f"{path} is not a VARPipeline folder (no model_index.json). Nothing is downloaded: pass a local "
-                f"folder written by save_pretrained / `sparsevar convert`, or load the official .pth files with "
-                f"VARPipeline.from_single_file(var_ckpt, vae_ckpt)")
-        index = json.loads(index_path.read_text())
-        if index.get("_class_name") not in (cls.__name__, "VARPipeline"):
-            raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not a VARPipeline")
-        for sub in ("transformer", "vqvae"):
-            if not (path / sub / "config.json").is_file():
-                raise FileNotFoundError(f"{path / sub} is missing (config.json + safetensors expected)")
+        index = read_pipeline_index(path, "VARPipeline", ("transformer", "vqvae"),
+                                    "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
+                                    "vae_ckpt) or convert them with `sparsevar convert`")
         transformer = VARTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True,
                                                      **({"torch_dtype": dtype} if dtype is not None else {}))
         vqvae = MultiScaleVQVAE.from_pretrained(path, subfolder="vqvae", local_files_only=True, torch_dtype=vae_dtype)

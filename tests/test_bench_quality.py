@@ -12,6 +12,7 @@ import torch
 
 from sparsevar import VARPipeline
 from sparsevar.benchmarks import bench_quality as bq
+from sparsevar.benchmarks._results import atomic_write, write_csv
 from sparsevar.benchmarks.metrics import gaussian_window, mse, psnr, ssim
 
 SETTINGS = ["sparsevar-keep1.0", "skip-last-2", "sparsevar-keep0.5+cond-only-last-1"]
@@ -185,10 +186,16 @@ def test_atomic_write_leaves_nothing_when_interrupted(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        bq._atomic_write(target, broken)
+        atomic_write(target, broken)
     assert not any(tmp_path.iterdir())
-    bq._atomic_write(target, lambda p: p.write_text("ok"))
+    atomic_write(target, lambda p: p.write_text("ok"))
     assert target.read_text() == "ok" and [x.name for x in tmp_path.iterdir()] == ["quality.csv"]
+
+
+def test_write_csv_writes_nothing_for_no_rows(tmp_path):
+    assert write_csv([], tmp_path / "sub" / "x.csv") is None and not any(tmp_path.iterdir())
+    out = write_csv([{"a": 1, "b": 2}], tmp_path / "sub" / "x.csv")
+    assert out.read_text() == "a,b\n1,2\n"
 
 
 def test_plot_and_ticks():
