@@ -35,18 +35,20 @@ def _sparsevar(**kw):
     return lambda pipe: pipe.enable_sparsevar(**kw)
 
 
-# method → (policy setup on the pipeline, pipeline call arguments, compiled elementwise ops, settings text)
+# method → (policy setup on the pipeline, pipeline call arguments, fused elementwise ops (False,
+# "fused": hand-written Triton kernels, "compile": torch.compile), settings text)
 METHODS = {
-    "dense": (_dense, dict(use_cuda_graphs=True), True, "graphs + compiled elementwise"),
+    "dense": (_dense, dict(use_cuda_graphs=True), "fused", "graphs + fused Triton elementwise kernels"),
+    "dense-compile": (_dense, dict(use_cuda_graphs=True), "compile", "graphs + torch.compile elementwise"),
     "dense-graphs": (_dense, dict(use_cuda_graphs=True), False, "graphs"),
     "dense-eager": (_dense, dict(use_cuda_graphs=False), False, "eager"),
-    "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, True, "keep_ratio=1.0 on the last 3 scales"),
-    "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, True, "keep_ratio=0.5 on the last 3 scales"),
-    "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, True, "keep_ratio=0.3 on the last 3 scales"),
-    "sparsevar-preset": (_sparsevar(), {}, True, "family preset (tau 0.6, last 2 scales)"),
-    "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, True, "family preset"),
-    "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, True, "skip_last=1"),
-    "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, True, "skip_last=2"),
+    "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, "fused", "keep_ratio=1.0 on the last 3 scales"),
+    "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, "fused", "keep_ratio=0.5 on the last 3 scales"),
+    "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, "fused", "keep_ratio=0.3 on the last 3 scales"),
+    "sparsevar-preset": (_sparsevar(), {}, "fused", "family preset (tau 0.6, last 2 scales)"),
+    "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, "fused", "family preset"),
+    "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, "fused", "skip_last=1"),
+    "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, "fused", "skip_last=2"),
 }
 POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
 
@@ -170,7 +172,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                     log(f"{name} b{batch} {method}: skipped: {e}")
                     continue
                 if hasattr(pipe, "enable_compiled_elementwise"):
-                    pipe.enable_compiled_elementwise(compiled and device == "cuda")
+                    on = bool(compiled) and device == "cuda"
+                    pipe.enable_compiled_elementwise(on, **({"kernels": compiled} if on else {}))
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()

@@ -356,14 +356,13 @@ class VARAdapter:
         self._workspaces: dict = {}
         self.ops = EAGER_OPS
 
-    def set_compiled_elementwise(self, enabled: bool) -> None:
-        """Fuse the blocks' elementwise steps with torch.compile (CUDA + Triton only). Compiled
-        kernels are built at the first call; CUDA graphs then capture them like any kernel."""
-        if enabled and not self.ops.compiled:
-            self.ops = ElementwiseOps(compiled=True)
-            self.release()
-        elif not enabled and self.ops.compiled:
-            self.ops = EAGER_OPS
+    def set_compiled_elementwise(self, enabled) -> None:
+        """Fuse the blocks' elementwise steps (CUDA + Triton only): ``True`` / ``"fused"`` for the
+        hand-written kernels, ``"compile"`` for torch.compile alone, ``False`` for eager. Kernels are
+        built at the first call; CUDA graphs then capture them like any kernel."""
+        kind = {False: "eager", True: "fused"}.get(enabled, enabled)
+        if kind != self.ops.kind:
+            self.ops = EAGER_OPS if kind == "eager" else ElementwiseOps(kind=kind)
             self.release()
 
     @property

@@ -249,10 +249,18 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a.set_compiled_elementwise(self._compiled_elementwise)
         return a
 
-    def enable_compiled_elementwise(self, enabled: bool = True) -> "VARPipeline":
-        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm, gated
-        residual) into single kernels with torch.compile. CUDA + Triton only; the first call compiles
-        (tens of seconds). At batch 1 these steps, not the matrix products, dominate a VAR step."""
+    def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "VARPipeline":
+        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the
+        KV-cache write, gated residual) into single kernels. At batch 1 these steps, not the matrix
+        products, dominate a VAR step. CUDA + Triton only.
+
+        kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
+            ``sparse_ops.dense_fused`` (one launch per step); ``"compile"`` lets torch.compile fuse
+            each step (the first call compiles for tens of seconds; one more launch per layer).
+        """
+        if kernels not in ("fused", "compile"):
+            raise ValueError(f"kernels={kernels!r}: use 'fused' (hand-written Triton kernels) or 'compile' "
+                             f"(torch.compile)")
         if enabled:
             if self.transformer.device.type != "cuda":
                 raise ValueError("enable_compiled_elementwise needs the model on a CUDA device; call pipe.to('cuda') "
@@ -261,7 +269,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 import triton  # noqa: F401
             except ImportError:
                 raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
-        self._compiled_elementwise = bool(enabled)
+        self._compiled_elementwise = kernels if enabled else False
         return self
 
     # ---- call -------------------------------------------------------------------------------------

@@ -145,10 +145,13 @@ def anchor_candidates(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
     (the nearest anchor rows above/below × nearest anchor columns left/right; corners coincide on
     anchor rows / columns). An anchor's own candidates are itself."""
     def bracket(n):
-        lines = sorted(set(range(0, n, alpha)) | {n - 1})
-        t = torch.tensor(lines, device=device)
+        # the anchor lines 0, α, 2α, … and n − 1, built on the device: a host list copied with
+        # torch.tensor would synchronise the stream and stall the loop at every pruned scale
+        t = torch.arange(0, n, alpha, device=device)
+        if (n - 1) % alpha:
+            t = torch.cat((t, torch.full((1,), n - 1, device=device, dtype=t.dtype)))
         pos = torch.arange(n, device=device)
-        hi = torch.searchsorted(t, pos, right=False).clamp(max=len(lines) - 1)     # first line >= pos
+        hi = torch.searchsorted(t, pos, right=False).clamp(max=t.shape[0] - 1)     # first line >= pos
         lo = torch.where(t[hi] == pos, hi, (hi - 1).clamp(min=0))                  # last line <= pos
         return t[lo], t[hi]
 

@@ -5,7 +5,8 @@
   ``gather_modulate.py`` (gather → LayerNorm → AdaLN modulation; row gather / scatter),
   ``restore.py`` (FastVAR's restore with the gated residual), ``select.py`` (SparseVAR's change
   map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
-  sums per query group);
+  sums per query group), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
+  q/k normalisation + KV-cache write, each one kernel);
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
 - ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention).
@@ -13,8 +14,8 @@
 Importing this package never imports triton.
 """
 from ._backend import BACKENDS, resolve_backend
-from .ops import (anchor_match, attention_colsum, change_map, gather_norm_modulate, gather_rows, restore_residual,
-                  scatter_rows, select_kept)
+from .ops import (anchor_match, attention_colsum, change_map, gather_norm_modulate, gather_rows, qk_norm_store,
+                  residual_norm_modulate, restore_residual, scatter_rows, select_kept)
 
 __all__ = ["BACKENDS", "resolve_backend", "anchor_match", "attention_colsum", "change_map", "gather_norm_modulate",
-           "gather_rows", "restore_residual", "scatter_rows", "select_kept"]
+           "gather_rows", "qk_norm_store", "residual_norm_modulate", "restore_residual", "scatter_rows", "select_kept"]

@@ -21,6 +21,7 @@ _TRITON_MODULES = {
     "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
     "restore_residual": "restore", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum",
+    "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
 }
 
 
@@ -83,3 +84,17 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
                      backend: str = "auto") -> torch.Tensor:
     """(R, H, G, Lk) float32 attention probabilities summed per query group (see ``ref.attention_colsum``)."""
     return implementation("attention_colsum", backend, q_RHld.device)(q_RHld, k_RHLd, scale, group)
+
+
+def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
+                           mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
+                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate·branch, LN(·)·mul + shift) in one pass (see ``ref.residual_norm_modulate``)."""
+    return implementation("residual_norm_modulate", backend, x_RlC.device)(x_RlC, branch_RlC, gate_R1C, mul_R1C,
+                                                                           shift_R1C, eps, out_dtype)
+
+
+def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
+                  v_dst_RHld: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Cosine q (R, H, l, d); normalised k and raw v into their cache slots (see ``ref.qk_norm_store``)."""
+    return implementation("qk_norm_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld)

@@ -31,6 +31,33 @@ def _flat_rows(idx_Rn: torch.Tensor, L: int) -> torch.Tensor:
     return (idx_Rn.long() + offsets_R1).reshape(-1)                                # (R, n) → (R·n,)
 
 
+# ---- (e) the dense path's fused elementwise steps ---------------------------------------------------
+def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
+                           mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', y): ``x' = x + gate · branch`` in x's dtype (``x' = x`` when ``branch`` is None) and
+    ``y = LN(x') · mul + shift`` (LayerNorm without affine, in float32) as ``out_dtype`` — a
+    sub-layer's gated residual followed by the next sub-layer's AdaLN input."""
+    if branch_RlC is not None:
+        x_RlC = torch.addcmul(x_RlC, branch_RlC, gate_R1C).to(x_RlC.dtype)
+    y_RlC = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
+    return x_RlC, torch.addcmul(shift_R1C, y_RlC, mul_R1C).to(out_dtype)
+
+
+def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
+                  v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """Cosine attention's q/k step with the KV-cache write: q and k L2-normalised over the head
+    dim (float32, norm clamped at 1e-12) and scaled by ``mult_2H1`` = [temperature; 1] per head;
+    normalised k and raw v are written into their cache slots (R, H, l, d); returns q (R, H, l, d)."""
+    qk_Rl2Hd = qkv_Rl3Hd[:, :, :2]
+    acc = torch.promote_types(qkv_Rl3Hd.dtype, torch.float32)                       # float32 (float64 oracle)
+    norm = torch.linalg.vector_norm(qk_Rl2Hd, dim=-1, keepdim=True, dtype=acc)
+    qk_Rl2Hd = (qk_Rl2Hd * (mult_2H1 / norm.clamp_min(1e-12))).to(qkv_Rl3Hd.dtype)
+    k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))                           # (R, l, H, d) → (R, H, l, d)
+    v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+    return qk_Rl2Hd[:, :, 0].transpose(1, 2)
+
+
 # ---- (a) gather → LayerNorm → AdaLN modulation, and its inverse ------------------------------------
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
     """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""

@@ -1,0 +1,129 @@
+"""Triton: the dense path's per-layer elementwise steps, fused. Twins of ``ref.residual_norm_modulate``
+and ``ref.qk_norm_store`` (same signatures).
+
+At VAR-d30 batch 1 a layer of the first scales moves about 90 MB of weights in ~30 µs of GEMMs, and
+each extra elementwise kernel costs 3–5 µs of launch and ramp-up inside a CUDA graph, whatever its
+size. So these kernels exist to remove launches: the gated residual, the next LayerNorm and the
+AdaLN modulation in one pass; q/k cosine normalisation, the temperature and both KV-cache writes in
+another (torch.compile produced three to four kernels for the latter). Rows are held whole in
+registers; bf16 only at load / store, float32 arithmetic, so the kernels also run in Triton's CPU
+interpreter (research/kernels.md §4.2).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import interpreting
+
+
+def _rows_per_program(block_c: int) -> tuple[int, int]:
+    """(ROWS, num_warps): ~4K elements per program on a GPU (16K in the interpreter)."""
+    budget = 16384 if interpreting() else 4096
+    rows = max(1, min(64, budget // block_c))
+    return rows, (4 if block_c * rows <= 4096 else 8)
+
+
+@triton.jit
+def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, eps,
+                              s_xr, s_xl, s_br, s_bl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
+                              HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)
+    j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < C
+    m2 = (j < n)[:, None] & cm[None, :]
+    x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    if HAS_RES:
+        b = tl.load(b_ptr + r * s_br + j[:, None] * s_bl + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r * s_gr + c, mask=cm, other=0.0).to(tl.float32)
+        x = x + b * g[None, :]
+        tl.store(xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :], x.to(xo_ptr.dtype.element_ty), mask=m2)
+    mean = tl.sum(x, axis=1) / C
+    xc = tl.where(m2, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + eps)
+    mul = tl.load(mul_ptr + r * s_mr + c, mask=cm, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + r * s_sr + c, mask=cm, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * mul[None, :] + shift[None, :]
+    tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
+                           mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``ref.residual_norm_modulate``: (x + gate·branch, LN(that)·mul + shift)."""
+    R, n, C = x_RlC.shape
+    if x_RlC.stride(-1) != 1:
+        x_RlC = x_RlC.contiguous()
+    has_res = branch_RlC is not None
+    y = torch.empty(R, n, C, device=x_RlC.device, dtype=out_dtype)
+    xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format) if has_res else x_RlC
+    mul_R1C, shift_R1C = mul_R1C.expand(R, 1, C), shift_R1C.expand(R, 1, C)
+    if has_res:
+        if branch_RlC.stride(-1) != 1:
+            branch_RlC = branch_RlC.contiguous()
+        gate_R1C = gate_R1C.expand(R, 1, C)
+    if R == 0 or n == 0:
+        return xo, y
+    for t in (mul_R1C, shift_R1C) + ((gate_R1C,) if has_res else ()):
+        assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
+    block_c = triton.next_power_of_2(C)
+    rows, warps = _rows_per_program(block_c)
+    b, g = (branch_RlC, gate_R1C) if has_res else (x_RlC, mul_R1C)
+    _residual_norm_mod_kernel[(triton.cdiv(n, rows), R)](
+        x_RlC, b, g, mul_R1C, shift_R1C, xo, y, n, C, float(eps),
+        x_RlC.stride(0), x_RlC.stride(1), b.stride(0), b.stride(1), g.stride(0), mul_R1C.stride(0),
+        shift_R1C.stride(0), xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
+        HAS_RES=has_res, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+    return xo, y
+
+
+@triton.jit
+def _qk_norm_store_kernel(qkv_ptr, mult_ptr, q_ptr, k_ptr, v_ptr, H, D,
+                          s_ar, s_al, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < H
+    m2 = hm[:, None] & (d < D)[None, :]
+    hd = h[:, None] * D + d[None, :]                         # (H, d) inside one (3, H, d) token row
+    src = qkv_ptr + r * s_ar + t * s_al
+    q = tl.load(src + hd, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(src + H * D + hd, mask=m2, other=0.0).to(tl.float32)
+    v = tl.load(src + 2 * H * D + hd, mask=m2, other=0.0)
+    mq = tl.load(mult_ptr + h, mask=hm, other=0.0)
+    mk = tl.load(mult_ptr + H + h, mask=hm, other=0.0)
+    q = q * (mq / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), 1e-12))[:, None]
+    k = k * (mk / tl.maximum(tl.sqrt(tl.sum(k * k, axis=1)), 1e-12))[:, None]
+    tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
+    hs = h[:, None].to(tl.int64)
+    tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)
+    tl.store(v_ptr + r * s_vr + hs * s_vh + t * s_vl + d[None, :], v.to(v_ptr.dtype.element_ty), mask=m2)
+
+
+def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
+                  v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``ref.qk_norm_store``: cosine q (×temperature) as (R, H, l, d); normalised k
+    and raw v written into their cache slots."""
+    R, l, three, H, D = qkv_Rl3Hd.shape
+    assert three == 3 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)
+    if not qkv_Rl3Hd[0, 0].is_contiguous() or qkv_Rl3Hd.stride(2) != H * D:
+        qkv_Rl3Hd = qkv_Rl3Hd.contiguous()
+    assert k_dst_RHld.stride(-1) == 1 and v_dst_RHld.stride(-1) == 1, "cache slots need a contiguous head dim"
+    mult = mult_2H1.reshape(2 * H).to(torch.float32).contiguous()
+    q_RlHd = torch.empty(R, l, H, D, device=qkv_Rl3Hd.device, dtype=qkv_Rl3Hd.dtype)
+    if R and l:
+        _qk_norm_store_kernel[(l, R)](
+            qkv_Rl3Hd, mult, q_RlHd, k_dst_RHld, v_dst_RHld, H, D,
+            qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), q_RlHd.stride(0), q_RlHd.stride(1),
+            k_dst_RHld.stride(0), k_dst_RHld.stride(1), k_dst_RHld.stride(2),
+            v_dst_RHld.stride(0), v_dst_RHld.stride(1), v_dst_RHld.stride(2),
+            BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4 if H * D <= 2048 else 8)
+    return q_RlHd.transpose(1, 2)                            # (R, l, H, d) → (R, H, l, d) view
