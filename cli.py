@@ -144,26 +144,62 @@ def _apply_acceleration(pipe, args) -> None:
 
 
 def cmd_convert(args) -> int:
+    """Official files → a safetensors pipeline folder, written to ``.<out>.partial`` and renamed at the
+    end, so a failure (or Ctrl-C) leaves nothing behind. The family is read off the checkpoint's keys."""
+    import shutil
+
     import torch
-    from .pipelines.var_pipeline import VARPipeline
+    from .models.loading import checkpoint_family
 
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} is a file; give a folder name")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
-    pipe = VARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype)
+    family = checkpoint_family(args.ckpt)
+    if family == "var":
+        from .pipelines.var_pipeline import VARPipeline
+        if args.text_encoder:
+            raise CLIError(f"--text-encoder is for Infinity; {args.ckpt} is a class-conditional VAR transformer")
+        pipe = VARPipeline.from_single_file(args.ckpt, args.vae_ckpt, dtype=dtype)
+        cfg = pipe.transformer.config
+        what = f"VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {args.dtype}"
+        usage = f"VARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --class 0`"
+    elif family == "infinity":
+        from .pipelines.infinity_pipeline import InfinityPipeline
+        if not args.text_encoder:
+            raise CLIError(f"{args.ckpt} is an Infinity transformer: also pass --text-encoder FOLDER, a local copy of "
+                           f"google/flan-t5-xl (T5 weights + tokenizer); it is saved into the pipeline folder")
+        pipe = InfinityPipeline.from_single_file(args.ckpt, args.vae_ckpt, text_encoder=args.text_encoder,
+                                                 dtype=dtype)
+        cfg = pipe.transformer.config
+        what = f"Infinity {cfg.depth} layers × {cfg.embed_dim}, {args.dtype}, with its T5 text encoder"
+        usage = (f"InfinityPipeline.from_pretrained({str(out)!r}) or "
+                 f"`sparsevar generate --model {out} --prompt \"...\"`")
+    else:
+        hint = {"var-vqvae": "the VAR VQVAE: pass it as --vae-ckpt, and var_d*.pth as --ckpt",
+                "infinity-vae": "the Infinity VAE: pass it as --vae-ckpt, and infinity_2b_reg.pth as --ckpt"}.get(
+            family, "neither a VAR nor an Infinity transformer checkpoint (var_d*.pth, infinity_2b_reg.pth or the "
+                    "8B shard folder)")
+        raise CLIError(f"--ckpt {args.ckpt} is {hint}")
     tmp = out.with_name(f".{out.name}.partial")
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
-    pipe.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    cfg = pipe.transformer.config
-    print(f"converted → {out} (VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {args.dtype}); "
-          f"load it with VARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out}`")
+    old = out.with_name(f".{out.name}.old")
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    try:
+        pipe.save_pretrained(tmp)
+        if out.exists():
+            os.replace(out, old)                    # (--overwrite) the new folder replaces the old one whole
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"converted → {out} ({what}); load it with {usage}")
     return 0
 
 
@@ -301,9 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--compile", action="store_true", help="fuse elementwise steps with torch.compile (CUDA)")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder")
-    c.add_argument("--var-ckpt", required=True)
-    c.add_argument("--vae-ckpt", required=True)
+    c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder (VAR, or Infinity with "
+                                        "its T5 text encoder)")
+    c.add_argument("--ckpt", "--var-ckpt", dest="ckpt", required=True,
+                   help="the transformer: var_d*.pth, infinity_2b_reg.pth or the Infinity 8B shard folder "
+                        "(the family is read off its keys)")
+    c.add_argument("--vae-ckpt", required=True,
+                   help="its VAE: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth (Infinity)")
+    c.add_argument("--text-encoder", help="Infinity: a local google/flan-t5-xl folder (T5EncoderModel + tokenizer), "
+                                          "saved into the pipeline folder")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer weight dtype (auto = float32)")
     c.add_argument("--overwrite", action="store_true")

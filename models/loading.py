@@ -200,8 +200,9 @@ def describe_checkpoint(path) -> dict:
         from safetensors import safe_open
         pipeline = json.loads(index.read_text()).get("_class_name")
         info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
-                "family": {"VARPipeline": "var"}.get(pipeline, "unknown"), "parameters": 0}
-        for sub in ("transformer", "vqvae"):
+                "family": {"VARPipeline": "var", "InfinityPipeline": "infinity"}.get(pipeline, "unknown"),
+                "parameters": 0}
+        for sub in ("transformer", "vqvae", "vae"):
             cfg_path = p / sub / "config.json"
             if cfg_path.exists():
                 info[sub] = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
@@ -440,3 +441,35 @@ def describe_infinity_checkpoint(path) -> dict:
     else:
         raise ValueError(f"{p} is neither an Infinity transformer nor its VAE")
     return info
+
+
+def checkpoint_family(path) -> str:
+    """The family of an official checkpoint from its key names alone: 'var', 'var-vqvae', 'infinity',
+    'infinity-vae' or 'unknown'. Reads no tensor data where the format allows it (a shard folder's
+    index, safetensors headers, memory-mapped ``.pth`` zip files), so a multi-gigabyte file costs
+    little to recognise before it is loaded."""
+    import json
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {p} — put the file there or pass its path")
+    indexes = sorted(p.glob("*.index.json")) if p.is_dir() else []
+    if indexes:                                      # the same index _read_sharded reads
+        keys = list(json.loads(indexes[0].read_text()).get("weight_map", {}))
+    elif p.is_dir():
+        keys = list(_read_sharded(p, "checkpoint"))
+    elif p.suffix == ".safetensors":
+        from safetensors import safe_open
+        try:
+            with safe_open(str(p), framework="pt") as st:
+                keys = list(st.keys())
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{p} is not a readable safetensors file ({e}); re-download or re-convert it") from e
+    else:
+        keys = list(_read_nested(p, "checkpoint", [("vae",), ("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("model",),
+                                                   ("state_dict",)]))
+    if keys and all(k.startswith("module.") for k in keys):
+        keys = [k[len("module."):] for k in keys]
+    names = dict.fromkeys(keys)
+    family = detect_family(names)
+    return family if family != "unknown" else detect_infinity_family(names)

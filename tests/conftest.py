@@ -113,3 +113,52 @@ def infinity_official_files(infinity_fixture_dir, infinity_fixture_config, tmp_p
     torch.save({"vae": materialize(infinity_fixture_dir / w["infinity_vae"]["manifest"])}, vae)
     t5 = write_fixture_t5_folder(infinity_fixture_dir / "t5", out / "t5")
     return {"transformer": transformer, "vae": vae, "t5": t5}
+
+
+# ---- tiny random Infinity models in the official file layout (CLI convert, ComfyUI) --------------------------
+def write_random_t5_folder(out: Path, d_model: int, seed: int = 0) -> Path:
+    """A ``transformers`` T5 folder (T5EncoderModel + tokenizer files), laid out like a local copy of
+    google/flan-t5-xl: the pipeline's own small random stand-in (``random_t5``) of width ``d_model``."""
+    from sparsevar.models.text_encoder import random_t5
+
+    tokenizer, t5 = random_t5(d_model, seed=seed)
+    t5.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def write_tiny_infinity_files(out: Path, layers: tuple | None = None, seed: int = 0) -> dict[str, Path]:
+    """``infinity-tiny`` with random weights in the official containers, under the official names:
+    {'transformer': flat state dict ``infinity_2b_reg.pth``, 'vae': ``{'vae': sd}`` ``infinity_vae_d32reg.pth``,
+    't5': a T5 folder ``flan-t5-xl``}. ``layers=(depth, block groups)`` changes the layer layout only, e.g.
+    (32, 8) for Infinity-2B's, on which the 2B presets (SparseVAR group 3, FastVAR layers 3..27) are valid."""
+    from sparsevar import InfinityPipeline, InfinityTransformer
+    from sparsevar.models.infinity import INFINITY_PRESETS
+
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = InfinityPipeline.from_random("infinity-tiny", seed=seed)
+    transformer = pipe.transformer
+    if layers is not None:
+        spec = dict(INFINITY_PRESETS["infinity-tiny"]["transformer"], depth=layers[0], num_block_chunks=layers[1])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = InfinityTransformer(**spec).init_random_weights()
+    files = {"transformer": out / "infinity_2b_reg.pth", "vae": out / "infinity_vae_d32reg.pth",
+             "t5": out / "flan-t5-xl"}
+    torch.save(transformer.state_dict(), files["transformer"])
+    torch.save({"vae": pipe.vae.state_dict()}, files["vae"])
+    write_random_t5_folder(files["t5"], transformer.config.text_channels, seed=seed)
+    return files
+
+
+@pytest.fixture(scope="session")
+def tiny_infinity_files(tmp_path_factory):
+    """A factory: ``tiny_infinity_files(layers=None)`` → write_tiny_infinity_files, once per layout and
+    session (the files are read-only to the tests)."""
+    made: dict = {}
+
+    def files(layers: tuple | None = None) -> dict[str, Path]:
+        if layers not in made:
+            made[layers] = write_tiny_infinity_files(tmp_path_factory.mktemp("infinity_tiny"), layers=layers)
+        return made[layers]
+    return files

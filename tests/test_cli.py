@@ -64,6 +64,105 @@ def test_convert_info_and_generate_from_the_folder(tmp_path, var_official_files,
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_convert_infinity_files_into_a_folder_that_loads_and_generates(tmp_path, tiny_infinity_files, capsys):
+    import torch
+
+    from sparsevar import InfinityPipeline
+
+    f = tiny_infinity_files()
+    folder = tmp_path / "infinity-tiny"
+    assert main(["convert", "--ckpt", str(f["transformer"]), "--vae-ckpt", str(f["vae"]), "--text-encoder",
+                 str(f["t5"]), "--out", str(folder)]) == 0
+    assert "Infinity 4 layers" in capsys.readouterr().out
+    assert {p.name for p in folder.iterdir()} >= {"model_index.json", "transformer", "vae", "text_encoder",
+                                                   "tokenizer"}
+    assert not list(tmp_path.glob(".*partial")) and not list(tmp_path.glob(".*old"))
+    # the folder holds the same model as the official files: same seed, same image
+    official = InfinityPipeline.from_single_file(f["transformer"], f["vae"], text_encoder=f["t5"])
+    loaded = InfinityPipeline.from_pretrained(folder)
+    for p in (official, loaded):
+        p.set_progress_bar_config(disable=True)
+    a, b = (p("w3 w4", height=256, width=256, generator=torch.Generator().manual_seed(0), output_type="pt").images
+            for p in (official, loaded))
+    assert a.shape == (1, 3, 256, 256) and torch.equal(a, b)
+    assert main(["info", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "infinity" and info["transformer"]["depth"] == 4 and info["parameters"] > 0
+    # `generate --model FOLDER --prompt` reads it (T5 included: no --text-encoder needed)
+    out = tmp_path / "fox.png"
+    assert main(["generate", "--model", str(folder), "--prompt", "w3", "w4", "--height", "256", "--width", "256",
+                 "--out", str(out), "--quiet"]) == 0
+    assert PIL.Image.open(out.with_name("fox_0.png")).size == (256, 256)
+    # --overwrite replaces the whole folder
+    (folder / "stray.txt").write_text("x")
+    assert main(["convert", "--ckpt", str(f["transformer"]), "--vae-ckpt", str(f["vae"]), "--text-encoder",
+                 str(f["t5"]), "--out", str(folder), "--overwrite"]) == 0
+    assert not (folder / "stray.txt").exists() and (folder / "model_index.json").is_file()
+    assert not list(tmp_path.glob(".*partial")) and not list(tmp_path.glob(".*old"))
+
+
+def test_convert_reads_the_8b_shard_layout_and_safetensors(tmp_path, tiny_infinity_files, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    from sparsevar import InfinityPipeline
+    from sparsevar.models.loading import checkpoint_family
+
+    f = tiny_infinity_files()
+    sd = torch.load(f["transformer"], weights_only=True)
+    keys = sorted(sd)
+    shards = tmp_path / "infinity_8b_weights"               # index json + shards, like the 8B release
+    shards.mkdir()
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: sd[k].contiguous() for k in part}, str(shards / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "t.safetensors"))
+    assert checkpoint_family(shards) == checkpoint_family(tmp_path / "t.safetensors") == "infinity"
+    assert checkpoint_family(f["vae"]) == "infinity-vae"
+    out = tmp_path / "from-shards"
+    assert main(["convert", "--ckpt", str(shards), "--vae-ckpt", str(f["vae"]), "--text-encoder", str(f["t5"]),
+                 "--out", str(out)]) == 0
+    got = InfinityPipeline.from_pretrained(out).transformer.state_dict()
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ckpt", "{transformer}", "--vae-ckpt", "{vae}"], "also pass --text-encoder"),
+    (["--ckpt", "{vae}", "--vae-ckpt", "{vae}"], "the Infinity VAE: pass it as --vae-ckpt"),
+    (["--ckpt", "{transformer}", "--vae-ckpt", "{transformer}", "--text-encoder", "{t5}"], "passed as the VAE"),
+    (["--ckpt", "{transformer}", "--vae-ckpt", "{vae}", "--text-encoder", "{tmp}/no-t5"], "flan-t5-xl"),
+    (["--ckpt", "{tmp}/missing.pth", "--vae-ckpt", "{vae}"], "not found"),
+])
+def test_convert_errors_are_one_line_and_leave_nothing(tmp_path, tiny_infinity_files, capsys, args, message):
+    f = tiny_infinity_files()
+    fill = {k: str(v) for k, v in f.items()} | {"tmp": str(tmp_path)}
+    out = tmp_path / "never"
+    assert main(["convert", *[a.format(**fill) for a in args], "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_a_failed_save_leaves_nothing_behind(tmp_path, tiny_infinity_files, monkeypatch, capsys):
+    from sparsevar import InfinityPipeline
+
+    f = tiny_infinity_files()
+
+    def fail_half_way(self, save_directory, **kw):
+        (save_directory / "transformer").mkdir(parents=True)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(InfinityPipeline, "save_pretrained", fail_half_way)
+    out = tmp_path / "inf"
+    with pytest.raises(OSError, match="disk full"):
+        main(["convert", "--ckpt", str(f["transformer"]), "--vae-ckpt", str(f["vae"]), "--text-encoder",
+              str(f["t5"]), "--out", str(out)])
+    assert not out.exists() and not list(tmp_path.glob(".inf*"))
+
+
 def test_info_on_official_files(var_official_files, var_fixture_config, capsys):
     assert main(["info", str(var_official_files["var_saln"])]) == 0
     text = capsys.readouterr().out
