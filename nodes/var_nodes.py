@@ -15,10 +15,11 @@ import torch
 
 from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
+from ..pipelines.infinity_pipeline import InfinityPipeline
 from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, sparsevar_config_for
 from ._comfy import comfy_utils, folder_paths, io, model_management, model_patcher
 from .docs import field_doc
 
@@ -34,27 +35,45 @@ FastVARSettings = io.Custom("SPARSEVAR_FASTVAR_SETTINGS")
 GenerationStatsType = io.Custom("SPARSEVAR_STATS")
 
 
-def register_model_folder() -> None:
-    """models/var for checkpoint files (.pth, .safetensors) and converted folders."""
-    default = os.path.join(folder_paths.models_dir, FOLDER)
-    paths, exts = folder_paths.folder_names_and_paths.get(FOLDER, ([], set()))
+def register_model_folder(folder: str = FOLDER) -> None:
+    """models/<folder> (models/var, models/infinity) for checkpoint files (.pth, .safetensors) and
+    converted folders; paths from extra_model_paths.yaml under the same key are kept."""
+    default = os.path.join(folder_paths.models_dir, folder)
+    paths, exts = folder_paths.folder_names_and_paths.get(folder, ([], set()))
     paths = list(paths) + ([default] if default not in paths else [])
-    folder_paths.folder_names_and_paths[FOLDER] = (paths, set(exts) | {".pth", ".pt", ".safetensors"})
+    folder_paths.folder_names_and_paths[folder] = (paths, set(exts) | {".pth", ".pt", ".safetensors"})
 
 
-def _model_roots() -> list[Path]:
-    return [Path(p) for p in folder_paths.get_folder_paths(FOLDER) if os.path.isdir(p)]
+def model_roots(folder: str = FOLDER) -> list[Path]:
+    try:
+        paths = folder_paths.get_folder_paths(folder)
+    except KeyError:                                  # a folder name this ComfyUI does not know
+        return []
+    return [Path(p) for p in paths if os.path.isdir(p)]
+
+
+def subfolders(folder: str = FOLDER, marker: str = "model_index.json") -> list[str]:
+    """Folders under models/<folder> (relative names) holding a file named ``marker`` (a glob)."""
+    return sorted({str(d.relative_to(root)) for root in model_roots(folder) for d in root.rglob("*")
+                   if d.is_dir() and any(d.glob(marker))})
 
 
 def _folders() -> list[str]:
-    return sorted({str(d.relative_to(root)) for root in _model_roots() for d in root.rglob("*")
-                   if d.is_dir() and (d / "model_index.json").is_file()})
+    return subfolders(FOLDER)
+
+
+def checkpoint_files(folder: str = FOLDER, inside: list[str] = ()) -> list[str]:
+    """Checkpoint files under models/<folder>, leaving out the insides of the folders ``inside``."""
+    return [f for f in folder_paths.get_filename_list(folder) if not any(f.startswith(d + os.sep) for d in inside)]
 
 
 def _files() -> list[str]:
     """Checkpoint files under models/var, leaving out the insides of converted folders."""
-    folders = _folders()
-    return [f for f in folder_paths.get_filename_list(FOLDER) if not any(f.startswith(d + os.sep) for d in folders)]
+    return checkpoint_files(FOLDER, _folders())
+
+
+def _model_roots() -> list[Path]:
+    return model_roots(FOLDER)
 
 
 DEMO_CHOICE = "sparsevar-demo (built in)"
@@ -76,22 +95,27 @@ def _resolve(name: str) -> str:
                      f"put the official .pth files or a converted folder there and refresh")
 
 
-class _VARModules(torch.nn.Module):
-    """The pipeline's modules under one ``nn.Module`` with a plain ``device`` attribute, so
-    ComfyUI's ModelPatcher can size, load and offload them like its own models."""
+class _PipelineModules(torch.nn.Module):
+    """The pipeline's modules (VAR: transformer + VQVAE; Infinity: transformer + VAE + T5) under one
+    ``nn.Module`` with a plain ``device`` attribute, so ComfyUI's ModelPatcher can size, load and
+    offload them like its own models."""
 
-    def __init__(self, pipe: VARPipeline):
+    def __init__(self, pipe):
         super().__init__()
-        self.transformer, self.vqvae = pipe.transformer, pipe.vqvae
+        for name, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module):
+                self.add_module(name, module)
         self.device = pipe.transformer.device
 
 
 class VARModelHandle:
-    """What flows over SPARSEVAR_MODEL: the pipeline and the ModelPatcher that manages its memory."""
+    """What flows over SPARSEVAR_MODEL: the pipeline (VARPipeline or InfinityPipeline) and the
+    ModelPatcher that manages its memory."""
 
-    def __init__(self, pipe: VARPipeline, name: str):
+    def __init__(self, pipe, name: str):
         self.pipe, self.name = pipe, name
-        self.patcher = model_patcher.ModelPatcher(_VARModules(pipe), load_device=model_management.get_torch_device(),
+        self.patcher = model_patcher.ModelPatcher(_PipelineModules(pipe),
+                                                  load_device=model_management.get_torch_device(),
                                                   offload_device=model_management.unet_offload_device())
 
 
@@ -124,13 +148,30 @@ class VARModelLoader(io.ComfyNode):
         return io.NodeOutput(VARModelHandle(pipe, model))
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseVARChoice:
+    """What the SparseVAR Settings node set. The sampler applies it over the preset of the model's
+    family (``SPARSEVAR_PRESETS``: VAR, Infinity-2B …), so one node serves every family.
+    block None keeps the preset's observed layer / block group; keep_ratio None uses tau."""
+
+    tau: float
+    start_scale: int
+    block: int | None
+    keep_ratio: float | None
+
+    def overrides(self) -> dict:
+        out = {"tau": self.tau, "start_scale": self.start_scale, "keep_ratio": self.keep_ratio}
+        return out if self.block is None else {**out, "block": self.block}
+
+
 class SparseVARSettingsNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         d = SPARSEVAR_PRESETS["var"]
         return io.Schema(
             node_id="SparseVAR_Settings", display_name="SparseVAR Settings", category=CATEGORY,
-            description="Frequency-aware token exclusion (SparseVAR). Connect to the sampler's 'sparsevar' input.",
+            description="Frequency-aware token exclusion (SparseVAR), applied over the preset of the model's "
+                        "family (VAR, Infinity). Connect to the sampler's 'sparsevar' input.",
             inputs=[
                 io.Float.Input("tau", default=d.tau, min=0.0, max=0.99, step=0.01,
                                tooltip=field_doc(SparseVARConfig, "tau")),
@@ -146,9 +187,10 @@ class SparseVARSettingsNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, tau, start_scale, block, keep_ratio) -> io.NodeOutput:
-        return io.NodeOutput(dataclasses.replace(SPARSEVAR_PRESETS["var"], tau=tau, start_scale=start_scale,
-                                                 block=None if block < 0 else block,
-                                                 keep_ratio=None if keep_ratio == 0 else keep_ratio))
+        choice = SparseVARChoice(tau=tau, start_scale=start_scale, block=None if block < 0 else block,
+                                 keep_ratio=None if keep_ratio == 0 else keep_ratio)
+        SparseVARConfig(**choice.overrides())            # a bad value is named here, at this node
+        return io.NodeOutput(choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +199,9 @@ class AnchorConfig:
 
     alpha: int
     beta: float
+
+    def overrides(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta}
 
 
 class AnchorSettingsNode(io.ComfyNode):
@@ -201,13 +246,25 @@ class ScaleSkipNode(io.ComfyNode):
                                              cond_only_from=-cond_only_last if cond_only_last else None))
 
 
+@dataclasses.dataclass(frozen=True)
+class FastVARChoice:
+    """What the FastVAR Settings node set: the prune ratios, applied over the preset of the model's
+    family (``FASTVAR_PRESETS``; Infinity-2B's prunes layers 3..27 only)."""
+
+    ratios: tuple
+
+    def overrides(self) -> dict:
+        return {"ratios": self.ratios}
+
+
 class FastVARSettingsNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         d = FASTVAR_PRESETS["var"]
         return io.Schema(
             node_id="SparseVAR_FastVARSettings", display_name="FastVAR Settings", category=CATEGORY,
-            description="Cached token pruning (FastVAR). Connect to the sampler's 'fastvar' input.",
+            description="Cached token pruning (FastVAR), applied over the preset of the model's family (VAR, "
+                        "Infinity). Connect to the sampler's 'fastvar' input.",
             inputs=[
                 io.String.Input("ratios", default=", ".join(str(r) for r in d.ratios),
                                 tooltip="comma-separated. " + field_doc(FastVARConfig, "ratios")),
@@ -222,32 +279,64 @@ class FastVARSettingsNode(io.ComfyNode):
         except ValueError:
             raise ValueError(f"FastVAR Settings: ratios must be numbers separated by commas, e.g. '0.5, 0.75'; "
                              f"got {ratios!r}") from None
-        return io.NodeOutput(FastVARConfig(ratios=values))
+        return io.NodeOutput(FastVARChoice(ratios=FastVARConfig(ratios=values).ratios))   # (checked by the config)
+
+
+def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | None,
+              scale_skip: ScaleSkipConfig | None, fastvar: FastVARChoice | None) -> list:
+    """The settings nodes' choices, over the presets of the model's family, as policies for one call
+    (the shared pipeline is left unchanged)."""
+    policies = []
+    if sparsevar is not None or anchors is not None:
+        chosen = {**(sparsevar.overrides() if sparsevar else {}), **(anchors.overrides() if anchors else {})}
+        policies.append(SparseVARPolicy(sparsevar_config_for(family, **chosen)))
+    if fastvar is not None:
+        preset = FASTVAR_PRESETS.get(family, FastVARConfig())
+        policies.append(FastVARPolicy(dataclasses.replace(preset, **fastvar.overrides())))
+    if scale_skip is not None:
+        policies.append(ScaleSkipPolicy(scale_skip))
+    return policies
 
 
 class SparseVARSampler(io.ComfyNode):
     """One ProgressBar tick per scale, without a preview image: a VAR preview needs a full VQVAE
-    decode of the latent, as expensive as the final one, so it is not "cheap" at any scale."""
+    decode of the latent, as expensive as the final one, so it is not "cheap" at any scale.
+
+    Class-conditional VAR models read ``class_label``; text-to-image Infinity models read
+    ``prompt``, ``negative_prompt``, ``height`` and ``width``. Each family ignores the other's inputs."""
 
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="SparseVAR_Sampler", display_name="SparseVAR Sampler", category=CATEGORY,
-            description="Generates images with a VAR model, scale by scale, with optional acceleration.",
+            description="Generates images with a VAR model (class label) or an Infinity model (text prompt), scale "
+                        "by scale, with optional acceleration.",
             inputs=[
                 SparseVARModel.Input("model"),
                 io.String.Input("class_label", default="207",
-                                tooltip="class id or ImageNet name (e.g. 207 or 'golden retriever'); "
-                                        "several separated by '|'"),
+                                tooltip="VAR: class id or ImageNet name (e.g. 207 or 'golden retriever'); "
+                                        "several separated by '|'. Infinity models ignore it (they read the prompt)"),
                 io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
                              tooltip="every random draw comes from a CPU generator seeded with this"),
                 io.Float.Input("cfg", default=4.0, min=0.0, max=20.0, step=0.1,
-                               tooltip="guidance strength, ramped from 0 at the first scale to this at the last; "
-                                       "0 = off (official demo 4, FID 1.5)"),
+                               tooltip="guidance strength. VAR: ramped from 0 at the first scale to this at the "
+                                       "last; 0 = off (official demo 4, FID 1.5). Infinity: cfg·cond + (1 − cfg)·"
+                                       "uncond at every scale; 1 = off (official 3)"),
                 io.Int.Input("top_k", default=900, min=0, max=65536, tooltip="keep the k most likely codes (0 = all)"),
                 io.Float.Input("top_p", default=0.95, min=0.0, max=1.0, step=0.01,
-                               tooltip="nucleus mass kept per token (0 = off)"),
-                io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label"),
+                               tooltip="nucleus mass kept per token (0 = off; official VAR 0.95, Infinity 0.97)"),
+                io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label or prompt"),
+                io.String.Input("prompt", default="", multiline=True,
+                                tooltip="Infinity: what to draw. VAR models ignore it (they read class_label)"),
+                io.String.Input("negative_prompt", default="", multiline=True,
+                                tooltip="Infinity: what to steer away from; it replaces the unconditional branch of "
+                                        "guidance (empty = the model's learned one). VAR models ignore it"),
+                io.Int.Input("height", default=1024, min=16, max=4096, step=16,
+                             tooltip="Infinity: image height. Only the official sizes exist (1024×1024 and the "
+                                     "256–1024 px sizes of 15 aspect ratios, e.g. 768×1024); another size gives an "
+                                     "error listing the valid ones. VAR models draw at their own size"),
+                io.Int.Input("width", default=1024, min=16, max=4096, step=16,
+                             tooltip="Infinity: image width (see height). VAR models draw at their own size"),
                 SparseVARSettings.Input("sparsevar", optional=True),
                 AnchorSettings.Input("anchors", optional=True),
                 ScaleSkipSettings.Input("scale_skip", optional=True),
@@ -258,24 +347,19 @@ class SparseVARSampler(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, sparsevar=None, anchors=None,
-                scale_skip=None, fastvar=None) -> io.NodeOutput:
-        pipe: VARPipeline = model.pipe
-        policies = []
-        if anchors is not None and sparsevar is None:
-            sparsevar = SPARSEVAR_PRESETS["var"]
-        if sparsevar is not None:
-            if anchors is not None:
-                sparsevar = dataclasses.replace(sparsevar, alpha=anchors.alpha, beta=anchors.beta)
-            policies.append(SparseVARPolicy(sparsevar))
-        if fastvar is not None:
-            policies.append(FastVARPolicy(fastvar))
-        if scale_skip is not None:
-            policies.append(ScaleSkipPolicy(scale_skip))
-        labels = [lab.strip() for lab in str(class_label).split("|") if lab.strip()]
-        labels = [int(lab) if lab.isdigit() else lab for lab in labels]
+    def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, prompt="", negative_prompt="",
+                height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
+                fastvar=None) -> io.NodeOutput:
+        pipe = model.pipe
+        infinity = isinstance(pipe, InfinityPipeline)
+        policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar)
+        if infinity:
+            total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
+        else:
+            labels = [lab.strip() for lab in str(class_label).split("|") if lab.strip()]
+            labels = [int(lab) if lab.isdigit() else lab for lab in labels]
+            total = pipe.num_timesteps
         model_management.load_models_gpu([model.patcher])
-        total = pipe.num_timesteps
         bar = comfy_utils.ProgressBar(total)
 
         done = [0]
@@ -287,14 +371,19 @@ class SparseVARSampler(io.ComfyNode):
             return kw
 
         pipe.set_progress_bar_config(disable=True)
-        out = pipe(labels, guidance_scale=cfg, top_k=top_k, top_p=top_p, num_images_per_prompt=batch_size,
-                   generator=torch.Generator("cpu").manual_seed(seed), output_type="pt",
-                   callback_on_step_end=on_scale, policies=policies)
+        common = {"guidance_scale": cfg, "top_k": top_k, "top_p": top_p, "num_images_per_prompt": batch_size,
+                  "generator": torch.Generator("cpu").manual_seed(seed), "output_type": "pt",
+                  "callback_on_step_end": on_scale, "policies": policies}
+        if infinity:
+            out = pipe(prompt, negative_prompt=negative_prompt or None, height=height, width=width, **common)
+        else:
+            out = pipe(labels, **common)
         if done[0] < total:
             bar.update_absolute(total, total)           # skipped scales end the bar too
         stats: GenerationStats = out.stats[0]
+        speedup = pipe.flop_speedup(stats, height, width) if infinity else pipe.flop_speedup(stats)
         images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
-        text = (f"{stats.summary()}; FLOP-ideal speed-up {pipe.flop_speedup(stats):.2f}x\n{stats.table()}")
+        text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x\n{stats.table()}")
         return io.NodeOutput(images, text, stats)
 
 

@@ -3,13 +3,19 @@ workflow runs, progress arrives per scale, and an interrupt leaves the server us
 
 ComfyUI comes from PyPI packages only (tests/comfyui/setup_comfyui.sh, cached in
 ``$SPARSEVAR_COMFY_DIR``, default /tmp/sparsevar-comfyui). The server listens on 127.0.0.1 with a
-temporary base directory whose models/var holds small random models under the official file names,
-so the shipped workflows run unchanged.
+temporary base directory whose models folders hold small random models under the official file
+names, so the shipped workflows run unchanged: models/var a 256-px VAR (the official size),
+models/infinity + models/text_encoders an Infinity of Infinity-2B's layer layout (32 layers in 8
+block groups, so the 2B presets apply) at a tiny width, with a tiny T5. The one change: Infinity
+samplers run at 256x256 instead of the workflows' 1024x1024 (minutes on a CPU), through the same
+schedule logic.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,14 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsevar import VARPipeline
+from sparsevar import InfinityPipeline, VARPipeline
+from sparsevar.cli import main as cli_main
 
 pytestmark = pytest.mark.comfyui
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent / "comfyui"
-NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_Sampler", "SparseVAR_Settings", "SparseVAR_AnchorSettings",
-            "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings", "SparseVAR_TokenMapPreview"]
+NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader", "SparseVAR_Sampler", "SparseVAR_Settings",
+            "SparseVAR_AnchorSettings", "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings",
+            "SparseVAR_TokenMapPreview"]
+INFINITY_SIZE = 256                                     # the Infinity samplers' height and width in these tests
+FROM_FOLDER = "(converted folder: none needed)"
 sys.path.insert(0, str(HERE))
 from browser_check import find_chromium  # noqa: E402
 from ui_to_api import ui_to_api  # noqa: E402
@@ -45,7 +55,7 @@ def _get(url: str):
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
+def comfy(tmp_path_factory, tiny_infinity_files):
     work = Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui"))
     subprocess.run(["bash", str(HERE / "setup_comfyui.sh"), str(work)], check=True, timeout=900)
     base = tmp_path_factory.mktemp("comfy_base")
@@ -57,6 +67,14 @@ def comfy(tmp_path_factory):
     torch.save(pipe.transformer.state_dict(), models / "var_d16.pth")
     torch.save(pipe.vqvae.state_dict(), models / "vae_ch160v4096z32.pth")
     pipe.save_pretrained(models / "var-tiny-converted")      # a folder, as `sparsevar convert` writes
+    inf = tiny_infinity_files(layers=(32, 8))                 # Infinity-2B's layer layout: its presets apply
+    (base / "models" / "infinity").mkdir()
+    (base / "models" / "text_encoders").mkdir()
+    for name in ("transformer", "vae"):
+        shutil.copy(inf[name], base / "models" / "infinity" / inf[name].name)
+    shutil.copytree(inf["t5"], base / "models" / "text_encoders" / "flan-t5-xl")
+    assert cli_main(["convert", "--ckpt", str(inf["transformer"]), "--vae-ckpt", str(inf["vae"]), "--text-encoder",
+                     str(inf["t5"]), "--out", str(base / "models" / "infinity" / "infinity-tiny-converted")]) == 0
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, PYTHONPATH=str(work / "stubs"), PYTHONDONTWRITEBYTECODE="1")
@@ -100,6 +118,31 @@ def _workflows():
     return sorted((ROOT / "workflows").glob("*.json"))
 
 
+def _prompt(path: Path, info: dict) -> dict:
+    """The API prompt of a shipped workflow, with its Infinity samplers at INFINITY_SIZE."""
+    prompt = ui_to_api(json.loads(path.read_text()), info)
+    for node in prompt.values():
+        if node["class_type"] == "SparseVAR_Sampler" and _is_infinity(prompt, node):
+            node["inputs"].update(height=INFINITY_SIZE, width=INFINITY_SIZE)
+    return prompt
+
+
+def _is_infinity(prompt: dict, sampler: dict) -> bool:
+    return prompt[sampler["inputs"]["model"][0]]["class_type"] == "SparseVAR_InfinityModelLoader"
+
+
+def _stats(text: str) -> dict:
+    """The sampler's stats line: '6/7 scales, 85.06/521 tokens computed (16%), …'."""
+    m = re.match(r"(\d+)/(\d+) scales, ([\d.]+)/(\d+) tokens computed", text)
+    assert m, text
+    return {"scales_run": int(m[1]), "scales": int(m[2]), "computed": float(m[3]), "tokens": int(m[4])}
+
+
+def _image(comfy, ref: dict):
+    import PIL.Image
+    return PIL.Image.open(comfy["base"] / ref["type"] / ref["subfolder"] / ref["filename"])
+
+
 def test_pack_imports_and_registers_every_node(comfy):
     log = comfy["log"].read_text()
     ours = str(comfy["base"] / "custom_nodes")                       # (ComfyUI's own extras may fail here)
@@ -107,9 +150,16 @@ def test_pack_imports_and_registers_every_node(comfy):
     info = _get(comfy["url"] + "/object_info")
     missing = [n for n in NODE_IDS if n not in info]
     assert not missing, f"nodes not registered: {missing}"
-    spec = info["SparseVAR_VARModelLoader"]["input"]["required"]["model"]
-    options = spec[1]["options"] if spec[0] == "COMBO" else spec[0]
-    assert "var_d16.pth" in options                                   # models/var is listed
+    assert "var_d16.pth" in _options(info, "SparseVAR_VARModelLoader", "model")          # models/var is listed
+    assert {"infinity_2b_reg.pth", "infinity-tiny-converted"} <= set(_options(info, "SparseVAR_InfinityModelLoader",
+                                                                                "model"))
+    assert "infinity_vae_d32reg.pth" in _options(info, "SparseVAR_InfinityModelLoader", "vae")
+    assert _options(info, "SparseVAR_InfinityModelLoader", "text_encoder") == [FROM_FOLDER, "flan-t5-xl"]
+
+
+def _options(info: dict, node: str, name: str) -> list:
+    spec = info[node]["input"]["required"][name]
+    return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
 
 
 def _contract(info: dict) -> dict:
@@ -157,7 +207,8 @@ def test_workflow_file_is_valid_v04(comfy, path):
         assert n["type"] in info, n["type"]
         if n["type"].startswith("SparseVAR_"):
             assert n["properties"]["cnr_id"] == "sparsevar" and n["properties"]["ver"]
-        if n["type"] == "SparseVAR_VARModelLoader" and not n["widgets_values"][0].startswith("sparsevar-demo"):
+        if n["type"] in ("SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader") \
+                and not n["widgets_values"][0].startswith("sparsevar-demo"):
             assert {m["name"] for m in n["properties"]["models"]} == set(n["widgets_values"][:2])
     prompt = ui_to_api(wf, info)
     for nid, node in prompt.items():
@@ -165,28 +216,100 @@ def test_workflow_file_is_valid_v04(comfy, path):
         assert set(required) <= set(node["inputs"]), (nid, node)
 
 
+# What each Infinity workflow must show in its samplers' stats (tokens computed, scales run) at 256x256.
+INFINITY_EXPECT = {
+    "infinity_dense.json": ["dense"],
+    "infinity_sparsevar.json": ["dense", "sparsevar"],
+    "infinity_fastvar.json": ["fastvar"],
+    "infinity_scale_skip.json": ["skip"],
+}
+
+
 @pytest.mark.parametrize("path", _workflows(), ids=lambda p: p.name)
 def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     info = _get(comfy["url"] + "/object_info")
-    prompt = ui_to_api(json.loads(path.read_text()), info)
+    prompt = _prompt(path, info)
     rep = _run(comfy, prompt, tmp_path)
     assert rep["status"] == "success", rep
     samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
-    for nid in samplers:                                   # one progress message per scale
+    n_scales = {nid: InfinityPipeline.resolution(INFINITY_SIZE, INFINITY_SIZE).schedule.num_scales
+                if _is_infinity(prompt, prompt[nid]) else 10 for nid in samplers}
+    for nid in samplers:                 # one progress message per computed scale; skipped last scales end the bar
         values = [v for node, v, m in rep["progress"] if node == nid]
-        assert values == list(range(1, 11)), rep["progress"]
+        assert values[-1] == n_scales[nid] and values[:-1] == list(range(1, len(values))), rep["progress"]
     previews = [nid for nid, n in prompt.items() if n["class_type"] == "PreviewImage"]
     for nid in previews:
         images = rep["outputs"][nid]["images"]
         assert len(images) == 1
-        img = comfy["base"] / "temp" / images[0]["subfolder"] / images[0]["filename"]
-        import PIL.Image
-        w, h = PIL.Image.open(img).size
+        img = _image(comfy, images[0])
+        w, h = img.size
         src = prompt[nid]["inputs"]["images"][0]
         if prompt[src]["class_type"] == "SparseVAR_Sampler":
-            assert (w, h) == (256, 256)
+            assert (w, h) == (256, 256) and img.mode == "RGB"
+            import numpy as np
+            assert np.asarray(img).std() > 1                 # a picture, not a constant fill
         else:
             assert w > 256 and h > 100                       # token-map figure
+    stats = {}                                             # sampler id → its stats line, shown by a core "Preview Any"
+    for nid, n in prompt.items():
+        if n["class_type"] == "PreviewAny":
+            src = n["inputs"]["source"][0]
+            assert prompt[src]["class_type"] == "SparseVAR_Sampler"
+            stats[src] = _stats(rep["outputs"][nid]["text"][0])
+    infinity = [nid for nid in samplers if _is_infinity(prompt, prompt[nid])]
+    if not infinity:
+        return
+    assert path.name in INFINITY_EXPECT and len(infinity) == len(INFINITY_EXPECT[path.name]) == len(stats)
+    for nid, method in zip(sorted(infinity, key=int), INFINITY_EXPECT[path.name]):
+        st, S = stats[nid], n_scales[nid]
+        assert st["scales"] == S and st["tokens"] == sum(h * w for h, w in
+                                                         InfinityPipeline.resolution(256, 256).hw)
+        if method == "dense":
+            assert st["computed"] == st["tokens"] and st["scales_run"] == S
+        elif method == "sparsevar":                        # fewer tokens than the dense sampler beside it
+            dense = stats[sorted(infinity, key=int)[0]]
+            assert st["computed"] < dense["computed"] and st["scales_run"] == S
+        elif method == "fastvar":                          # 2B schedule (0.4, 0.5, 1.0, 1.0): two scales skipped
+            assert st["scales_run"] == S - 2 and st["computed"] < st["tokens"]
+        elif method == "skip":                             # skip the last scale
+            assert st["scales_run"] == S - 1 and st["computed"] < st["tokens"]
+
+
+def test_infinity_errors_reach_the_ui_as_a_message(comfy, tmp_path):
+    info = _get(comfy["url"] + "/object_info")
+    prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
+    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    sampler["inputs"].update(height=1000, width=1000)             # not an Infinity size
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]
+    assert msg["exception_type"].endswith("ValueError") and msg["node_type"] == "SparseVAR_Sampler"
+    assert "height=1000, width=1000" in msg["exception_message"] and "1024x1024" in msg["exception_message"]
+    sampler["inputs"].update(height=INFINITY_SIZE, width=INFINITY_SIZE)
+    loader = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_InfinityModelLoader")
+    loader["inputs"]["text_encoder"] = FROM_FOLDER                # an official file needs its T5 folder
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]
+    assert msg["node_type"] == "SparseVAR_InfinityModelLoader"
+    assert "models/text_encoders/" in msg["exception_message"] and "flan-t5-xl" in msg["exception_message"]
+
+
+def test_infinity_loader_reads_a_converted_folder_with_the_same_result(comfy, tmp_path):
+    """`sparsevar convert` made infinity-tiny-converted from the same official files: same seed, same image."""
+    info = _get(comfy["url"] + "/object_info")
+    images = []
+    for model, vae, t5 in (("infinity_2b_reg.pth", "infinity_vae_d32reg.pth", "flan-t5-xl"),
+                           ("infinity-tiny-converted", FROM_FOLDER, FROM_FOLDER)):
+        prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
+        loader = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_InfinityModelLoader")
+        loader["inputs"].update(model=model, vae=vae, text_encoder=t5)
+        next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")["inputs"]["seed"] = 7
+        rep = _run(comfy, prompt, tmp_path)
+        assert rep["status"] == "success", rep
+        preview = next(nid for nid, n in prompt.items() if n["class_type"] == "PreviewImage")
+        images.append(_image(comfy, rep["outputs"][preview]["images"][0]).tobytes())
+    assert images[0] == images[1]
 
 
 def test_interrupt_mid_run_then_the_next_prompt_succeeds(comfy, tmp_path):
