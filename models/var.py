@@ -184,6 +184,21 @@ class VARBlock(nn.Module):
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1, m2, b2, eps, wdtype)
         return ops.gated_residual(x_RlC, self.ffn(y_RlC), g2)
 
+    def forward_chained(self, x_RlC: torch.Tensor, y_RlC: torch.Tensor, mod_R6C: torch.Tensor,
+                        next_mod_R6C: Optional[torch.Tensor], ctx: _LayerCall):
+        """The dense path without sub-layer wrappers, chained across blocks: ``y_RlC`` is this
+        block's attention input, already modulated (by the previous block's last step); returns
+        (x, the next block's attention input or None after the last block). The FFN's gated
+        residual and the next block's LayerNorm + AdaLN run as one step: one launch fewer per layer."""
+        g1, g2, _, m2, _, b2 = mod_R6C.unsqueeze(2).unbind(1)                        # each (R, 1, C)
+        ops, eps, wdtype = ctx.ops, self.norm_eps, self.ffn.fc1.weight.dtype
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.attn(y_RlC, ctx), g1, m2, b2, eps, wdtype)
+        branch_RlC = self.ffn(y_RlC)
+        if next_mod_R6C is None:
+            return ops.gated_residual(x_RlC, branch_RlC, g2), None
+        _, _, m1_next, _, b1_next, _ = next_mod_R6C.unsqueeze(2).unbind(1)
+        return ops.residual_modulate(x_RlC, branch_RlC, g2, m1_next, b1_next, eps, wdtype)
+
 
 class VARTransformer(ModelMixin, ConfigMixin):
     """The class-conditional VAR transformer (official key layout, derived buffers excluded).
@@ -467,10 +482,19 @@ class VARAdapter:
                 kv.record_positions(kv.lengths[0], pos)
         observe = stack.active["observe"] and taps is None
         collected = []
-        for i, blk in enumerate(self.transformer.blocks):
+        blocks = self.transformer.blocks
+        chained = not stack.active["wrap_sublayer"]      # no sub-layer wrapper: fuse across block borders
+        if chained:
+            m1_R1C, b1_R1C = ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5]
+            y_RlC = self.ops.modulate(x_RlC, m1_R1C, b1_R1C, blocks[0].norm_eps, blocks[0].ffn.fc1.weight.dtype)
+        for i, blk in enumerate(blocks):
             x_in = x_RlC
             call = _LayerCall(kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
-            x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
+            if chained:
+                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) else None
+                x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call)
+            else:
+                x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
             elif taps is not None and i in taps:
