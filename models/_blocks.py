@@ -19,9 +19,11 @@ class TanhGeluFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1 = self.fc1
-        if x.is_cuda and x.dtype == fc1.weight.dtype and fc1.bias is not None and x.numel() > x.shape[-1]:
+        if x.is_cuda and x.dtype == fc1.weight.dtype and fc1.bias is not None and x.numel() > x.shape[-1] \
+                and not torch.is_grad_enabled():
             # cuBLASLt's GELU epilogue (the tanh approximation) applies bias and activation inside the
-            # matrix product: one launch fewer per layer, and the activation is rounded once
+            # matrix product: one launch fewer per layer, and the activation is rounded once. Inference
+            # only: autograd has no derivative for it (training takes the two-step path)
             x2 = x.reshape(-1, x.shape[-1])                                             # (…, C) → (M, C)
             h = torch._addmm_activation(fc1.bias, x2, fc1.weight.t(), use_gelu=True)
             return self.fc2(h.view(*x.shape[:-1], h.shape[-1]))                        # (M, 4C) → (…, 4C)

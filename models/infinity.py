@@ -71,6 +71,14 @@ _TALL_TEMPLATES: dict[float, tuple[tuple[int, int], ...]] = {
             (90, 30), (111, 37)),
 }
 PN_SCALES: dict[str, int] = {"0.06M": 7, "0.25M": 10, "0.60M": 12, "1M": 13}
+TRAINED_SCALES = 13                   # scales the released models were trained on (level embeddings 0..12)
+
+# Zero-shot sizes beyond the trained ones (FastVAR's 2K extension). Its schedule is unpublished
+# (FastVAR issue #9), so ours is stated here: the 1M template followed by 1.5× and 2× its final map
+# (1:1 → 96×96 and 128×128 tokens = 2048 × 2048 px). The added scales reuse the last trained level
+# embedding, and RoPE positions stay scaled to the 1M final grid (the official rule for every size),
+# so the model sees only positions and levels it was trained on.
+ZERO_SHOT_PN: dict[str, tuple[float, ...]] = {"4M": (1.5, 2.0)}
 
 
 def _all_templates() -> dict[float, tuple[tuple[int, int], ...]]:
@@ -116,12 +124,23 @@ class InfinityResolution:
 
 
 def infinity_resolution(h_div_w: float, pn: str = "1M") -> InfinityResolution:
-    """The official schedule of template ``h_div_w`` (nearest template) at size ``pn``."""
-    if pn not in PN_SCALES:
-        raise ValueError(f"pn={pn!r} is not an Infinity size; choose one of {list(PN_SCALES)}")
+    """The schedule of template ``h_div_w`` (nearest template) at size ``pn``: an official size
+    (``PN_SCALES``) or a zero-shot one (``ZERO_SHOT_PN``)."""
+    if pn not in PN_SCALES and pn not in ZERO_SHOT_PN:
+        raise ValueError(f"pn={pn!r} is not an Infinity size; choose one of {list(PN_SCALES)} "
+                         f"(or the zero-shot {list(ZERO_SHOT_PN)})")
     key = min(INFINITY_TEMPLATES, key=lambda r: abs(r - float(h_div_w)))
     hws = INFINITY_TEMPLATES[key]
+    if pn in ZERO_SHOT_PN:
+        (h, w) = hws[-1]
+        extra = tuple((round(f * h), round(f * w)) for f in ZERO_SHOT_PN[pn])
+        return InfinityResolution(key, pn, hws + extra, hws[-1])
     return InfinityResolution(key, pn, hws[:PN_SCALES[pn]], hws[-1])
+
+
+def zero_shot_resolutions() -> list[InfinityResolution]:
+    """Every zero-shot size (15 aspect ratios × ``ZERO_SHOT_PN``): beyond what the models were trained on."""
+    return [infinity_resolution(r, pn) for r in INFINITY_TEMPLATES for pn in ZERO_SHOT_PN]
 
 
 def infinity_resolutions() -> list[InfinityResolution]:
@@ -135,13 +154,16 @@ def resolve_resolution(height: int, width: int) -> InfinityResolution:
     for h, name in ((height, "height"), (width, "width")):
         if isinstance(h, bool) or not isinstance(h, int) or h <= 0:
             raise ValueError(f"{name} must be a positive int number of pixels, got {h!r}")
-    exact = [r for r in infinity_resolutions() if (r.height, r.width) == (height, width)]
-    if exact:
-        return min(exact, key=lambda r: abs(r.h_div_w - height / width))
+    for sizes in (infinity_resolutions(), zero_shot_resolutions()):
+        exact = [r for r in sizes if (r.height, r.width) == (height, width)]
+        if exact:
+            return min(exact, key=lambda r: abs(r.h_div_w - height / width))
     near = infinity_resolution(height / width)
     sizes = ", ".join(f"{r.height}x{r.width}" for r in (infinity_resolution(near.h_div_w, pn) for pn in PN_SCALES))
+    zs = ", ".join(f"{r.height}x{r.width}" for r in (infinity_resolution(near.h_div_w, pn) for pn in ZERO_SHOT_PN))
     raise ValueError(f"height={height}, width={width} is not an Infinity size: the model only generates the sizes "
-                     f"of its aspect-ratio templates. For h/w ≈ {near.h_div_w} use one of {sizes} (height x width)")
+                     f"of its aspect-ratio templates. For h/w ≈ {near.h_div_w} use one of {sizes} (height x width), "
+                     f"or zero-shot {zs} (beyond the trained scales)")
 
 
 DEFAULT_RESOLUTION = infinity_resolution(1.0, "1M")
@@ -154,8 +176,9 @@ def rope_positions(hw: Sequence[tuple[int, int]], rope_grid: tuple[int, int]) ->
     uh, uw = rope_grid
     out = []
     for h, w in hw:
-        rows = (torch.arange(h) * (uh / h)).round().long()
-        cols = (torch.arange(w) * (uw / w)).round().long()
+        # the clamp acts only on maps finer than the grid (zero-shot sizes), where the last row would round up to uh
+        rows = (torch.arange(h) * (uh / h)).round().long().clamp_max(uh - 1)
+        cols = (torch.arange(w) * (uw / w)).round().long().clamp_max(uw - 1)
         out.append(torch.stack((rows.view(h, 1).expand(h, w), cols.view(1, w).expand(h, w)), dim=-1).reshape(h * w, 2))
     return torch.cat(out)
 
@@ -181,9 +204,15 @@ def apply_rope(x_RlHd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(R, l, H, d)
 
 
+def level(si: int) -> int:
+    """The level-embedding row of scale ``si``: zero-shot scales past the trained ones reuse the last."""
+    return min(si, TRAINED_SCALES - 1)
+
+
 def level_index(hw: Sequence[tuple[int, int]], device=None) -> torch.Tensor:
-    counts = torch.tensor([h * w for h, w in hw], device=device)
-    return torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    counts = torch.tensor([h * w for h, w in hw])
+    levels = torch.tensor([level(si) for si in range(len(hw))])
+    return torch.repeat_interleave(levels, counts).to(device)
 
 
 # ---- layers --------------------------------------------------------------------------------------------
@@ -573,7 +602,8 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
         x_BLC = torch.cat((sos_B1C, words), dim=1) + self.lvl_embed(lvl_L).float()
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, self.head_dim)
         cos_LD, sin_LD, pos_L = cos.to(device), sin.to(device), torch.arange(L, device=device)
-        visible_LL = lvl_L.view(L, 1) >= lvl_L.view(1, L)                             # block-causal
+        scale_L = torch.repeat_interleave(torch.arange(len(hw)), torch.tensor([h * w for h, w in hw])).to(device)
+        visible_LL = scale_L.view(L, 1) >= scale_L.view(1, L)                         # block-causal
         if taps is not None:
             taps.update(ada_cond=shared.unsqueeze(1), block0_in=x_BLC, rope_cos_sin=torch.stack((cos, sin)))
         blocks = self.blocks
@@ -781,7 +811,7 @@ class InfinityAdapter:
         if si == 0:
             return ws.sos_R1C[:R]
         m = self.transformer
-        x_BlC = m.word_embed(ws.next_BlD.to(m.word_embed.weight.dtype)).float() + m.lvl_embed.weight[si].float()
+        x_BlC = m.word_embed(ws.next_BlD.to(m.word_embed.weight.dtype)).float() + m.lvl_embed.weight[level(si)].float()
         return x_BlC.repeat(R // B, 1, 1)                                            # same tokens for both CFG halves
 
     @torch.no_grad()
@@ -889,6 +919,6 @@ class InfinityAdapter:
 
 
 __all__ = ["InfinityTransformer", "InfinityAdapter", "InfinityConditioning", "InfinityResolution", "INFINITY_PRESETS",
-           "INFINITY_TEMPLATES", "PN_SCALES", "DEFAULT_RESOLUTION", "infinity_resolution", "infinity_resolutions",
+           "INFINITY_TEMPLATES", "PN_SCALES", "ZERO_SHOT_PN", "zero_shot_resolutions", "DEFAULT_RESOLUTION", "infinity_resolution", "infinity_resolutions",
            "resolve_resolution", "rope_cos_sin", "rope_positions", "infinity_loop_flops", "text_pool_heads",
            "ffn_hidden"]

@@ -11,6 +11,7 @@ defaults follow the official 2B notebook (guidance 3, temperature 0.5, top-k 900
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from ..engine.state import GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
                                InfinityResolution, InfinityTransformer, infinity_loop_flops, infinity_resolution,
-                               infinity_resolutions, resolve_resolution)
+                               infinity_resolutions, resolve_resolution, TRAINED_SCALES, ZERO_SHOT_PN)
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
 from ..policies.base import Policy, PolicyStack
+
+logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 LIBRARY_NAME = "sparsevar"
@@ -234,6 +237,10 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if negative_prompt_features is not None and negative_prompt_features.batch not in (1, n):
             raise ValueError(f"negative_prompt_features holds {negative_prompt_features.batch} prompts for {n} prompts")
         resolution = resolve_resolution(height, width)
+        if resolution.pn in ZERO_SHOT_PN:
+            logger.warning(f"{height}x{width} is a zero-shot size: {len(resolution.hw) - TRAINED_SCALES} scales past the "
+                           f"{TRAINED_SCALES} the model was trained on (FastVAR's extension; with FastVAR or "
+                           f"SparseVAR on, it fits in far less memory and time)")
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
                 or not math.isfinite(guidance_scale) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a number >= 0 (1 disables guidance), got {guidance_scale!r}")

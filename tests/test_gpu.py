@@ -174,7 +174,11 @@ def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
     ffn = TanhGeluFFN(256, 1024).cuda().to(torch.bfloat16)
     for shape in [(2, 1, 256), (2, 37, 256), (16, 256, 256)]:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        got = ffn(x)
+        with torch.no_grad():
+            got = ffn(x)
+        ffn(x.requires_grad_()).sum().backward()                 # training takes the differentiable path
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        x = x.detach()
         want = ffn.fc2(torch.nn.functional.gelu(ffn.fc1(x), approximate="tanh"))
         ref64 = torch.nn.functional.linear(
             torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), ffn.fc1.weight.double(),

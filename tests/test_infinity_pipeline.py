@@ -77,6 +77,25 @@ def test_unknown_size_lists_the_sizes_of_its_aspect_ratio(tiny, height, width, l
         tiny("w3", height=height, width=width)
 
 
+def test_zero_shot_2048_appends_two_scales_that_reuse_the_last_trained_level(tiny, caplog):
+    """FastVAR's 2K extension: 1M schedule + 1.5× and 2× its final map; levels and RoPE positions stay
+    inside what the model was trained on; a log line says the size is zero-shot."""
+    from sparsevar.models.infinity import TRAINED_SCALES, level_index
+    r = resolve_resolution(2048, 2048)
+    assert r.pn == "4M" and r.hw[-3:] == ((64, 64), (96, 96), (128, 128)) and r.rope_grid == (64, 64)
+    assert rope_positions(r.hw, r.rope_grid).max().item() == 63
+    assert level_index(r.hw).max().item() == TRAINED_SCALES - 1
+    assert resolve_resolution(1728, 2304).hw[-1] == (108, 144)                  # 3:4 zero-shot
+    tiny.enable_fastvar(layer_range=(1, 3))              # the way it is meant to run (the tiny model has 4 layers)
+    try:
+        with caplog.at_level("WARNING"):
+            out = tiny("w3", height=2048, width=2048, generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        tiny.disable_fastvar()
+    assert out.images.shape[-2:] == (128, 128) and len(out.stats[0].scales) == 15
+    assert any("2048x2048 is a zero-shot size: 2 scales past the 13" in m for m in caplog.messages)
+
+
 def test_rope_positions_scale_to_the_1m_grid_with_half_to_even_rounding():
     r = infinity_resolution(0.75, "0.06M")                                      # 3:4, rope grid (54, 72)
     assert r.hw[5] == (12, 16)
