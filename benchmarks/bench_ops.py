@@ -89,7 +89,7 @@ def _cases(dev) -> list[dict]:
     either implementation (``fn(module)`` with the Triton module or ``ref``)."""
     from .. import sparse_ops
     from ..policies.sparsevar import anchor_candidates, anchor_count, anchor_mask, nearest_source
-    from ..sparse_ops import anchor, colsum, gather_modulate, restore, select
+    from ..sparse_ops import anchor, colsum, dense_fused, gather_modulate, restore, select
 
     g = torch.Generator(device=dev).manual_seed(0)
     cases = []
@@ -129,6 +129,28 @@ def _cases(dev) -> list[dict]:
                                    x, idx, branch, gate, cache, hw, (64, 64)),
                                "torch": lambda cache=cache, hw=cache_hw: ref.restore_residual(
                                    x, idx, branch, gate, cache, hw, (64, 64))}))
+    # the dense path's fused steps (sparse_ops.dense_fused): at 4096 tokens for the HBM target, and
+    # at VAR-d30's first scale (2 rows, one token each), where a launch costs more than the bytes
+    for Rd, Ld, Cd in ((R, L, C), (2, 1, 1920)):
+        xd = torch.randn(Rd, Ld, Cd, device=dev, generator=g)
+        bd = torch.randn(Rd, Ld, Cd, device=dev, generator=g).to(torch.bfloat16)
+        md, sd, gd = (torch.randn(Rd, 1, Cd, device=dev, generator=g) for _ in range(3))
+        by = Rd * Ld * Cd * (4 + 2 + 4 + 2) + 3 * Rd * Cd * 4
+        cases.append(dict(op="residual_norm_modulate", shape=f"R{Rd} L{Ld} C{Cd}", dtype="fp32 + bf16 → fp32, bf16",
+                          bytes=by, memory_bound=True, target=Ld == L,
+                          run={"triton": lambda a=(xd, bd, gd, md, sd): dense_fused.residual_norm_modulate(
+                                   *a, 1e-6, torch.bfloat16),
+                               "torch": lambda a=(xd, bd, gd, md, sd): ref.residual_norm_modulate(
+                                   *a, 1e-6, torch.bfloat16)}))
+    for Rq_, lq_, Hq_, dq_ in ((R, L, 16, 128), (2, 1, 30, 64)):
+        qkv = torch.randn(Rq_, lq_, 3, Hq_, dq_, device=dev, generator=g).to(torch.bfloat16)
+        mult = torch.rand(2, Hq_, 1, device=dev, generator=g) + 1
+        kc, vc = (torch.empty(Rq_, Hq_, lq_ + 64, dq_, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        by = qkv.numel() * 2 * 2                     # read q, k, v; write q, k, v
+        cases.append(dict(op="qk_norm_store", shape=f"R{Rq_} l{lq_} H{Hq_} d{dq_}", dtype="bf16", bytes=by,
+                          memory_bound=True, target=lq_ == L,
+                          run={"triton": lambda a=(qkv, mult, kc[:, :, 64:], vc[:, :, 64:]): dense_fused.qk_norm_store(*a),
+                               "torch": lambda a=(qkv, mult, kc[:, :, 64:], vc[:, :, 64:]): ref.qk_norm_store(*a)}))
     x_out = x + 0.1 * torch.randn(R, L, C, device=dev, generator=g)
     by = 2 * R * L * C * 4 + L * 4
     cases.append(dict(op="change_map", shape=f"R{R} L{L} C{C}", dtype="fp32", bytes=by, memory_bound=True,

@@ -36,7 +36,8 @@ STAGES = ("vqvae", "var", "classifier")
 
 @dataclass(frozen=True)
 class DemoTrainConfig:
-    """Sizes and schedules of the demo model's training (defaults: ≈15 minutes on one H100).
+    """Sizes and schedules of the demo model's training (defaults: 18 minutes on one H100: VQVAE 445 s,
+    transformer 548 s, classifier 81 s).
 
     seed: fixes data and initialisation of every stage.
     vq_*: VQVAE width, codebook size, steps, batch and learning rate.
@@ -65,7 +66,7 @@ class DemoTrainConfig:
     var_depth: int = 8
     var_width: int = 256
     var_heads: int = 4
-    var_steps: int = 8_000
+    var_steps: int = 10_000
     var_batch: int = 96
     var_lr: float = 8e-4
     var_label_dropout: float = 0.1
