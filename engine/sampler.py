@@ -210,6 +210,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 s.ms = scale_ms[s.si]
                 s.policy_ms = sum(v for (kind, k), v in hook_ms.items() if k == s.si)
         images = None
+        run.policy_state.clear()                       # the policies' maps and caches: free before decoding
         if decode:
             t = _ScaleTimer(run.device)
             t.start(0)
