@@ -4,7 +4,9 @@ Three cases, each with its backend (research/kernels.md §0, §1):
 
 - **dense scale, no mask** → ``F.scaled_dot_product_attention`` without a mask, so torch keeps
   its fast kernels eligible (cuDNN, then flash, then memory-efficient on an H100). A VAR step is
-  plain non-causal attention of this scale's queries against the KV cache (``Lq != Lk``).
+  plain non-causal attention of this scale's queries against the KV cache (``Lq != Lk``). With
+  at most ``SMALL_QUERY_TOKENS`` queries per row (VAR's first scales) the memory-efficient kernel
+  is put first ("sdpa-small"): measured faster than cuDNN there, slower above.
 - **images of a batch keep different token counts** (SparseVAR with padding; the cache holds
   padding keys between each scale's tokens; Infinity's padded prompts) → SDPA with the key mask.
   Varlen flash attention (``torch.nn.attention.varlen``, ``backend="varlen"``) needs every row's
@@ -26,10 +28,14 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flex")
+# Below this many queries per row (VAR's first scales) SDPA's memory-efficient kernel beats cuDNN's
+# (H100, torch 2.11, d 64: 4.8–5.1 µs against 6.4 µs at batch 1, 7.6 against 12.7 µs at batch 8)
+SMALL_QUERY_TOKENS = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +92,9 @@ def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: O
         raise ValueError("backend='varlen' needs key_valid_RL (rows with different valid key counts); use 'auto'")
     if attn_mask is not None:
         return "sdpa", "explicit attention mask (e.g. block-causal teacher forcing): SDPA with a mask"
+    if q_RHld.is_cuda and q_RHld.shape[2] <= SMALL_QUERY_TOKENS and q_RHld.shape[-1] <= 128:
+        return "sdpa-small", (f"dense, ≤ {SMALL_QUERY_TOKENS} queries per row: SDPA's memory-efficient kernel "
+                              f"(1.5–5 µs faster than cuDNN there on an H100; cuDNN wins from 36 queries up)")
     return "sdpa", "dense, no mask: SDPA keeps cuDNN / flash / memory-efficient eligible"
 
 
@@ -113,6 +122,10 @@ def attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, 
         return flex_fn(q_RHld, k_RHLd, v_RHLd, block_mask=block_mask, scale=scale)
     if name == "varlen":
         return _varlen_attention(q_RHld, k_RHLd, v_RHLd, scale, key_valid_RL)
+    if name == "sdpa-small":
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                          SDPBackend.MATH], set_priority=True):
+            return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, scale=scale)
     if key_valid_RL is not None and attn_mask is None:
         attn_mask = key_valid_RL[:, None, None, :]                                  # (R, Lk) → (R, 1, 1, Lk)
     return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, attn_mask=attn_mask, scale=scale)

@@ -76,18 +76,20 @@ def demo_batch(demo_pipe):
     return torch.tensor(labels), out.images
 
 
-def test_generated_images_show_their_class(demo_batch):
-    """Measured with the shipped classifier (100 % right on clean scenes, 92 % on VQVAE
-    reconstructions): 72 % of these 36 images (seed 0) and 78 % with seed 1, on a CPU; a random
-    guess is 8 %. Issue #7 asks for 80 %, which this demo model does not reach yet (the issue stays
-    open); the bound below catches a broken model, tokenizer or sampler without flaking on the
-    seed-to-seed spread (±7 % at 36 images)."""
-    labels, images = demo_batch
+def test_generated_images_show_their_class(demo_pipe):
+    """Issue #7: the shipped classifier recognises ≥ 80 % of generated images at default settings.
+    Measured: 83.3 % of 1800 images on an H100 (150 per class, seeds 0–2), 85.8 % of 360 on a CPU
+    (seeds 0–2), 85 % of these 120 (seed 0, CPU); a random guess is 8 %. Misses are the simple
+    shapes (box read as disc, ring as crescent); the objects are near 100 %. The bound sits under the
+    measurement by 2.8 standard errors of a 120-image sample (±3.3 %): a different CPU's float
+    rounding can flip sampled tokens and change individual images, but not the rate."""
+    labels = list(range(NUM_CLASSES)) * 10
+    images = demo_pipe(labels, generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert images.shape == (len(labels), 3, 256, 256)
     clf = SceneClassifier.from_file(DEMO_MODEL_DIR / "classifier.safetensors", NUM_CLASSES)
     with torch.no_grad():
-        acc = (clf(images).argmax(-1) == labels).float().mean().item()
-    assert acc >= 0.6, f"classifier accuracy {acc:.2f} on generated images"
+        acc = (clf(images).argmax(-1) == torch.tensor(labels)).float().mean().item()
+    assert acc >= 0.75, f"classifier accuracy {acc:.2f} on generated images"
 
 
 def test_classifier_recognises_clean_scenes():
@@ -115,11 +117,11 @@ def test_sparsevar_preset_stays_close_to_dense(demo_pipe, demo_batch):
     assert value >= PRESET_PSNR_DB, f"SparseVAR preset: median PSNR {value:.1f} dB against dense"
 
 
-# Measured: 28.0 dB median (min 22.0, max 35.1) over these 36 images on a CPU, fewer
-# tokens computed (57 %). Images of the same classes from another seed are 13.0 dB apart (median), so
-# 24 dB means "the same picture, slightly changed"; once one sampled token differs, later scales
-# diverge, which is why the bound sits 4 dB under the measurement.
-PRESET_PSNR_DB = 24.0
+# Measured: 25.3 dB median (min 22.9, max 34.0) over these 36 images on a CPU (25.9 dB with seed 1),
+# with 54 % of the tokens computed. Images of the same classes from another seed are 12.2 dB apart
+# (median), so 22 dB means "the same picture, slightly changed"; once one sampled token differs,
+# later scales diverge, which is why the bound sits 3 dB under the measurement.
+PRESET_PSNR_DB = 22.0
 
 
 # ---- the commands ----------------------------------------------------------------------------------

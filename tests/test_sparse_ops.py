@@ -588,6 +588,21 @@ def test_sparsevar_triton_and_torch_backends_keep_the_same_tokens():
 
 
 @pytest.mark.gpu
+def test_small_query_attention_uses_the_memory_efficient_kernel_and_matches_sdpa():
+    _needs_gpu()
+    from sparsevar.sparse_ops import attention as A
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for l, Lk, want in ((1, 1, "sdpa-small"), (25, 55, "sdpa-small"), (36, 91, "sdpa")):
+        q = torch.randn(2, 30, l, 64, device="cuda", generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(2, 30, Lk, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        name, why = A.choose_attention(q, k)
+        assert name == want, (l, name, why)
+        got = A.attention(q, k, v, 0.125)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
+        assert (got.float() - ref).abs().max().item() < 2e-2                  # bf16 output, |v| ~ 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("R, H, l, Lk, d", [(4, 4, 37, 300, 64), (2, 8, 1, 77, 128), (6, 2, 169, 680, 64)])
 def test_varlen_attention_equals_masked_sdpa(R, H, l, Lk, d):
     """Tolerance: both run bf16 inputs with float32 softmax; flash varlen and SDPA's kernels sum in
