@@ -152,15 +152,18 @@ class VARModelLoader(io.ComfyNode):
 class SparseVARChoice:
     """What the SparseVAR Settings node set. The sampler applies it over the preset of the model's
     family (``SPARSEVAR_PRESETS``: VAR, Infinity-2B …), so one node serves every family.
-    block None keeps the preset's observed layer / block group; keep_ratio None uses tau."""
+    start_scale / block None keep the preset's first pruned scale / observed layer or block group
+    (VAR: −2, Infinity-2B: −3); keep_ratio None uses tau."""
 
     tau: float
-    start_scale: int
+    start_scale: int | None
     block: int | None
     keep_ratio: float | None
 
     def overrides(self) -> dict:
-        out = {"tau": self.tau, "start_scale": self.start_scale, "keep_ratio": self.keep_ratio}
+        out = {"tau": self.tau, "keep_ratio": self.keep_ratio}
+        if self.start_scale is not None:
+            out["start_scale"] = self.start_scale
         return out if self.block is None else {**out, "block": self.block}
 
 
@@ -175,8 +178,9 @@ class SparseVARSettingsNode(io.ComfyNode):
             inputs=[
                 io.Float.Input("tau", default=d.tau, min=0.0, max=0.99, step=0.01,
                                tooltip=field_doc(SparseVARConfig, "tau")),
-                io.Int.Input("start_scale", default=d.start_scale, min=-16, max=16,
-                             tooltip=field_doc(SparseVARConfig, "start_scale")),
+                io.Int.Input("start_scale", default=0, min=-16, max=16,
+                             tooltip="0 = the model family's preset (VAR -2, Infinity -3). "
+                                     + field_doc(SparseVARConfig, "start_scale")),
                 io.Int.Input("block", default=-1, min=-1, max=128,
                              tooltip="-1 = the model family's preset. " + field_doc(SparseVARConfig, "block")),
                 io.Float.Input("keep_ratio", default=0.0, min=0.0, max=1.0, step=0.05,
@@ -187,7 +191,8 @@ class SparseVARSettingsNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, tau, start_scale, block, keep_ratio) -> io.NodeOutput:
-        choice = SparseVARChoice(tau=tau, start_scale=start_scale, block=None if block < 0 else block,
+        choice = SparseVARChoice(tau=tau, start_scale=None if start_scale == 0 else start_scale,
+                                 block=None if block < 0 else block,
                                  keep_ratio=None if keep_ratio == 0 else keep_ratio)
         SparseVARConfig(**choice.overrides())            # a bad value is named here, at this node
         return io.NodeOutput(choice)
