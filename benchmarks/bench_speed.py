@@ -45,7 +45,7 @@ METHODS = {
     "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, "fused", "keep_ratio=1.0 on the last 3 scales"),
     "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, "fused", "keep_ratio=0.5 on the last 3 scales"),
     "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, "fused", "keep_ratio=0.3 on the last 3 scales"),
-    "sparsevar-preset": (_sparsevar(), {}, "fused", "family preset (tau 0.6, last 2 scales)"),
+    "sparsevar-preset": (_sparsevar(), {}, "fused", "family preset (SPARSEVAR_PRESETS)"),
     "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, "fused", "family preset"),
     "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, "fused", "skip_last=1"),
     "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, "fused", "skip_last=2"),
@@ -164,6 +164,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
             floor = floor_fn(batch, torch.finfo(torch_dtype).bits // 8, gpu)
             for method in methods:
                 setup, kw, compiled, settings = METHODS[method]
+                if not hasattr(pipe, "enable_compiled_elementwise"):          # Infinity: no graphs, no fused ops yet
+                    settings = "eager" if method.startswith("dense") else f"{settings}, eager"
                 for name_ in [p.name for p in pipe.policies]:
                     pipe.remove_policy(name_)
                 try:

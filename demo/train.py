@@ -319,16 +319,25 @@ def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device
     gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 4)
     t0 = time.time()
     size = 256 if cfg.cls_reconstructions else cfg.cls_render_size      # the VQVAE needs 256 px inputs
-    clean_N3HW, labels_N = render_dataset(cfg.cls_data, cfg.seed * 1000 + 6, device, size=size)
-    if vq is not None and cfg.cls_reconstructions:
-        recs = []
-        with torch.no_grad():
-            for start in range(0, cfg.cls_data, 256):
-                with _autocast(device):
-                    rec = vq(clean_N3HW[start:start + 256].float() / 127.5 - 1).float()
-                recs.append(((rec + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))
-        clean_N3HW, labels_N = torch.cat([clean_N3HW, torch.cat(recs)]), labels_N.repeat(2)
-    clean_N3HW = _to_classifier_size(clean_N3HW)
+    with_recs = vq is not None and cfg.cls_reconstructions
+    # rendered, reconstructed and shrunk to the classifier's 64 px chunk by chunk (the same scenes and
+    # order as one render_dataset call): 48 000 scenes at 256 px would hold ~19 GB at once
+    scene_gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 6)
+    clean, recs, labels = [], [], []
+    for start in range(0, cfg.cls_data, 1024):
+        lab_B = random_labels(min(1024, cfg.cls_data - start), scene_gen)
+        img_B3HW = (render_scenes(lab_B, scene_gen, SceneConfig(size=size)) * 255).round().to(torch.uint8)
+        if with_recs:
+            with torch.no_grad():
+                for sub in img_B3HW.split(256):
+                    with _autocast(device):
+                        rec = vq(sub.float() / 127.5 - 1).float()
+                    recs.append(_to_classifier_size(((rec + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)))
+        clean.append(_to_classifier_size(img_B3HW))
+        labels.append(lab_B)
+    clean_N3HW, labels_N = torch.cat(clean + recs), torch.cat(labels)
+    if with_recs:
+        labels_N = labels_N.repeat(2)
     log(f"classifier: {clean_N3HW.shape[0]} training images in {time.time() - t0:.0f}s")
     t0 = time.time()
     for step in range(cfg.cls_steps):

@@ -124,8 +124,10 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         given batch size). Scales a policy changes always run eagerly.
     stop: polled after every scale; when it returns True the remaining scales are skipped and the
         latent accumulated so far is decoded (an interrupt that still returns an image).
-    keep_workspace: keep the KV cache and graphs for the next call of the same batch size; on an
-        exception (e.g. an interrupt raised by ``callback``) the workspace is always released.
+    keep_workspace: keep the workspace (KV cache, graphs) for the next call of the same batch size;
+        an adapter may still free its KV cache before decoding (Infinity does, to lend that memory
+        to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the workspace is
+        always released.
     schedule: the scales of this generation, for families whose output size is chosen per call
         (Infinity); default ``adapter.schedule``. Policies see it in ``run.schedule`` / ``run.info``.
     """

@@ -95,9 +95,10 @@ INFINITY_TEMPLATES: dict[float, tuple[tuple[int, int], ...]] = _all_templates()
 
 @dataclass(frozen=True)
 class InfinityResolution:
-    """One official output size: the template it comes from and its token schedule.
+    """One output size: the template it comes from and its token schedule.
 
-    h_div_w: the template's h/w key (1.0, 0.75, 1.333, ...); pn: "0.06M", "0.25M", "0.60M" or "1M";
+    h_div_w: the template's h/w key (1.0, 0.75, 1.333, ...); pn: "0.06M", "0.25M", "0.60M" or "1M"
+    (official), or a zero-shot size of ``ZERO_SHOT_PN`` ("4M");
     hw: (h, w) token map of every scale; rope_grid: the final (h, w) of the template's 1M schedule,
     to which RoPE positions are scaled whatever the output size.
     """
@@ -691,7 +692,7 @@ class _InfinityWorkspace:
         L = sum(h * w for h, w in hw)
         last = hw[-1][0] * hw[-1][1]
         # nothing attends to the last scale's keys afterwards: it gets a tail shared by all layers
-        # (1024²: 3.4 GB of bf16 K/V instead of 5.5 GB for the 2B model; 2048²: 10.3 GB instead of 18.9)
+        # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9)
         self._kv_args = (N, R, cfg.num_heads, model.head_dim, L - last, dtype, device)
         self._kv_transient = last
         self.kv: Optional[KVCache] = None

@@ -238,9 +238,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"negative_prompt_features holds {negative_prompt_features.batch} prompts for {n} prompts")
         resolution = resolve_resolution(height, width)
         if resolution.pn in ZERO_SHOT_PN:
-            logger.warning(f"{height}x{width} is a zero-shot size: {len(resolution.hw) - TRAINED_SCALES} scales past the "
-                           f"{TRAINED_SCALES} the model was trained on (FastVAR's extension; with FastVAR or "
-                           f"SparseVAR on, it fits in far less memory and time)")
+            logger.warning("%dx%d is a zero-shot size: %d scales past the %d the model was trained on (FastVAR's "
+                           "2K extension; pruning those scales with SparseVAR or FastVAR makes it much faster)",
+                           height, width, len(resolution.hw) - TRAINED_SCALES, TRAINED_SCALES)
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
                 or not math.isfinite(guidance_scale) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a number >= 0 (1 disables guidance), got {guidance_scale!r}")
@@ -282,7 +282,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             negative_prompt: replaces the unconditional branch of guidance (one, or one per prompt);
                 None uses the model's learned unconditional text cut to each prompt's token count.
             height, width: an official size (``valid_sizes()``): 1024×1024 and the 256–1024 px sizes of
-                the 15 aspect-ratio templates; anything else raises a ValueError listing the sizes.
+                the 15 aspect-ratio templates, or a zero-shot size past them (``ZERO_SHOT_PN``: 2048×2048
+                for 1:1, with a warning); anything else raises a ValueError listing the sizes.
             guidance_scale: CFG on the bit logits, cfg·cond + (1 − cfg)·uncond; 1 disables guidance
                 (official: 3 for the 2B notebook, 4 in infer.sh).
             temperature: τ, the logits are divided by it before guidance (default: 0.5, or 1.0 for a

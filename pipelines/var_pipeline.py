@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
 import numbers
 from dataclasses import dataclass
@@ -20,12 +21,15 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
+from ..sparse_ops._backend import resolve_backend
 from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
 from ..policies.base import Policy, PolicyStack
+
+logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
@@ -269,6 +273,11 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 import triton  # noqa: F401
             except ImportError:
                 raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
+            if kernels == "fused" and resolve_backend("auto", self.transformer.device) != "triton":
+                # e.g. a GPU older than sm_80 or ROCm: the hand-written kernels do not run, torch.compile does
+                logger.warning("enable_compiled_elementwise: the fused Triton kernels cannot run on this device "
+                               "(sparsevar info --backends says why); using kernels='compile' (torch.compile)")
+                kernels = "compile"
         self._compiled_elementwise = kernels if enabled else False
         return self
 

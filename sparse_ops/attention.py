@@ -70,7 +70,9 @@ def _varlen_usable(q_RHld: torch.Tensor) -> tuple[bool, str]:
 def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
                      key_valid_RL: Optional[torch.Tensor] = None, block_mask=None,
                      backend: str = "auto") -> tuple[str, str]:
-    """(backend, reason) for one attention call: ``"sdpa"``, ``"varlen"`` or ``"flex"``."""
+    """(backend, reason) for one attention call: ``"sdpa"``, ``"sdpa-small"`` (SDPA with the
+    memory-efficient kernel first, for ≤ ``SMALL_QUERY_TOKENS`` queries under ``backend="auto"``),
+    ``"varlen"`` or ``"flex"``."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend={backend!r} is not an attention backend: use one of {ATTENTION_BACKENDS} "
                          f"('auto' picks per call)")
@@ -92,10 +94,18 @@ def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: O
         raise ValueError("backend='varlen' needs key_valid_RL (rows with different valid key counts); use 'auto'")
     if attn_mask is not None:
         return "sdpa", "explicit attention mask (e.g. block-causal teacher forcing): SDPA with a mask"
-    if q_RHld.is_cuda and q_RHld.shape[2] <= SMALL_QUERY_TOKENS and q_RHld.shape[-1] <= 128:
+    if backend == "auto" and q_RHld.is_cuda and q_RHld.shape[2] <= SMALL_QUERY_TOKENS and q_RHld.shape[-1] <= 128 \
+            and _sdpa_priority_supported() and torch.backends.cuda.mem_efficient_sdp_enabled():
         return "sdpa-small", (f"dense, ≤ {SMALL_QUERY_TOKENS} queries per row: SDPA's memory-efficient kernel "
                               f"(1.5–5 µs faster than cuDNN there on an H100; cuDNN wins from 36 queries up)")
     return "sdpa", "dense, no mask: SDPA keeps cuDNN / flash / memory-efficient eligible"
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_priority_supported() -> bool:
+    """Whether this torch's ``sdpa_kernel`` takes a priority order (``set_priority``, torch ≥ 2.6):
+    a probe of the installed package, which does not change while the process runs."""
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, scale: float, *,
@@ -123,8 +133,12 @@ def attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, 
     if name == "varlen":
         return _varlen_attention(q_RHld, k_RHLd, v_RHLd, scale, key_valid_RL)
     if name == "sdpa-small":
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                          SDPBackend.MATH], set_priority=True):
+        # a priority order over the backends the user left enabled (none is switched back on)
+        b = torch.backends.cuda
+        order = [be for be, on in ((SDPBackend.EFFICIENT_ATTENTION, True), (SDPBackend.CUDNN_ATTENTION,
+                 b.cudnn_sdp_enabled()), (SDPBackend.FLASH_ATTENTION, b.flash_sdp_enabled()),
+                 (SDPBackend.MATH, b.math_sdp_enabled())) if on]
+        with sdpa_kernel(order, set_priority=True):
             return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, scale=scale)
     if key_valid_RL is not None and attn_mask is None:
         attn_mask = key_valid_RL[:, None, None, :]                                  # (R, Lk) → (R, 1, 1, Lk)

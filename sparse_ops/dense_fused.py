@@ -113,7 +113,7 @@ def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: t
     and raw v written into their cache slots."""
     R, l, three, H, D = qkv_Rl3Hd.shape
     assert three == 3 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)
-    if not qkv_Rl3Hd[0, 0].is_contiguous() or qkv_Rl3Hd.stride(2) != H * D:
+    if qkv_Rl3Hd.stride(-1) != 1 or qkv_Rl3Hd.stride(-2) != D or qkv_Rl3Hd.stride(2) != H * D:
         qkv_Rl3Hd = qkv_Rl3Hd.contiguous()
     assert k_dst_RHld.stride(-1) == 1 and v_dst_RHld.stride(-1) == 1, "cache slots need a contiguous head dim"
     mult = mult_2H1.reshape(2 * H).to(torch.float32).contiguous()

@@ -86,13 +86,17 @@ def test_zero_shot_2048_appends_two_scales_that_reuse_the_last_trained_level(tin
     assert rope_positions(r.hw, r.rope_grid).max().item() == 63
     assert level_index(r.hw).max().item() == TRAINED_SCALES - 1
     assert resolve_resolution(1728, 2304).hw[-1] == (108, 144)                  # 3:4 zero-shot
-    tiny.enable_fastvar(layer_range=(1, 3))              # the way it is meant to run (the tiny model has 4 layers)
+    # pruned, never skipped (the Infinity preset's ratio 1.0 would skip exactly the two zero-shot scales)
+    tiny.enable_fastvar(layer_range=(1, 3), ratios=(0.5, 0.75))
     try:
         with caplog.at_level("WARNING"):
             out = tiny("w3", height=2048, width=2048, generator=torch.Generator().manual_seed(0), output_type="latent")
     finally:
         tiny.disable_fastvar()
-    assert out.images.shape[-2:] == (128, 128) and len(out.stats[0].scales) == 15
+    scales = out.stats[0].scales
+    assert out.images.shape[-2:] == (128, 128) and len(scales) == 15
+    assert [(s.h, s.w, s.skipped) for s in scales[-2:]] == [(96, 96, False), (128, 128, False)]
+    assert 0 < scales[-1].tokens_computed < 128 * 128                               # computed, pruned
     assert any("2048x2048 is a zero-shot size: 2 scales past the 13" in m for m in caplog.messages)
 
 
