@@ -406,6 +406,26 @@ def test_kv_cache_transient_tail_holds_the_last_scale_of_one_layer_at_a_time():
     assert kv.tail_owner is None and kv.key_mask(0) is None
 
 
+def test_kv_cache_tail_with_layers_out_of_step_and_cond_only_rows():
+    """FastVAR prunes per layer, so layers reach the last scale with different fill lengths: a layer
+    whose last-scale write still fits stays in its own buffer, one that runs past goes to the tail;
+    after keep_rows (cond-only) only the kept rows move."""
+    kv = KVCache(num_layers=2, rows=4, heads=1, head_dim=2, capacity=5, dtype=torch.float32, device="cpu",
+                 transient=4)
+    a0, a1 = torch.randn(4, 1, 2, 2), torch.randn(4, 1, 4, 2)
+    kv.append(0, a0, a0, torch.tensor([0, 1]))                       # layer 0 kept 2 tokens
+    kv.append(1, a1, a1, torch.tensor([0, 1, 2, 3]))                 # layer 1 kept 4
+    kv.keep_rows(2)                                                  # cond-only from here on
+    b0, b1 = torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2)
+    k0, _ = kv.append(0, b0, b0, torch.tensor([4, 5, 6]))            # 2 + 3 = 5: fits, own buffer
+    assert kv.tail_owner is None and torch.equal(k0, torch.cat((a0[:2], b0), dim=2))
+    k1, _ = kv.append(1, b1, b1, torch.tensor([4, 5, 6]))            # 4 + 3 = 7 > 5: the tail
+    assert kv.tail_owner == 1 and k1.shape == (2, 1, 7, 2)
+    assert torch.equal(k1, torch.cat((a1[:2], b1), dim=2))
+    assert kv.tail_pos_RT[:2, :7].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 2
+    assert torch.equal(kv.view(0)[0], k0)                            # layer 0 still reads its own buffer
+
+
 def test_kv_cache_append_and_keep_rows():
     kv = KVCache(num_layers=2, rows=4, heads=2, head_dim=3, capacity=10, dtype=torch.float32, device="cpu")
     k1, v1 = torch.randn(4, 2, 3, 3), torch.randn(4, 2, 3, 3)
