@@ -686,6 +686,7 @@ class _InfinityWorkspace:
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
                  patchify: bool, device, dtype):
+        self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw

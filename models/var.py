@@ -330,6 +330,7 @@ class _VARWorkspace:
     """Static buffers of one batch size, reused across generations (CUDA graphs capture them)."""
 
     def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
+        self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
         cfg, sch = model.config, model.schedule
         R, C = 2 * batch, cfg.embed_dim
         self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)

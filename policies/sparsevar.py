@@ -260,11 +260,15 @@ class SparseVARPolicy(Policy):
         return {st["first"], st["last"]}
 
     # ---- hooks ------------------------------------------------------------------------------------
-    def _geometry(self, st: dict, hw: tuple[int, int], prev_hw: tuple[int, int], device):
+    def _geometry(self, st: dict, hw: tuple[int, int], prev_hw: tuple[int, int], device, workspace=None):
         """(anchors_L, cand_L4, src_L) of a map size: anchor grid, each token's candidate anchors,
-        and the previous-scale token nearest upsampling maps onto it; once per size pair."""
-        key = (hw, prev_hw)
+        and the previous-scale token nearest upsampling maps onto it. Built once per size pair and
+        kept in the adapter's workspace when there is one (reused by later generations of the same
+        shape, freed with it), else for this generation."""
+        key = ("sparsevar-geometry", hw, prev_hw, self.config.alpha, str(device))
         geo = st["geometry"]
+        if getattr(workspace, "policy_cache", None) is not None:
+            geo = workspace.policy_cache
         if key not in geo:
             (h, w), a = hw, self.config.alpha
             geo[key] = (anchor_mask(h, w, a, device).reshape(h * w),                    # (h, w) → (L,)
@@ -282,7 +286,7 @@ class SparseVARPolicy(Policy):
         L = h * w
         change_Bhw = st["change"]                         # the previous scale's map (B, h', w')
         B, hp, wp = change_Bhw.shape
-        anchors_L, cand_L4, src_L = self._geometry(st, (h, w), (hp, wp), change_Bhw.device)
+        anchors_L, cand_L4, src_L = self._geometry(st, (h, w), (hp, wp), change_Bhw.device, run.workspace)
         if c.interpolation == "nearest":                  # index-mapped: the upsampled map is never built
             change_BM = change_Bhw.reshape(B, hp * wp)                                  # (B, h', w') → (B, M)
         else:
