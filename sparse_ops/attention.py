@@ -201,6 +201,9 @@ def describe_backends() -> str:
                  f"memory-efficient {'on' if b.mem_efficient_sdp_enabled() else 'off'}, "
                  f"math {'on' if b.math_sdp_enabled() else 'off'}")
         lines.append(f"  dense scales: SDPA without a mask ({flags}); CUDA graphs for dense scales")
+        small = ("the memory-efficient kernel first" if _sdpa_priority_supported()
+                 else "the default order (this torch's sdpa_kernel has no priority order)")
+        lines.append(f"  scales with ≤ {SMALL_QUERY_TOKENS} queries per row: {small}")
         fn, _, why = _varlen_probe(torch.cuda.current_device())
         varlen = ("available with backend='varlen' (fp16/bf16; slower than the mask while the cache keeps "
                   "padding keys)" if fn is not None else f"unavailable: {why}")
@@ -213,7 +216,8 @@ def describe_backends() -> str:
         lines.append("  block-sparse patterns: FlexAttention (torch.nn.attention.flex_attention; compile it for speed)")
     except ImportError:
         lines.append(f"  block-sparse patterns: unavailable (torch {torch.__version__} has no FlexAttention)")
-    lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums):")
+    lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums, "
+                 "the dense path's fused residual + LayerNorm + AdaLN and q/k norm + cache write):")
     try:
         import triton
         lines.append(f"  triton {triton.__version__}: installed")
