@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--methods", nargs="+", default=["dense", "dense-graphs", "dense-eager"],
-                   help="dense, dense-graphs, dense-eager, " + ", ".join(
+                   help="dense, dense-compile, dense-graphs, dense-eager, " + ", ".join(
                        ["sparsevar-keep1.0", "sparsevar-keep0.5", "sparsevar-keep0.3", "sparsevar-preset",
                         "fastvar-preset", "skip-last-1", "skip-last-2"]) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])

@@ -65,16 +65,6 @@ def qk_normalize(qk_Rl2Hd: torch.Tensor, mult_2H1: torch.Tensor) -> torch.Tensor
     return (qk_Rl2Hd * (mult_2H1 / norm.clamp_min(1e-12))).to(qk_Rl2Hd.dtype)
 
 
-def qk_normalize_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
-                       v_dst_RHld: torch.Tensor) -> torch.Tensor:
-    """``qk_normalize`` plus the KV-cache write: normalised k and raw v go straight into their
-    cache slots (R, H, l, d); returns q as (R, H, l, d)."""
-    qk_Rl2Hd = qk_normalize(qkv_Rl3Hd[:, :, :2], mult_2H1)
-    k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))
-    v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
-    return qk_Rl2Hd[:, :, 0].transpose(1, 2)
-
-
 def residual_modulate(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor,
                       mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype):
     """``gated_residual`` followed by the next sub-layer's ``modulate``: (new x, next branch input)."""
@@ -119,7 +109,9 @@ class ElementwiseOps:
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.
             self.qk_normalize_store = self._norm_then_store
         else:
-            self.qk_normalize_store = qk_normalize_store
+            from ..sparse_ops import ref
+
+            self.qk_normalize_store = ref.qk_norm_store
 
     @staticmethod
     def _fused_modulate(kernel, x, mul, shift, eps, out_dtype):

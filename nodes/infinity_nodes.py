@@ -14,7 +14,7 @@ import torch
 
 from ..pipelines.infinity_pipeline import InfinityPipeline
 from ._comfy import io, model_management
-from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, checkpoint_files, model_roots,
+from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, checkpoint_files, resolve_in,
                         subfolders)
 
 FOLDER = "infinity"                  # models/infinity: infinity_2b_reg.pth, infinity_vae_d32reg.pth, folders
@@ -48,11 +48,7 @@ def text_encoder_choices() -> list[str]:
 
 
 def _resolve(name: str, folder: str) -> Path:
-    for root in model_roots(folder):
-        if (root / name).exists():
-            return root / name
-    raise ValueError(f"Infinity Model Loader: {name!r} is not in models/{folder} "
-                     f"({', '.join(map(str, model_roots(folder))) or 'no such folder'}); put it there and refresh")
+    return resolve_in(name, folder, "Infinity Model Loader", "it")
 
 
 class InfinityModelLoader(io.ComfyNode):

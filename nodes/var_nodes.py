@@ -72,10 +72,6 @@ def _files() -> list[str]:
     return checkpoint_files(FOLDER, _folders())
 
 
-def _model_roots() -> list[Path]:
-    return model_roots(FOLDER)
-
-
 DEMO_CHOICE = "sparsevar-demo (built in)"
 
 
@@ -85,14 +81,19 @@ def model_choices() -> list[str]:
     return [DEMO_CHOICE] + _folders() + _files()
 
 
+def resolve_in(name: str, folder: str, node: str, what: str) -> Path:
+    """The path of choice ``name`` under models/<folder>, or a ValueError saying where to put it."""
+    for root in model_roots(folder):
+        if (root / name).exists():
+            return root / name
+    raise ValueError(f"{node}: {name!r} is not in models/{folder} "
+                     f"({', '.join(map(str, model_roots(folder))) or 'no such folder'}); put {what} there and refresh")
+
+
 def _resolve(name: str) -> str:
     if name == DEMO_CHOICE:
         return str(DEMO_MODEL_DIR)
-    for root in _model_roots():
-        if (root / name).exists():
-            return str(root / name)
-    raise ValueError(f"VAR Model Loader: {name!r} is not in models/var ({', '.join(map(str, _model_roots()))}); "
-                     f"put the official .pth files or a converted folder there and refresh")
+    return str(resolve_in(name, FOLDER, "VAR Model Loader", "the official .pth files or a converted folder"))
 
 
 class _PipelineModules(torch.nn.Module):

@@ -17,14 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
-
-
-def _rows_per_program(block_c: int) -> tuple[int, int]:
-    """(ROWS, num_warps): ~4K elements per program on a GPU (16K in the interpreter)."""
-    budget = 16384 if interpreting() else 4096
-    rows = max(1, min(64, budget // block_c))
-    return rows, (4 if block_c * rows <= 4096 else 8)
+from .gather_modulate import _launch_shape, _norm_modulate_rows
 
 
 @triton.jit
@@ -42,13 +35,7 @@ def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y
         g = tl.load(g_ptr + r * s_gr + c, mask=cm, other=0.0).to(tl.float32)
         x = x + b * g[None, :]
         tl.store(xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :], x.to(xo_ptr.dtype.element_ty), mask=m2)
-    mean = tl.sum(x, axis=1) / C
-    xc = tl.where(m2, x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / C
-    rstd = 1.0 / tl.sqrt(var + eps)
-    mul = tl.load(mul_ptr + r * s_mr + c, mask=cm, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + r * s_sr + c, mask=cm, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * mul[None, :] + shift[None, :]
+    y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
@@ -71,8 +58,7 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
         return xo, y
     for t in (mul_R1C, shift_R1C) + ((gate_R1C,) if has_res else ()):
         assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
-    block_c = triton.next_power_of_2(C)
-    rows, warps = _rows_per_program(block_c)
+    block_c, rows, warps = _launch_shape(C)
     b, g = (branch_RlC, gate_R1C) if has_res else (x_RlC, mul_R1C)
     _residual_norm_mod_kernel[(triton.cdiv(n, rows), R)](
         x_RlC, b, g, mul_R1C, shift_R1C, xo, y, n, C, float(eps),

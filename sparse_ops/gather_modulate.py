@@ -29,6 +29,19 @@ def _launch_shape(C: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _norm_modulate_rows(xf, m2, c, cm, C, eps, mul_row_ptr, shift_row_ptr):
+    """LayerNorm of every row of ``xf`` (ROWS, BLOCK_C) float32 (masked columns ignored), then
+    · mul + shift read from one row of each: the float32 result. Shared with ``dense_fused``."""
+    mean = tl.sum(xf, axis=1) / C
+    xc = tl.where(m2, xf - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + eps)
+    mul = tl.load(mul_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    shift = tl.load(shift_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    return xc * rstd[:, None] * mul[None, :] + shift[None, :]
+
+
+@triton.jit
 def _gather_norm_mod_kernel(x_ptr, idx_ptr, mul_ptr, shift_ptr, y_ptr, xg_ptr,
                             n, C, eps,
                             stride_xr, stride_xl, stride_ir, stride_mr, stride_sr,
@@ -49,14 +62,7 @@ def _gather_norm_mod_kernel(x_ptr, idx_ptr, mul_ptr, shift_ptr, y_ptr, xg_ptr,
     if WRITE_X:
         tl.store(xg_ptr + r * stride_gr + j[:, None].to(tl.int64) * stride_gl + c[None, :], x, mask=m2)
     if NORM:
-        xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=1) / C
-        xc = tl.where(m2, xf - mean[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / C
-        rstd = 1.0 / tl.sqrt(var + eps)
-        mul = tl.load(mul_ptr + r * stride_mr + c, mask=cm, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + r * stride_sr + c, mask=cm, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * mul[None, :] + shift[None, :]
+        y = _norm_modulate_rows(x.to(tl.float32), m2, c, cm, C, eps, mul_ptr + r * stride_mr, shift_ptr + r * stride_sr)
         tl.store(y_ptr + r * stride_yr + j[:, None].to(tl.int64) * stride_yl + c[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=m2)
 
