@@ -114,7 +114,6 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
         res = resolution or 1024
 
         def call(gen, kw, batch):
-            kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}     # Infinity runs eagerly for now
             out = pipe(["w3 w4 w5 w6"] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
             return out, lambda st: pipe.flop_speedup(st, height=res, width=res)
 
@@ -164,8 +163,6 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
             floor = floor_fn(batch, torch.finfo(torch_dtype).bits // 8, gpu)
             for method in methods:
                 setup, kw, compiled, settings = METHODS[method]
-                if not hasattr(pipe, "enable_compiled_elementwise"):          # Infinity: no graphs, no fused ops yet
-                    settings = "eager" if method.startswith("dense") else f"{settings}, eager"
                 for name_ in [p.name for p in pipe.policies]:
                     pipe.remove_policy(name_)
                 try:
@@ -173,9 +170,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 except ValueError as e:     # a setting this model cannot take: say so, go on
                     log(f"{name} b{batch} {method}: skipped: {e}")
                     continue
-                if hasattr(pipe, "enable_compiled_elementwise"):
-                    on = bool(compiled) and device == "cuda"
-                    pipe.enable_compiled_elementwise(on, **({"kernels": compiled} if on else {}))
+                on = bool(compiled) and device == "cuda"
+                pipe.enable_compiled_elementwise(on, **({"kernels": compiled} if on else {}))
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()

@@ -152,6 +152,22 @@ class KVCache:
         valid_RT = self._buffers(layer, end)[3]
         return valid_RT[:self.rows, :end][:, None, None, :]
 
+    def host_state(self) -> tuple:
+        """The host-side bookkeeping (fill lengths, tail owner), which a CUDA-graph replay does not
+        advance: the graph runner saves it at capture and sets it after each replay."""
+        return tuple(self.lengths), self.tail_owner
+
+    def set_host_state(self, state: tuple) -> None:
+        lengths, self.tail_owner = state
+        self.lengths = list(lengths)
+
+    def storage_ptrs(self) -> tuple:
+        """Addresses of every buffer, which captured graphs hold (a re-allocated cache invalidates them)."""
+        bufs = [self.k_NRHTd, self.v_NRHTd, self.pos_NRT]
+        if self.transient:
+            bufs += [self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT]
+        return tuple(b.data_ptr() for b in bufs)
+
     def keep_rows(self, n: int) -> None:
         """Keep the first ``n`` rows (e.g. drop the unconditional CFG half). Rows are [cond; uncond]."""
         if not 0 < n <= self.rows:

@@ -62,7 +62,8 @@ class _GraphRunner:
 
     The adapter's ``compute_scale`` reads only static workspace buffers, so a capture taken at the
     first generation stays valid for every later one of the same shape. The KV cache's host-side
-    fill lengths are not advanced by a replay, so they are recorded at capture and restored.
+    bookkeeping (fill lengths, tail owner) is not advanced by a replay, so it is recorded at capture
+    and set after each replay.
     """
 
     def __init__(self, workspace, adapter):
@@ -82,27 +83,27 @@ class _GraphRunner:
         if entry is None and kv.masked:
             return None
         if entry is None:
-            before = list(kv.lengths)
+            before = kv.host_state()
             stream = self.stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 fn()                                   # warm-up (allocations, cuBLAS handles, compiles)
             torch.cuda.current_stream().wait_stream(stream)
-            kv.lengths = list(before)
+            kv.set_host_state(before)
             graph = torch.cuda.CUDAGraph()
             if run is not None:
                 run.graph_exports = {}
             with torch.cuda.graph(graph, pool=self.ws.graph_pool, stream=stream):
                 out = fn()
             exports = run.graph_exports if run is not None else {}
-            entry = (graph, out, list(before), list(kv.lengths), exports)
+            entry = (graph, out, before, kv.host_state(), exports)
             self.ws.graphs[key] = entry
-            kv.lengths = list(before)                  # capture recorded work but ran none of it
+            kv.set_host_state(before)                  # capture recorded work but ran none of it
         graph, out, before, after, exports = entry
-        if kv.lengths != before or kv.masked:
+        if kv.host_state() != before or kv.masked:
             return None                                # a policy changed the cache earlier: run eagerly
         graph.replay()
-        kv.lengths = list(after)
+        kv.set_host_state(after)
         if run is not None and exports:
             run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out

@@ -77,6 +77,17 @@ def gated_residual(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torc
     return torch.addcmul(x_RlC, branch_RlC, gate_R1C).to(x_RlC.dtype)
 
 
+def _qk_rope(qk_Rl2Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Tensor, sin_Rl1P: torch.Tensor):
+    """Infinity's cosine q/k with RoPE (``ref.qk_norm_rope_store`` without the cache write), for
+    torch.compile: (q, k) as (R, l, H, d), q in the input dtype, k in float32."""
+    from ..sparse_ops.ref import rope_pairs
+
+    qk = qk_Rl2Hd.float()
+    qk = qk / torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-12)
+    q = rope_pairs(qk[:, :, 0] * q_mult_H1, cos_Rl1P, sin_Rl1P).to(qk_Rl2Hd.dtype)
+    return q, rope_pairs(qk[:, :, 1].contiguous(), cos_Rl1P, sin_Rl1P)
+
+
 class ElementwiseOps:
     """The elementwise steps, eager or fused. One instance per adapter (no global cache).
 
@@ -94,6 +105,7 @@ class ElementwiseOps:
             raise ValueError(f"kind={kind!r}: choose one of {self.KINDS}")
         self.kind = kind
         self.compiled = kind != "eager"
+        self._compiled_rope = None
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate)
         for name, fn in fns.items():
@@ -104,18 +116,29 @@ class ElementwiseOps:
             self.modulate = functools.partial(self._fused_modulate, sparse_ops.residual_norm_modulate)
             self.residual_modulate = functools.partial(sparse_ops.residual_norm_modulate, backend="triton")
             self.qk_normalize_store = functools.partial(sparse_ops.qk_norm_store, backend="triton")
+            self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
         elif kind == "compile":
             # Compiling the cache write into the norm produced four kernels instead of one on an H100
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.
             self.qk_normalize_store = self._norm_then_store
+            self.qk_norm_rope_store = self._rope_norm_then_store
         else:
             from ..sparse_ops import ref
 
             self.qk_normalize_store = ref.qk_norm_store
+            self.qk_norm_rope_store = ref.qk_norm_rope_store
 
     @staticmethod
     def _fused_modulate(kernel, x, mul, shift, eps, out_dtype):
         return kernel(x, None, None, mul, shift, eps, out_dtype, backend="triton")[1]
+
+    def _rope_norm_then_store(self, qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P, k_dst_RHld, v_dst_RHld):
+        if self._compiled_rope is None:
+            self._compiled_rope = torch.compile(_qk_rope, dynamic=True, fullgraph=True)
+        q_RlHd, k_RlHd = self._compiled_rope(qkv_Rl3Hd[:, :, :2], q_mult_H1, cos_Rl1P, sin_Rl1P)
+        k_dst_RHld.copy_(k_RlHd.transpose(1, 2))
+        v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+        return q_RlHd.transpose(1, 2)
 
     def _norm_then_store(self, qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld):
         qk_Rl2Hd = self.qk_normalize(qkv_Rl3Hd[:, :, :2], mult_2H1)

@@ -41,11 +41,13 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
-from ._blocks import EAGER_OPS, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from ..sparse_ops.ref import rope_pairs
+from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .bsq_vae import code_value, next_scale_input, upsample_codes
 from .text_encoder import TextFeatures
 
 MAX_LOG_TEMPERATURE = math.log(100.0)
+TEXT_BUCKET = 32                      # CUDA: text K/V padded to a multiple of this many tokens (shared graphs)
 VAE_STRIDE = 16                       # pixels per transformer token (also with the 8B's 8-px VAE + 2×2 patchify)
 
 # ---- resolutions: the official h/w templates (infinity/utils/dynamic_resolution.py) ----------------
@@ -199,10 +201,7 @@ def rope_cos_sin(hw: Sequence[tuple[int, int]], rope_grid: tuple[int, int], head
 
 def apply_rope(x_RlHd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent channel pairs (2p, 2p+1) of (R, l, H, d) by cos/sin (R or 1, l, 1, d/2)."""
-    R, l, H, d = x_RlHd.shape
-    pair = x_RlHd.view(R, l, H, d // 2, 2)                                           # (R, l, H, d) → pairs
-    a, b = pair[..., 0], pair[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(R, l, H, d)
+    return rope_pairs(x_RlHd, cos, sin)
 
 
 def level(si: int) -> int:
@@ -224,15 +223,16 @@ class _Call:
     scale, or ``pos`` (R, n)), their key validity, and the cross-attention K/V of the text."""
 
     __slots__ = ("kv", "si", "layer", "run", "qkv_bias", "q_mult", "cos_LD", "sin_LD", "start", "pos", "valid_Rl",
-                 "record", "ca_k", "ca_v", "ca_mask", "attn_mask", "rope_l")
+                 "record", "ca_k", "ca_v", "ca_mask", "attn_mask", "rope_l", "ops")
 
     def __init__(self, *, kv, si, layer, run, qkv_bias, q_mult, cos_LD, sin_LD, start, pos, valid_Rl, record,
-                 ca_k, ca_v, ca_mask, attn_mask=None, rope_l=None):
+                 ca_k, ca_v, ca_mask, attn_mask=None, rope_l=None, ops: ElementwiseOps = EAGER_OPS):
         self.kv, self.si, self.layer, self.run = kv, si, layer, run
         self.qkv_bias, self.q_mult, self.cos_LD, self.sin_LD = qkv_bias, q_mult, cos_LD, sin_LD
         self.start, self.pos, self.valid_Rl, self.record = start, pos, valid_Rl, record
         self.ca_k, self.ca_v, self.ca_mask, self.attn_mask = ca_k, ca_v, ca_mask, attn_mask
         self.rope_l = rope_l          # cos, sin of ``pos`` gathered once per scale (shared by the layers)
+        self.ops = ops                # the elementwise steps: eager, torch.compile or fused Triton kernels
 
     def positions(self, idx_Rn: Optional[torch.Tensor]):
         """(absolute positions (l,) or (R, n), validity or None) of the tokens being written."""
@@ -279,22 +279,19 @@ class InfinitySelfAttention(nn.Module):
         H, d = self.num_heads, self.head_dim
         w = self.mat_qkv.weight
         qkv_Rl3Hd = F.linear(x_RlC.to(w.dtype), w, ctx.qkv_bias).view(R, l, 3, H, d)
-        qk_Rl2Hd = qkv_Rl3Hd[:, :, :2].float()
-        qk_Rl2Hd = qk_Rl2Hd / torch.linalg.vector_norm(qk_Rl2Hd, dim=-1, keepdim=True).clamp_min(1e-12)
         pos, valid = ctx.positions(idx_Rn)
         cos, sin = ctx.rope(pos)
-        q_RlHd = apply_rope(qk_Rl2Hd[:, :, 0] * ctx.q_mult, cos, sin)
-        k_RlHd = apply_rope(qk_Rl2Hd[:, :, 1].contiguous(), cos, sin)
-        v_RlHd = qkv_Rl3Hd[:, :, 2]
-        q = q_RlHd.transpose(1, 2).to(v_RlHd.dtype)                                 # (R, H, l, d) in the weight dtype
         out = None
         if ctx.kv is None:                                                          # teacher forcing: one pass
-            k, v, attn_mask = k_RlHd.transpose(1, 2).to(v_RlHd.dtype), v_RlHd.transpose(1, 2), ctx.attn_mask
+            k_RHld = torch.empty(R, H, l, d, device=w.device, dtype=w.dtype)
+            v_RHld = torch.empty_like(k_RHld)
+            q = ctx.ops.qk_norm_rope_store(qkv_Rl3Hd, ctx.q_mult, cos, sin, k_RHld, v_RHld)
+            k, v, attn_mask = k_RHld, v_RHld, ctx.attn_mask
         else:
             record = ctx.record or idx_Rn is not None
             k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos if record else None, valid)
-            k_dst.copy_(k_RlHd.transpose(1, 2))
-            v_dst.copy_(v_RlHd.transpose(1, 2))
+            # cosine q/k (float32), q's temperature, RoPE, and the cache write: one step
+            q = ctx.ops.qk_norm_rope_store(qkv_Rl3Hd, ctx.q_mult, cos, sin, k_dst, v_dst)  # (R, H, l, d)
             k, v = ctx.kv.view(ctx.layer)
             attn_mask = ctx.kv.key_mask(ctx.layer)
             if ctx.run.policies.active["attention"]:
@@ -356,7 +353,7 @@ class InfinityBlock(nn.Module):
     def forward(self, x_RlC: torch.Tensor, mod_R6C: torch.Tensor, ctx: _Call) -> torch.Tensor:
         g1, g2, m1, m2, b1, b2 = mod_R6C.unsqueeze(2).unbind(1)                     # each (R, 1, C)
         wdtype = self.ffn.fc1.weight.dtype
-        ops, eps = EAGER_OPS, self.norm_eps
+        ops, eps = ctx.ops, self.norm_eps
         R = x_RlC.shape[0]
         ca_k, ca_v = ctx.ca_k[:R], ctx.ca_v[:R]
         ca_mask = ctx.ca_mask[:R] if ctx.ca_mask is not None else None
@@ -390,6 +387,27 @@ class InfinityBlock(nn.Module):
         x_RlC = ops.gated_residual(x_RlC, sa_branch(modulate(x_RlC, m1, b1)), g1)
         x_RlC = x_RlC + ca_branch(ca_modulate(x_RlC, self.ca_norm.weight, self.ca_norm.bias)).float()
         return ops.gated_residual(x_RlC, self.ffn(modulate(x_RlC, m2, b2)), g2)
+
+    def forward_chained(self, x_RlC: torch.Tensor, y_RlC: torch.Tensor, mod_R6C: torch.Tensor,
+                        next_mod_R6C: Optional[torch.Tensor], ctx: _Call, ones_R1C: torch.Tensor):
+        """The dense path without sub-layer wrappers, chained across blocks (fused elementwise ops
+        only): ``y_RlC`` is this block's self-attention input, already modulated; each residual add
+        runs in one step with the next sub-layer's norm — the cross-attention's affine LayerNorm
+        as LN·weight + bias, its ungated residual with a gate of ones (``ones_R1C``). Returns (x,
+        the next block's self-attention input, or None after the last block)."""
+        g1, g2, _, m2, _, b2 = mod_R6C.unsqueeze(2).unbind(1)                        # each (R, 1, C)
+        ops, eps, wdtype = ctx.ops, self.norm_eps, self.ffn.fc1.weight.dtype
+        R = x_RlC.shape[0]
+        ca_mask = ctx.ca_mask[:R] if ctx.ca_mask is not None else None
+        ca_w, ca_b = self.ca_norm.weight.view(1, 1, -1), self.ca_norm.bias.view(1, 1, -1)
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.sa(y_RlC, ctx), g1, ca_w, ca_b, eps, wdtype)
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.ca(y_RlC, ctx.ca_k[:R], ctx.ca_v[:R], ca_mask),
+                                             ones_R1C[:R], m2, b2, eps, wdtype)
+        branch_RlC = self.ffn(y_RlC)
+        if next_mod_R6C is None:
+            return ops.gated_residual(x_RlC, branch_RlC, g2), None
+        _, _, m1_next, _, b1_next, _ = next_mod_R6C.unsqueeze(2).unbind(1)
+        return ops.residual_modulate(x_RlC, branch_RlC, g2, m1_next, b1_next, eps, wdtype)
 
 
 class _TextPoolAttention(nn.Module):
@@ -571,14 +589,20 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
         return self.shared_ada_lin(cond_RD.to(self.shared_ada_lin[1].weight.dtype)).float().view(R, 6, -1)
 
     def head_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
-        """(R, 2, C) float32: scale, shift of the head's AdaLN."""
+        """(R, 2, C) float32: 1 + scale, shift of the head's AdaLN."""
         lin = self.head_nm.ada_lin
-        return lin(cond_RD.to(lin[1].weight.dtype)).float().view(cond_RD.shape[0], 2, -1)
+        ada = lin(cond_RD.to(lin[1].weight.dtype)).float().view(cond_RD.shape[0], 2, -1)
+        return torch.stack((ada[:, 0] + 1, ada[:, 1]), dim=1)
 
-    def logits(self, h_RlC: torch.Tensor, head_ada_R2C: torch.Tensor) -> torch.Tensor:
-        """Bit logits (R, l, 2d) float32: entries 2j / 2j+1 = bit j is 0 / 1."""
-        scale, shift = head_ada_R2C.unsqueeze(2).unbind(1)                          # each (R, 1, C)
-        y = layer_norm_no_affine(h_RlC, self.config.norm_eps) * (1 + scale) + shift
+    def logits(self, h_RlC: torch.Tensor, head_mod_R2C: torch.Tensor,
+               ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+        """Bit logits (R, l, 2d) float32: entries 2j / 2j+1 = bit j is 0 / 1. ``head_mod_R2C`` from
+        :meth:`head_adaln`; fused ``ops`` run the LayerNorm + AdaLN in one kernel."""
+        mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
+        if ops is not None and ops.kind != "eager":
+            y = ops.modulate(h_RlC, mul_R1C, shift_R1C, self.config.norm_eps, torch.float32)
+        else:
+            y = layer_norm_no_affine(h_RlC, self.config.norm_eps) * mul_R1C + shift_R1C
         return F.linear(y, self.head.weight.float(), self.head.bias.float())
 
     # ---- teacher forcing (training layout; used by the parity tests) --------------------------
@@ -702,16 +726,59 @@ class _InfinityWorkspace:
         if patchify:
             H, W = 2 * H, 2 * W
         self.summed_BdHW = torch.zeros(batch, vae_dim, H, W, device=device, dtype=torch.float32)
-        self.next_BlD: Optional[torch.Tensor] = None
+        # every scale's next-scale input (B, L, d), written by accumulate, read by stage_input
+        self.next_BLD = torch.zeros(batch, L, cfg.token_dim, device=device, dtype=torch.float32)
+        self.ones_R1C = torch.ones(R, 1, C, device=device, dtype=torch.float32)
         self.ada_NR6C = torch.zeros(N, R, 6, C, device=device, dtype=torch.float32)
-        self.head_ada_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
+        self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
         self.positions_L = torch.arange(L, device=device)
         self.qkv_bias_N3C = torch.zeros(N, 3 * C, device=device, dtype=dtype)
         self.q_mult_NH1 = torch.zeros(N, cfg.num_heads, 1, device=device, dtype=torch.float32)
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, model.head_dim)
         self.cos_LD, self.sin_LD = cos.to(device), sin.to(device)
+        # the text memory's cross-attention K/V per layer, padded to a bucket of TEXT_BUCKET tokens
+        # on CUDA so that prompts of similar length share captured graphs (set_text)
+        self._ca_args = (N, R, cfg.num_heads, model.head_dim, dtype, device)
+        self.ca_k_NRHTd: Optional[torch.Tensor] = None
+        self.ca_v_NRHTd: Optional[torch.Tensor] = None
+        self.ca_valid_R11T: Optional[torch.Tensor] = None
+        self.ca_masked = False
+        self.static_index: dict = {}          # graphed layer stacks: their token-index input buffers
+        self.graph_inputs = None              # what captured graphs point at (weights, KV cache, text buffers)
 
+    def set_text(self, kv_per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]], lens: Sequence[int]) -> None:
+        """Copy the text K/V (each (R, H, T, d)) into the static buffers; keys past a row's prompt
+        length are masked out (no mask when every row fills the buffer)."""
+        N, Rmax, H, d, dtype, device = self._ca_args
+        R, _, T, _ = kv_per_layer[0][0].shape
+        bucket = TEXT_BUCKET if device.type == "cuda" else 1
+        Tb = -(-T // bucket) * bucket
+        if self.ca_k_NRHTd is None or self.ca_k_NRHTd.shape[3] != Tb:
+            self.ca_k_NRHTd = torch.zeros(N, Rmax, H, Tb, d, device=device, dtype=dtype)
+            self.ca_v_NRHTd = torch.zeros_like(self.ca_k_NRHTd)
+            self.ca_valid_R11T = torch.zeros(Rmax, 1, 1, Tb, device=device, dtype=torch.bool)
+        for i, (k, v) in enumerate(kv_per_layer):
+            self.ca_k_NRHTd[i, :R, :, :T].copy_(k)
+            self.ca_v_NRHTd[i, :R, :, :T].copy_(v)
+        lens_R = torch.tensor(list(lens), device=device)
+        self.ca_valid_R11T[:R, 0, 0].copy_(torch.arange(Tb, device=device)[None, :] < lens_R[:, None])
+        # equal lengths filling the buffer need no key mask (keeps the fast SDPA kernels available)
+        self.ca_masked = any(n != Tb for n in lens)
+
+    def text_memory(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(K, V, key mask or None) of ``layer``'s cross-attention, all rows."""
+        return self.ca_k_NRHTd[layer], self.ca_v_NRHTd[layer], (self.ca_valid_R11T if self.ca_masked else None)
+
+    def check_graphs(self, model: "InfinityTransformer") -> None:
+        """Drop captured graphs whose buffers moved (a re-allocated KV cache, weights moved away and
+        back by offloading, another text bucket or mask): they would read freed memory."""
+        inputs = (tuple(p.data_ptr() for p in model.parameters()), self.kv.storage_ptrs(),
+                  self.ca_k_NRHTd.data_ptr(), self.ca_v_NRHTd.data_ptr(), self.ca_masked)
+        if inputs != self.graph_inputs:
+            if getattr(self, "graphs", None):
+                self.graphs.clear()
+            self.graph_inputs = inputs
 
     def ensure_kv(self) -> KVCache:
         """The KV cache, allocated again if :meth:`drop_kv` freed it for the decoder."""
@@ -735,8 +802,8 @@ class InfinityAdapter:
     """
 
     family = "infinity"
-    supports_cuda_graphs = False
-    capture_stream = None
+    supports_cuda_graphs = True
+    capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
 
     def __init__(self, transformer: InfinityTransformer, vae, resolution: InfinityResolution = DEFAULT_RESOLUTION):
         d_tok, d_vae = transformer.config.token_dim, vae.config.codebook_dim
@@ -755,6 +822,16 @@ class InfinityAdapter:
         self.num_layers = transformer.config.depth
         self._workspace: Optional[_InfinityWorkspace] = None
         self._workspace_key = None
+        self.ops = EAGER_OPS
+
+    def set_compiled_elementwise(self, enabled) -> None:
+        """Fuse the blocks' elementwise steps (CUDA + Triton only): ``True`` / ``"fused"`` for the
+        hand-written kernels (LayerNorm + AdaLN with the residual add; q/k norm + RoPE + KV-cache
+        write), ``"compile"`` for torch.compile alone, ``False`` for eager."""
+        kind = {False: "eager", True: "fused"}.get(enabled, enabled)
+        if kind != self.ops.kind:
+            self.ops = EAGER_OPS if kind == "eager" else ElementwiseOps(kind=kind)
+            self.release()
 
     @property
     def device(self) -> torch.device:
@@ -803,21 +880,19 @@ class InfinityAdapter:
         ws.sos_R1C[:R].copy_(cond_RD.unsqueeze(1) + m.pos_start + m.lvl_embed.weight[0].float())
         shared = m.shared_adaln(cond_RD)
         blocks = m.blocks
-        ca_k, ca_v = [], []
+        text_kv = []
         for i, blk in enumerate(blocks):
             ws.ada_NR6C[i, :R].copy_(blk.modulation(shared))
             ws.qkv_bias_N3C[i].copy_(blk.sa.qkv_bias())
             ws.q_mult_NH1[i].copy_(blk.sa.q_multiplier())
-            k, v = blk.ca.text_kv(ca_RTC)
-            ca_k.append(k)
-            ca_v.append(v)
-        ws.head_ada_R2C[:R].copy_(m.head_adaln(cond_RD))
-        # equal prompt lengths need no key mask (keeps the fast SDPA kernels available)
-        ca_mask = None if len(set(text.lens)) == 1 else mask_RT[:, None, None, :]
-        run.model_state.update(ca_k=ca_k, ca_v=ca_v, ca_mask=ca_mask, temperature=float(cond.temperature))
+            text_kv.append(blk.ca.text_kv(ca_RTC))
+        ws.set_text(text_kv, text.lens)
+        del text_kv
+        ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
+        run.model_state.update(temperature=float(cond.temperature))
         ws.summed_BdHW.zero_()
-        ws.next_BlD = None
         ws.ensure_kv().reset()
+        ws.check_graphs(m)
         if not run.cfg_active:
             ws.kv.keep_rows(B)
         run.workspace = ws
@@ -829,25 +904,58 @@ class InfinityAdapter:
         if si == 0:
             return ws.sos_R1C[:R]
         m = self.transformer
-        x_BlC = m.word_embed(ws.next_BlD.to(m.word_embed.weight.dtype)).float() + m.lvl_embed.weight[level(si)].float()
+        start, end = run.schedule.offsets[si], run.schedule.offsets[si + 1]
+        next_BlD = ws.next_BLD[:, start:end]
+        x_BlC = m.word_embed(next_BlD.to(m.word_embed.weight.dtype)).float() + m.lvl_embed.weight[level(si)].float()
         return x_BlC.repeat(R // B, 1, 1)                                            # same tokens for both CFG halves
 
     @torch.no_grad()
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> Optional[torch.Tensor]:
-        """Raw float32 bit logits of every row, (R, h·w, 2d)."""
+        """Raw float32 bit logits of every row, (R, h·w, 2d); reads only workspace buffers.
+
+        With ``graphs`` (the engine's CUDA-graph runner) the layer stack — stage input, gather,
+        layers, scatter — is replayed from a graph keyed by scale and subset size; the policies'
+        taps are read from it afterwards, and post_hidden and the head run eagerly. Returns None
+        when the graph cannot be used (the engine then calls again without it)."""
         if graphs is not None:
-            return None                                                              # no CUDA graphs (yet)
-        idx = plan.token_index.to(self.device, torch.long) if plan.token_index is not None else None
-        valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
-        x_RLC = self._layers(si, idx, valid, run)
+            x_RLC = self._layers_graphed(si, plan, run, graphs)
+            if x_RLC is None:
+                return None
+        else:
+            idx = plan.token_index.to(self.device, torch.long) if plan.token_index is not None else None
+            valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
+            x_RLC, _ = self._layers(si, idx, valid, run, taps=None)
         x_RLC = run.policies.post_hidden(si, x_RLC, run)
-        return self.transformer.logits(x_RLC, run.workspace.head_ada_R2C[:run.rows])
+        return self.transformer.logits(x_RLC, run.workspace.head_mod_R2C[:run.rows], self.ops)
+
+    def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
+        ws, stack = run.workspace, run.policies
+        taps = stack.observed_layers(si, run) if stack.active["observe"] else set()
+        taps = set(range(self.num_layers)) if taps is None else taps
+        idx_buf = None
+        if plan.token_index is not None:
+            n = plan.token_index.shape[1]
+            key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
+            idx_buf = ws.static_index.get(key)
+            if idx_buf is None:
+                idx_buf = ws.static_index[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
+            idx_buf.copy_(plan.token_index)
+        else:
+            key = ("layers", si, None, frozenset(taps), stack.graph_key(si, run))
+        out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv, run)
+        if out is None:
+            return None
+        x_RLC, collected = out
+        for i, x_in, x_out in collected:
+            stack.observe(si, ("layer", i), x_in, x_out, run)
+        return x_RLC
 
     def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor],
-                run: RunState) -> torch.Tensor:
-        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter."""
+                run: RunState, taps: Optional[set]):
+        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter. With ``taps`` (a
+        set of layers) the taps are returned instead of handed to the policies' observe."""
         ws, R, B = run.workspace, run.rows, run.batch_size
-        stack, st = run.policies, run.model_state
+        stack = run.policies
         x0_RLC = self.stage_input(si, run)
         start, L = run.schedule.offsets[si], x0_RLC.shape[1]
         kv = ws.kv
@@ -865,21 +973,35 @@ class InfinityAdapter:
             record = len(set(kv.lengths)) > 1          # layers out of step (per-layer pruning): record per layer
             if not record:
                 kv.record_positions(kv.lengths[0], pos)
-        observe = bool(stack.active["observe"])
+        observe = bool(stack.active["observe"]) and taps is None
+        collected = []
         rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,
                        sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca_k=None, ca_v=None,
                        ca_mask=None).rope(pos)
-        for i, blk in enumerate(self.transformer.blocks):
+        blocks = self.transformer.blocks
+        # fused elementwise kernels and no sub-layer wrapper: chain each residual add with the next norm
+        chained = self.ops.kind != "eager" and not stack.active["wrap_sublayer"]
+        if chained:
+            y_RlC = self.ops.modulate(x_RlC, ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5], blocks[0].norm_eps,
+                                      blocks[0].ffn.fc1.weight.dtype)
+        for i, blk in enumerate(blocks):
             x_in = x_RlC
+            ca_k, ca_v, ca_mask = ws.text_memory(i)
             call = _Call(kv=kv, si=si, layer=i, run=run, qkv_bias=ws.qkv_bias_N3C[i], q_mult=ws.q_mult_NH1[i],
                          cos_LD=ws.cos_LD, sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=valid_Rn, record=record,
-                         ca_k=st["ca_k"][i], ca_v=st["ca_v"][i], ca_mask=st["ca_mask"], rope_l=rope_l)
-            x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
+                         ca_k=ca_k, ca_v=ca_v, ca_mask=ca_mask, rope_l=rope_l, ops=self.ops)
+            if chained:
+                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) else None
+                x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call, ws.ones_R1C)
+            else:
+                x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
+            elif taps is not None and i in taps:
+                collected.append((i, x_in, x_RlC))
         if idx_Rn is not None:
             x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
-        return x_RlC
+        return x_RlC, collected
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """logits/τ, then cfg·cond + (1 − cfg)·uncond (the reference's order of operations)."""
@@ -915,7 +1037,8 @@ class InfinityAdapter:
             ws.summed_BdHW.add_(codes_BDhw)                                          # full size already
             return
         ws.summed_BdHW.add_(upsample_codes(codes_BDhw, ws.summed_BdHW.shape[-2:]))
-        ws.next_BlD = next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify)
+        start, end = sch.offsets[si + 1], sch.offsets[si + 2]
+        ws.next_BLD[:, start:end].copy_(next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify))
 
     def drop_uncond(self, run: RunState) -> None:
         run.workspace.kv.keep_rows(run.batch_size)
@@ -930,8 +1053,6 @@ class InfinityAdapter:
         return (img + 1) * 0.5                                                       # [-1, 1] → [0, 1]
 
     def end(self, run: RunState, keep_workspace: bool) -> None:
-        run.model_state.pop("ca_k", None)
-        run.model_state.pop("ca_v", None)
         if not keep_workspace:
             self.release()
         run.workspace = None

@@ -264,13 +264,20 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return torch.stack([blk.adaln(shared) for blk in self.blocks])
 
     def head_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
-        """(R, 2, C) float32: scale, shift of the head's AdaLN."""
-        return self.head_nm.ada_lin(cond_RD).view(cond_RD.shape[0], 2, self.config.embed_dim).float()
+        """(R, 2, C) float32: 1 + scale, shift of the head's AdaLN."""
+        ada = self.head_nm.ada_lin(cond_RD).view(cond_RD.shape[0], 2, self.config.embed_dim).float()
+        return torch.stack((ada[:, 0] + 1, ada[:, 1]), dim=1)
 
-    def logits(self, h_RlC: torch.Tensor, head_ada_R2C: torch.Tensor) -> torch.Tensor:
-        scale, shift = head_ada_R2C.unsqueeze(2).unbind(1)                          # each (R, 1, C)
-        y = layer_norm_no_affine(h_RlC, self.config.norm_eps) * (1 + scale) + shift
-        return self.head(y.to(self.head.weight.dtype)).float()
+    def logits(self, h_RlC: torch.Tensor, head_mod_R2C: torch.Tensor,
+               ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+        """Codebook logits (R, l, V) float32 of hidden states; ``head_mod_R2C`` from :meth:`head_adaln`.
+        Fused ``ops`` run the LayerNorm + AdaLN in one kernel."""
+        mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
+        if ops is not None and ops.kind != "eager":
+            y = ops.modulate(h_RlC, mul_R1C, shift_R1C, self.config.norm_eps, self.head.weight.dtype)
+        else:
+            y = (layer_norm_no_affine(h_RlC, self.config.norm_eps) * mul_R1C + shift_R1C).to(self.head.weight.dtype)
+        return self.head(y).float()
 
     def lvl_pos(self) -> torch.Tensor:
         """(1, L, C) level + position embedding of every token."""
@@ -337,7 +344,7 @@ class _VARWorkspace:
         H, W = sch.latent_hw
         self.f_hat_BChw = torch.zeros(batch, vae_channels, H, W, device=device, dtype=torch.float32)
         self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
-        self.head_ada_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
+        self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, sch.tokens(0), C, device=device, dtype=torch.float32)
         self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
         self.positions_L = torch.arange(sch.total_tokens, device=device)
@@ -420,7 +427,7 @@ class VARAdapter:
         for i, blk in enumerate(m.blocks):
             ws.qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
             ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
-        ws.head_ada_R2C.copy_(m.head_adaln(cond_RD))
+        ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.f_hat_BChw.zero_()
         ws.kv.reset()
         run.workspace = ws
@@ -457,7 +464,7 @@ class VARAdapter:
             valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
             x_RLC, _ = self._layers(si, idx, valid, run, taps=None)
         x_RLC = run.policies.post_hidden(si, x_RLC, run)
-        return self.transformer.logits(x_RLC, run.workspace.head_ada_R2C[:R])
+        return self.transformer.logits(x_RLC, run.workspace.head_mod_R2C[:R], self.ops)
 
     def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor], run: RunState,
                 taps: Optional[set]):

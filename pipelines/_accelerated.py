@@ -5,6 +5,7 @@ adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -16,6 +17,9 @@ from ..policies.base import Policy, PolicyStack
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+from ..sparse_ops._backend import resolve_backend
+
+logger = logging.getLogger(__name__)
 
 
 def read_pipeline_index(path, pipeline: str, subfolders: Sequence[str], official_hint: str) -> dict:
@@ -40,9 +44,38 @@ def read_pipeline_index(path, pipeline: str, subfolders: Sequence[str], official
 class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
     InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
-    ``self._current_scale`` and ``self._adapter`` in its ``__init__``."""
+    ``self._current_scale``, ``self._adapter`` and ``self._compiled_elementwise = False`` in its
+    ``__init__``; its ``adapter()`` passes the last to the adapter's ``set_compiled_elementwise``."""
 
     PRESET_FAMILY: str = "var"
+
+    def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "AcceleratedPipelineMixin":
+        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the
+        KV-cache write, gated residual) into single kernels. At batch 1 these steps, not the matrix
+        products, dominate a VAR step; Infinity runs ~20 of them per layer at every scale. CUDA + Triton only.
+
+        kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
+            ``sparse_ops.dense_fused`` (one launch per step); ``"compile"`` lets torch.compile fuse
+            each step (the first call compiles for tens of seconds; one more launch per layer).
+        """
+        if kernels not in ("fused", "compile"):
+            raise ValueError(f"kernels={kernels!r}: use 'fused' (hand-written Triton kernels) or 'compile' "
+                             f"(torch.compile)")
+        if enabled:
+            if self.transformer.device.type != "cuda":
+                raise ValueError("enable_compiled_elementwise needs the model on a CUDA device; call pipe.to('cuda') "
+                                 "first (on CPU the eager path is used)")
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
+            if kernels == "fused" and resolve_backend("auto", self.transformer.device) != "triton":
+                # e.g. a GPU older than sm_80 or ROCm: the hand-written kernels do not run, torch.compile does
+                logger.warning("enable_compiled_elementwise: the fused Triton kernels cannot run on this device "
+                               "(sparsevar info --backends says why); using kernels='compile' (torch.compile)")
+                kernels = "compile"
+        self._compiled_elementwise = kernels if enabled else False
+        return self
 
     # ---- policies ---------------------------------------------------------------------------------
     @property

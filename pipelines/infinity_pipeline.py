@@ -74,6 +74,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         self._policies = PolicyStack()
         self._adapter: Optional[InfinityAdapter] = None
         self._interrupt = False
+        self._compiled_elementwise = False
         self._current_scale = None
 
     # ---- construction ---------------------------------------------------------------------------
@@ -199,6 +200,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vae is not self.vae:
             a = self._adapter = InfinityAdapter(self.transformer, self.vae, DEFAULT_RESOLUTION)
+        a.set_compiled_elementwise(self._compiled_elementwise)
         return a
 
     def flop_speedup(self, stats: GenerationStats, height: int = 1024, width: int = 1024,
@@ -274,7 +276,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
                  policies: Optional[Sequence[Policy]] = None,
                  prompt_features: Optional[TextFeatures] = None,
-                 negative_prompt_features: Optional[TextFeatures] = None):
+                 negative_prompt_features: Optional[TextFeatures] = None,
+                 use_cuda_graphs: Optional[bool] = None):
         """Generate images from text.
 
         Args:
@@ -300,6 +303,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             policies: acceleration policies for this call only, instead of the enabled ones.
             prompt_features, negative_prompt_features: precomputed packed T5 features instead of
                 strings (:meth:`encode_prompt`).
+            use_cuda_graphs: replay each scale's layer stack from a CUDA graph (default: on for CUDA
+                models). Graphs are captured at the first call of a size and text-length bucket
+                (32 tokens) and replayed by later calls of the same shape.
         Returns:
             :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
@@ -329,6 +335,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
         wanted = tuple(callback_on_step_end_tensor_inputs or ())
         sched = resolution.schedule
+        if use_cuda_graphs is None:
+            use_cuda_graphs = adapter.device.type == "cuda"
         with self.progress_bar(total=sched.num_scales) as pbar:
             def on_scale(si: int, tensors: dict) -> None:
                 self._current_scale = si
@@ -338,7 +346,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
             result = generate(adapter, cond, B, settings=settings, generator=generator, policies=stack,
                               callback=on_scale, decode=output_type != "latent", stop=lambda: self._interrupt,
-                              schedule=sched)
+                              schedule=sched, cuda_graphs=use_cuda_graphs)
         self._current_scale = None
         images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
         self.maybe_free_model_hooks()

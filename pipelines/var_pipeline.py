@@ -21,7 +21,6 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ..sparse_ops._backend import resolve_backend
 from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
@@ -252,34 +251,6 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             a = self._adapter = VARAdapter(self.transformer, self.vqvae)
         a.set_compiled_elementwise(self._compiled_elementwise)
         return a
-
-    def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "VARPipeline":
-        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the
-        KV-cache write, gated residual) into single kernels. At batch 1 these steps, not the matrix
-        products, dominate a VAR step. CUDA + Triton only.
-
-        kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
-            ``sparse_ops.dense_fused`` (one launch per step); ``"compile"`` lets torch.compile fuse
-            each step (the first call compiles for tens of seconds; one more launch per layer).
-        """
-        if kernels not in ("fused", "compile"):
-            raise ValueError(f"kernels={kernels!r}: use 'fused' (hand-written Triton kernels) or 'compile' "
-                             f"(torch.compile)")
-        if enabled:
-            if self.transformer.device.type != "cuda":
-                raise ValueError("enable_compiled_elementwise needs the model on a CUDA device; call pipe.to('cuda') "
-                                 "first (on CPU the eager path is used)")
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
-            if kernels == "fused" and resolve_backend("auto", self.transformer.device) != "triton":
-                # e.g. a GPU older than sm_80 or ROCm: the hand-written kernels do not run, torch.compile does
-                logger.warning("enable_compiled_elementwise: the fused Triton kernels cannot run on this device "
-                               "(sparsevar info --backends says why); using kernels='compile' (torch.compile)")
-                kernels = "compile"
-        self._compiled_elementwise = kernels if enabled else False
-        return self
 
     # ---- call -------------------------------------------------------------------------------------
     def check_inputs(self, class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,

@@ -22,6 +22,7 @@ _TRITON_MODULES = {
     "restore_residual": "restore", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum",
     "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
+    "qk_norm_rope_store": "dense_fused",
 }
 
 
@@ -98,3 +99,11 @@ def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: t
                   v_dst_RHld: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Cosine q (R, H, l, d); normalised k and raw v into their cache slots (see ``ref.qk_norm_store``)."""
     return implementation("qk_norm_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld)
+
+
+def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Tensor,
+                       sin_Rl1P: torch.Tensor, k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor, *,
+                       backend: str = "auto") -> torch.Tensor:
+    """Cosine q/k with RoPE (Infinity); k and v into their cache slots (see ``ref.qk_norm_rope_store``)."""
+    return implementation("qk_norm_rope_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P,
+                                                                         k_dst_RHld, v_dst_RHld)

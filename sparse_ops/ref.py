@@ -59,6 +59,30 @@ def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: t
 
 
 # ---- (a) gather → LayerNorm → AdaLN modulation, and its inverse ------------------------------------
+def rope_pairs(x_RlHd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (2p, 2p+1) of (R, l, H, d) by cos/sin (R or 1, l, 1, d/2)."""
+    R, l, H, d = x_RlHd.shape
+    pair = x_RlHd.view(R, l, H, d // 2, 2)                                           # (R, l, H, d) → pairs
+    a, b = pair[..., 0], pair[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(R, l, H, d)
+
+
+def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Tensor,
+                       sin_Rl1P: torch.Tensor, k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """Infinity's q/k step with the KV-cache write: q and k L2-normalised over the head dim (float32,
+    norm clamped at 1e-12), q times its temperature ``q_mult_H1`` per head, both rotated by 2-D RoPE
+    on adjacent channel pairs (``cos``/``sin`` (R or 1, l, 1, d/2) float32); k (rounded to the
+    cache dtype) and raw v are written into their cache slots (R, H, l, d); returns q (R, H, l, d)
+    in qkv's dtype."""
+    qk_Rl2Hd = qkv_Rl3Hd[:, :, :2].float()
+    qk_Rl2Hd = qk_Rl2Hd / torch.linalg.vector_norm(qk_Rl2Hd, dim=-1, keepdim=True).clamp_min(1e-12)
+    q_RlHd = rope_pairs(qk_Rl2Hd[:, :, 0] * q_mult_H1, cos_Rl1P, sin_Rl1P)
+    k_RlHd = rope_pairs(qk_Rl2Hd[:, :, 1].contiguous(), cos_Rl1P, sin_Rl1P)
+    k_dst_RHld.copy_(k_RlHd.transpose(1, 2))                                       # (R, l, H, d) → (R, H, l, d)
+    v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+    return q_RlHd.transpose(1, 2).to(qkv_Rl3Hd.dtype)
+
+
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
     """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""
     R, L, C = x_RLC.shape

@@ -122,6 +122,32 @@ def _qk_norm_case(R, l, H, d, T, dtype, device):
     assert empty.shape == (R, H, 0, d)
 
 
+def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
+    """Infinity's q/k norm + RoPE with the cache write into slots [3, 3 + l) of layer 1; RoPE tables
+    shared by the rows (1, l, 1, d/2) or per row (R, l, 1, d/2), as a subset of tokens has them."""
+    from sparsevar.sparse_ops import dense_fused, ref
+    g = _gen(9)
+    qkv = _rand((R, l, 3, H, d), g, device, dtype=dtype, scale=2.0)
+    mult = _rand((H, 1), g, device, scale=1.0, offset=4.0).abs()
+    angle = _rand((R if per_row else 1, l, 1, d // 2), g, device, scale=3.0)
+    cos, sin = angle.cos(), angle.sin()
+    caches = [tuple(torch.zeros(2, R, H, T, d, device=device, dtype=dtype) for _ in "kv") for _ in range(2)]
+    outs = []
+    for fn, (k_c, v_c) in zip((dense_fused.qk_norm_rope_store, ref.qk_norm_rope_store), caches):
+        outs.append(fn(qkv, mult, cos, sin, k_c[1, :, :, 3:3 + l], v_c[1, :, :, 3:3 + l]))
+    (kk, vk), (rk, rv) = caches
+    ok = torch.zeros(R, H, l, d, dtype=torch.float64)
+    oq = ref.qk_norm_rope_store(qkv.double(), mult.double(), cos.double(), sin.double(), ok,
+                                torch.zeros(R, H, l, d, dtype=torch.float64))
+    assert outs[0].shape == (R, H, l, d) and outs[0].dtype == dtype
+    assert_close_to_oracle("qk_norm_rope_store (q)", outs[0], outs[1], oq, one_step=True)
+    assert_close_to_oracle("qk_norm_rope_store (k)", kk[1, :, :, 3:3 + l], rk[1, :, :, 3:3 + l], ok, one_step=True)
+    assert torch.equal(vk, rv)                                                # v: a plain copy
+    assert not kk[0].any() and not kk[1, :, :, :3].any() and not kk[1, :, :, 3 + l:].any()   # only its slots
+    empty = dense_fused.qk_norm_rope_store(qkv[:, :0], mult, cos[:, :0], sin[:, :0], kk[1, :, :, :0], vk[1, :, :, :0])
+    assert empty.shape == (R, H, 0, d)
+
+
 def _gather_norm_case(shape, C, out_dtype, device):
     ref, gm, *_ = _ops()
     B, h, w = shape
@@ -325,6 +351,16 @@ def _(device="cpu"):
 @case("qk_norm_store-R3-l7-H5-d24-fp32")
 def _(device="cpu"):
     _qk_norm_case(3, 7, 5, 24, 12, torch.float32, device)
+
+
+@case("qk_norm_rope_store-R2-l13-H3-d16-bf16-shared")
+def _(device="cpu"):
+    _qk_rope_case(2, 13, 3, 16, 29, torch.bfloat16, False, device)
+
+
+@case("qk_norm_rope_store-R3-l7-H5-d24-fp32-per-row")
+def _(device="cpu"):
+    _qk_rope_case(3, 7, 5, 24, 12, torch.float32, True, device)
 
 
 def run_cases(names, device) -> dict:
@@ -531,6 +567,10 @@ GPU_CASES = {
     "anchor_match-2x64x64-V64": lambda device: _anchor_case((2, 64, 64), (48, 48), 64, device),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
+    "qk_norm_rope_store-R2-l4096-H16-d128-bf16": lambda device: _qk_rope_case(2, 4096, 16, 128, 6000, torch.bfloat16,
+                                                                             False, device),
+    "qk_norm_rope_store-R2-l999-H16-d128-bf16-per-row": lambda device: _qk_rope_case(2, 999, 16, 128, 1200,
+                                                                                    torch.bfloat16, True, device),
     "attention_colsum-R1H4-l333-Lk1000-d64-fp16": lambda device: _colsum_case(1, 4, 333, 1000, 64, 192, torch.float16,
                                                                              device),
 }
