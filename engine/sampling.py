@@ -32,13 +32,24 @@ def filter_top_k_top_p(logits_NV: torch.Tensor, top_k: int = 0, top_p: float = 0
     return out
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one (a generator made with
+    ``torch.Generator("cuda")`` may carry no index)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
                  generator: torch.Generator | None) -> torch.Tensor:
     """Sample one code per token: (B, l, V) float logits -> (B, l) int64 codes."""
     B, l, V = logits_BlV.shape
     masked_NV = filter_top_k_top_p(logits_BlV.reshape(B * l, V), top_k, top_p)  # (B·l, V)
     probs_NV = masked_NV.softmax(dim=-1)
-    if generator is None or generator.device == probs_NV.device:
+    if generator is None or _same_device(generator.device, probs_NV.device):
         idx_N = torch.multinomial(probs_NV, num_samples=1, replacement=True, generator=generator)[:, 0]
     else:
         u_N = torch.rand(B * l, generator=generator, device=generator.device, dtype=torch.float64)

@@ -136,9 +136,8 @@ def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
     for fn, (k_c, v_c) in zip((dense_fused.qk_norm_rope_store, ref.qk_norm_rope_store), caches):
         outs.append(fn(qkv, mult, cos, sin, k_c[1, :, :, 3:3 + l], v_c[1, :, :, 3:3 + l]))
     (kk, vk), (rk, rv) = caches
-    ok = torch.zeros(R, H, l, d, dtype=torch.float64)
-    oq = ref.qk_norm_rope_store(qkv.double(), mult.double(), cos.double(), sin.double(), ok,
-                                torch.zeros(R, H, l, d, dtype=torch.float64))
+    ok = torch.zeros(R, H, l, d, dtype=torch.float64, device=device)
+    oq = ref.qk_norm_rope_store(qkv.double(), mult.double(), cos.double(), sin.double(), ok, torch.zeros_like(ok))
     assert outs[0].shape == (R, H, l, d) and outs[0].dtype == dtype
     assert_close_to_oracle("qk_norm_rope_store (q)", outs[0], outs[1], oq, one_step=True)
     assert_close_to_oracle("qk_norm_rope_store (k)", kk[1, :, :, 3:3 + l], rk[1, :, :, 3:3 + l], ok, one_step=True)
