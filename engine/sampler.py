@@ -126,8 +126,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     stop: polled after every scale; when it returns True the remaining scales are skipped and the
         latent accumulated so far is decoded (an interrupt that still returns an image).
     keep_workspace: keep the workspace (KV cache, graphs) for the next call of the same batch size;
-        an adapter may still free its KV cache before decoding (Infinity does, to lend that memory
-        to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the workspace is
+        an adapter may still free its KV cache before decoding (Infinity does when it runs without
+        graphs, to lend that memory to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the workspace is
         always released.
     schedule: the scales of this generation, for families whose output size is chosen per call
         (Infinity); default ``adapter.schedule``. Policies see it in ``run.schedule`` / ``run.info``.
@@ -139,6 +139,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     run = RunState(schedule=info.schedule, batch_size=batch_size, settings=settings, info=info,
                    generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
     use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
+    run.cuda_graphs = use_graphs
     ok = False
     try:
         policies.validate(run.info)

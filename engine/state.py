@@ -130,6 +130,7 @@ class RunState:
     workspace: Optional[Any] = None
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
     graph_exports: dict = field(default_factory=dict)   # tensors policies register while a graph is captured
+    cuda_graphs: bool = False                       # the engine replays scales from CUDA graphs this run
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
