@@ -30,8 +30,10 @@ class KVCache:
     def __init__(self, num_layers: int, rows: int, heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, transient: int = 0):
         shape = (num_layers, rows, heads, capacity, head_dim)
-        self.k_NRHTd = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_NRHTd = torch.zeros(shape, dtype=dtype, device=device)
+        # uninitialised: only written slots (below each layer's length) are ever read, and a 3.5 GB
+        # memset would cost a millisecond at every (re)allocation
+        self.k_NRHTd = torch.empty(shape, dtype=dtype, device=device)
+        self.v_NRHTd = torch.empty(shape, dtype=dtype, device=device)
         self.pos_NRT = torch.full((num_layers, rows, capacity), -1, dtype=torch.long, device=device)
         self.valid_NRT: Optional[torch.Tensor] = None
         self.capacity = capacity
@@ -41,8 +43,8 @@ class KVCache:
         self.tail_owner: Optional[int] = None      # the layer whose contents the shared tail holds
         if transient:
             tshape = (rows, heads, capacity + transient, head_dim)
-            self.tail_k_RHTd = torch.zeros(tshape, dtype=dtype, device=device)
-            self.tail_v_RHTd = torch.zeros(tshape, dtype=dtype, device=device)
+            self.tail_k_RHTd = torch.empty(tshape, dtype=dtype, device=device)
+            self.tail_v_RHTd = torch.empty(tshape, dtype=dtype, device=device)
             self.tail_pos_RT = torch.full((rows, capacity + transient), -1, dtype=torch.long, device=device)
             self.tail_valid_RT: Optional[torch.Tensor] = None
 

@@ -305,8 +305,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 strings (:meth:`encode_prompt`).
             use_cuda_graphs: replay each scale's layer stack from a CUDA graph (default: on for CUDA
                 models, off at zero-shot sizes). Graphs are captured at the first call of a size and
-                text-length bucket (32 tokens) and replayed by later calls of the same shape; with
-                graphs the KV cache stays allocated while the VAE decodes (1024²: 3.5 GB).
+                text-length bucket (32 tokens) and replayed by later calls of the same shape.
         Returns:
             :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
@@ -337,8 +336,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         wanted = tuple(callback_on_step_end_tensor_inputs or ())
         sched = resolution.schedule
         if use_cuda_graphs is None:
-            # zero-shot sizes run eagerly: their large scales do not wait on the host, and without
-            # graphs the KV cache is freed before the decoder runs (2048²: 10 GB)
+            # zero-shot sizes run eagerly: their large scales do not wait on the host, and a graph
+            # pool holding activations of 128×128-token scales would cost gigabytes
             use_cuda_graphs = adapter.device.type == "cuda" and resolution.pn not in ZERO_SHOT_PN
         with self.progress_bar(total=sched.num_scales) as pbar:
             def on_scale(si: int, tensors: dict) -> None:
