@@ -6,7 +6,7 @@
   ``restore.py`` (FastVAR's restore with the gated residual), ``select.py`` (SparseVAR's change
   map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
   sums per query group), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
-  q/k normalisation + KV-cache write, each one kernel);
+  q/k normalisation + KV-cache write, with Infinity's RoPE in ``qk_norm_rope_store``, each one kernel);
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
 - ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention).

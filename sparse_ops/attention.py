@@ -217,7 +217,7 @@ def describe_backends() -> str:
     except ImportError:
         lines.append(f"  block-sparse patterns: unavailable (torch {torch.__version__} has no FlexAttention)")
     lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums, "
-                 "the dense path's fused residual + LayerNorm + AdaLN and q/k norm + cache write):")
+                 "the dense path's fused residual + LayerNorm + AdaLN and q/k norm (+ RoPE) + cache write):")
     try:
         import triton
         lines.append(f"  triton {triton.__version__}: installed")
