@@ -109,6 +109,31 @@ class _GraphRunner:
         return out
 
 
+    def layer_stack(self, si: int, plan, run: RunState, num_layers: int, layers_fn: Callable) -> Any:
+        """Replay the layer stack of scale ``si`` (stage input → gather → layers → scatter) from a
+        graph keyed by scale, subset size, observed layers and the policies' graph key; the taps are
+        handed to the policies' ``observe`` after the replay. ``layers_fn(idx_Bn or None, taps)``
+        runs the stack eagerly and returns (x, [(layer, x_in, x_out), …]). None: run eagerly."""
+        ws, stack = run.workspace, run.policies
+        taps = stack.observed_layers(si, run) if stack.active["observe"] else set()
+        taps = set(range(num_layers)) if taps is None else taps
+        idx_buf = None
+        n = plan.token_index.shape[1] if plan.token_index is not None else None
+        key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
+        if n is not None:
+            idx_buf = ws.static_index.get(key)
+            if idx_buf is None:
+                idx_buf = ws.static_index[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=run.device)
+            idx_buf.copy_(plan.token_index)
+        out = self.run(key, lambda: layers_fn(idx_buf, taps), ws.kv, run)
+        if out is None:
+            return None
+        x, collected = out
+        for i, x_in, x_out in collected:
+            stack.observe(si, ("layer", i), x_in, x_out, run)
+        return x
+
+
 def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              settings: SamplingSettings = SamplingSettings(),
              generator: GeneratorArg = None,

@@ -512,26 +512,8 @@ class VARAdapter:
         return x_RlC, collected
 
     def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
-        ws, stack = run.workspace, run.policies
-        taps = stack.observed_layers(si, run) if stack.active["observe"] else set()
-        taps = set(range(self.num_layers)) if taps is None else taps
-        idx_buf = None
-        if plan.token_index is not None:
-            n = plan.token_index.shape[1]
-            key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
-            idx_buf = ws.static_index.get(key)
-            if idx_buf is None:
-                idx_buf = ws.static_index[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=self.device)
-            idx_buf.copy_(plan.token_index)
-        else:
-            key = ("layers", si, None, frozenset(taps), stack.graph_key(si, run))
-        out = graphs.run(key, lambda: self._layers(si, idx_buf, None, run, taps=taps), ws.kv, run)
-        if out is None:
-            return None
-        x_RLC, collected = out
-        for i, x_in, x_out in collected:
-            stack.observe(si, ("layer", i), x_in, x_out, run)
-        return x_RLC
+        return graphs.layer_stack(si, plan, run, self.num_layers,
+                                  lambda idx_Bn, taps: self._layers(si, idx_Bn, None, run, taps=taps))
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond."""
