@@ -42,7 +42,7 @@ from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
 from ..sparse_ops.ref import rope_pairs
-from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, dense_linear, layer_norm_no_affine, trunc_normal_init_
 from .bsq_vae import code_value, next_scale_input, upsample_codes
 from .text_encoder import TextFeatures
 
@@ -278,7 +278,7 @@ class InfinitySelfAttention(nn.Module):
         R, l, C = x_RlC.shape
         H, d = self.num_heads, self.head_dim
         w = self.mat_qkv.weight
-        qkv_Rl3Hd = F.linear(x_RlC.to(w.dtype), w, ctx.qkv_bias).view(R, l, 3, H, d)
+        qkv_Rl3Hd = ctx.ops.linear(x_RlC.to(w.dtype), w, ctx.qkv_bias).view(R, l, 3, H, d)
         pos, valid = ctx.positions(idx_Rn)
         cos, sin = ctx.rope(pos)
         out = None
@@ -299,7 +299,7 @@ class InfinitySelfAttention(nn.Module):
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
         out_RlC = out.transpose(1, 2).reshape(R, l, C)                              # (R, H, l, d) → (R, l, C)
-        return self.proj(out_RlC.to(self.proj.weight.dtype))
+        return ctx.ops.linear(out_RlC.to(self.proj.weight.dtype), self.proj.weight, self.proj.bias)
 
 
 class InfinityCrossAttention(nn.Module):
@@ -323,11 +323,13 @@ class InfinityCrossAttention(nn.Module):
         return kv_RT2Hd[:, :, 0].transpose(1, 2), kv_RT2Hd[:, :, 1].transpose(1, 2)
 
     def forward(self, y_RlC: torch.Tensor, k_RHTd: torch.Tensor, v_RHTd: torch.Tensor,
-                mask_R11T: Optional[torch.Tensor]) -> torch.Tensor:
+                mask_R11T: Optional[torch.Tensor], ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
         R, l, C = y_RlC.shape
-        q = self.mat_q(y_RlC).view(R, l, self.num_heads, self.head_dim).transpose(1, 2)   # (R, l, C) → (R, H, l, d)
+        linear_fn = ops.linear if ops is not None else dense_linear
+        q = linear_fn(y_RlC, self.mat_q.weight, self.mat_q.bias).view(R, l, self.num_heads, self.head_dim).transpose(1, 2)   # (R, l, C) → (R, H, l, d)
         out = dense_attention(q, k_RHTd, v_RHTd, scale=1.0 / math.sqrt(self.head_dim), attn_mask=mask_R11T)
-        return self.proj(out.transpose(1, 2).reshape(R, l, C).to(self.proj.weight.dtype))  # (R, H, l, d) → (R, l, C)
+        out_RlC = out.transpose(1, 2).reshape(R, l, C).to(self.proj.weight.dtype)          # (R, H, l, d) → (R, l, C)
+        return linear_fn(out_RlC, self.proj.weight, self.proj.bias)
 
 
 class InfinityBlock(nn.Module):
@@ -362,10 +364,10 @@ class InfinityBlock(nn.Module):
             return self.sa(y, ctx, idx_Rn)
 
         def ca_branch(y, idx_Rn=None):
-            return self.ca(y, ca_k, ca_v, ca_mask)
+            return self.ca(y, ca_k, ca_v, ca_mask, ops)
 
         def ffn_branch(y, idx_Rn=None):
-            return self.ffn(y)
+            return self.ffn(y, ops)
 
         def modulate(x, mul, shift):
             return ops.modulate(x, mul, shift, eps, wdtype)
@@ -386,7 +388,7 @@ class InfinityBlock(nn.Module):
                                                 ffn_branch, modulate, ops.gated_residual), x_RlC, run)
         x_RlC = ops.gated_residual(x_RlC, sa_branch(modulate(x_RlC, m1, b1)), g1)
         x_RlC = x_RlC + ca_branch(ca_modulate(x_RlC, self.ca_norm.weight, self.ca_norm.bias)).float()
-        return ops.gated_residual(x_RlC, self.ffn(modulate(x_RlC, m2, b2)), g2)
+        return ops.gated_residual(x_RlC, self.ffn(modulate(x_RlC, m2, b2), ops), g2)
 
     def forward_chained(self, x_RlC: torch.Tensor, y_RlC: torch.Tensor, mod_R6C: torch.Tensor,
                         next_mod_R6C: Optional[torch.Tensor], ctx: _Call, ones_R1C: torch.Tensor):
@@ -401,9 +403,9 @@ class InfinityBlock(nn.Module):
         ca_mask = ctx.ca_mask[:R] if ctx.ca_mask is not None else None
         ca_w, ca_b = self.ca_norm.weight.view(1, 1, -1), self.ca_norm.bias.view(1, 1, -1)
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.sa(y_RlC, ctx), g1, ca_w, ca_b, eps, wdtype)
-        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.ca(y_RlC, ctx.ca_k[:R], ctx.ca_v[:R], ca_mask),
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.ca(y_RlC, ctx.ca_k[:R], ctx.ca_v[:R], ca_mask, ops),
                                              ones_R1C[:R], m2, b2, eps, wdtype)
-        branch_RlC = self.ffn(y_RlC)
+        branch_RlC = self.ffn(y_RlC, ops)
         if next_mod_R6C is None:
             return ops.gated_residual(x_RlC, branch_RlC, g2), None
         _, _, m1_next, _, b1_next, _ = next_mod_R6C.unsqueeze(2).unbind(1)

@@ -92,7 +92,7 @@ class VARSelfAttention(nn.Module):
         ops = ctx.ops if ctx is not None else EAGER_OPS
         bias = ctx.qkv_bias if ctx is not None else self.qkv_bias()
         mult = ctx.qk_mult if ctx is not None else self.qk_multiplier()
-        qkv_Rl3Hd = F.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, H, d)
+        qkv_Rl3Hd = ops.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, H, d)
         out = None
         if ctx is None:
             qk_Rl2Hd = ops.qk_normalize(qkv_Rl3Hd[:, :, :2], mult)                # cosine q (×temperature), k
@@ -109,7 +109,7 @@ class VARSelfAttention(nn.Module):
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
         out_RlC = out.transpose(1, 2).reshape(R, l, C)                            # (R, H, l, d) → (R, l, C)
-        return self.proj(out_RlC)
+        return ops.linear(out_RlC, self.proj.weight, self.proj.bias)
 
 
 class _LayerCall:
@@ -170,7 +170,7 @@ class VARBlock(nn.Module):
             return self.attn(y, ctx, attn_mask, idx_Rn)
 
         def ffn_branch(y, idx_Rn=None):
-            return self.ffn(y)
+            return self.ffn(y, ops)
 
         def modulate(x, mul, shift):
             return ops.modulate(x, mul, shift, eps, wdtype)
@@ -182,7 +182,7 @@ class VARBlock(nn.Module):
             return stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "ffn"), m2, b2, g2,
                                                 ffn_branch, modulate, ops.gated_residual, eps, wdtype), x_RlC, run)
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1, m2, b2, eps, wdtype)
-        return ops.gated_residual(x_RlC, self.ffn(y_RlC), g2)
+        return ops.gated_residual(x_RlC, self.ffn(y_RlC, ops), g2)
 
     def forward_chained(self, x_RlC: torch.Tensor, y_RlC: torch.Tensor, mod_R6C: torch.Tensor,
                         next_mod_R6C: Optional[torch.Tensor], ctx: _LayerCall):
@@ -193,7 +193,7 @@ class VARBlock(nn.Module):
         g1, g2, _, m2, _, b2 = mod_R6C.unsqueeze(2).unbind(1)                        # each (R, 1, C)
         ops, eps, wdtype = ctx.ops, self.norm_eps, self.ffn.fc1.weight.dtype
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.attn(y_RlC, ctx), g1, m2, b2, eps, wdtype)
-        branch_RlC = self.ffn(y_RlC)
+        branch_RlC = self.ffn(y_RlC, ops)
         if next_mod_R6C is None:
             return ops.gated_residual(x_RlC, branch_RlC, g2), None
         _, _, m1_next, _, b1_next, _ = next_mod_R6C.unsqueeze(2).unbind(1)
@@ -525,7 +525,7 @@ class VARAdapter:
 
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings
-        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator)
+        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "fused")
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         return self.vqvae.quantize.embedding(codes_Bl).float()                       # (B, l, Cvae)

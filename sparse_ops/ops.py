@@ -22,7 +22,8 @@ _TRITON_MODULES = {
     "restore_residual": "restore", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum",
     "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
-    "qk_norm_rope_store": "dense_fused",
+    "qk_norm_rope_store": "dense_fused", "linear": "linear",
+    "sample_top_k_top_p": "sample",
 }
 
 
@@ -107,3 +108,15 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     """Cosine q/k with RoPE (Infinity); k and v into their cache slots (see ``ref.qk_norm_rope_store``)."""
     return implementation("qk_norm_rope_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P,
                                                                          k_dst_RHld, v_dst_RHld)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gelu: bool = False, *,
+           backend: str = "auto") -> torch.Tensor:
+    """``x · weightᵀ + bias``, then tanh-GELU when ``gelu`` (see ``ref.linear``)."""
+    return implementation("linear", backend, x.device)(x, weight, bias, gelu)
+
+
+def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: int, top_p: float, *,
+                       backend: str = "auto") -> torch.Tensor:
+    """(N,) draws from the top-k / top-p filtered softmax given Exp(1) noise (see ``ref.sample_top_k_top_p``)."""
+    return implementation("sample_top_k_top_p", backend, logits_NV.device)(logits_NV, noise_NV, top_k, top_p)

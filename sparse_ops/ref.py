@@ -83,6 +83,22 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     return q_RlHd.transpose(1, 2).to(qkv_Rl3Hd.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           gelu: bool = False) -> torch.Tensor:
+    """``x`` (…, K) · ``weight`` (N, K)ᵀ + ``bias`` (N,), then tanh-GELU when ``gelu``: (…, N)."""
+    y = F.linear(x, weight, bias)
+    return F.gelu(y, approximate="tanh") if gelu else y
+
+
+def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One draw per row from softmax(top-k / top-p filtered logits), given exponential noise
+    ``noise_NV`` (``Exp(1)``, same shape): ``argmax(p / noise)``, the identity ``torch.multinomial``
+    uses for a single sample. (N,) int64."""
+    from ..engine.sampling import filter_top_k_top_p
+    probs_NV = filter_top_k_top_p(logits_NV.float(), top_k, top_p).softmax(dim=-1)
+    return (probs_NV / noise_NV).argmax(dim=-1)
+
+
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
     """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""
     R, L, C = x_RLC.shape

@@ -147,6 +147,39 @@ def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
     assert empty.shape == (R, H, 0, d)
 
 
+def _linear_case(M, N, K, bias, gelu, dtype, device, configs=()):
+    """y = x·wᵀ (+ b) (then tanh-GELU) with the shape's own launch and the given ones (split-K
+    among them): each within 2× the torch path's error of the float64 result (or one rounding step
+    of a bf16 output), and split-K bit-identical on a second run (no atomics)."""
+    from sparsevar.sparse_ops import linear as L, ref
+    g = _gen(10)
+    x = _rand((M, K), g, device, dtype=dtype)
+    w = _rand((N, K), g, device, dtype=dtype, scale=K ** -0.5)
+    b = _rand((N,), g, device, dtype=dtype) if bias else None
+    oracle = ref.linear(x.double(), w.double(), None if b is None else b.double(), gelu)
+    torch_path = ref.linear(x, w, b, gelu)
+    for cfg in (None, *configs):
+        got = L.linear(x, w, b, gelu, config=cfg)
+        assert got.dtype == dtype and got.shape == (M, N)
+        assert_close_to_oracle(f"linear {M}x{N}x{K} {cfg}", got, torch_path, oracle, one_step=True)
+        assert torch.equal(got, L.linear(x, w, b, gelu, config=cfg)), f"linear {cfg}: not deterministic"
+    lead = L.linear(x.view(1, M, K), w, b, gelu)                               # leading dims kept
+    assert lead.shape == (1, M, N) and torch.equal(lead[0], L.linear(x, w, b, gelu))
+
+
+def _sample_case(N, V, top_k, top_p, device):
+    """Fused top-k / top-p draw against the torch twin with the same exponential noise: the same
+    codes (continuous random logits: no exact ties at the nucleus boundary)."""
+    from sparsevar.sparse_ops import ref, sample
+    g = _gen(11)
+    x = _rand((N, V), g, device, scale=3.0)
+    q = torch.empty(N, V).exponential_(generator=g).to(device)
+    got = sample.sample_top_k_top_p(x, q, top_k, top_p)
+    want = ref.sample_top_k_top_p(x, q, top_k, top_p)
+    assert got.dtype == torch.int64 and got.shape == (N,)
+    assert torch.equal(got, want), f"sample_top_k_top_p: {(got != want).sum().item()} of {N} draws differ"
+
+
 def _gather_norm_case(shape, C, out_dtype, device):
     ref, gm, *_ = _ops()
     B, h, w = shape
@@ -362,6 +395,28 @@ def _(device="cpu"):
     _qk_rope_case(3, 7, 5, 24, 12, torch.float32, True, device)
 
 
+@case("linear-M3-N37-K53-bias-gelu-bf16")
+def _(device="cpu"):
+    from sparsevar.sparse_ops.linear import LinearConfig
+    _linear_case(3, 37, 53, True, True, torch.bfloat16, device, [LinearConfig(16, 16, 16, 3, 4, 1)])
+
+
+@case("linear-M40-N33-K160-nobias-fp32")
+def _(device="cpu"):
+    from sparsevar.sparse_ops.linear import LinearConfig
+    _linear_case(40, 33, 160, False, False, torch.float32, device, [LinearConfig(32, 32, 32, 2, 4, 1)])
+
+
+@case("sample_top_k_top_p-N3-V300-k30-p0.9")
+def _(device="cpu"):
+    _sample_case(3, 300, 30, 0.9, device)
+
+
+@case("sample_top_k_top_p-N4-V37-p0.5")
+def _(device="cpu"):
+    _sample_case(4, 37, 0, 0.5, device)
+
+
 def run_cases(names, device) -> dict:
     """Run the named cases on ``device``; {name: {"ok", "msg", "sec"}}."""
     results = {}
@@ -570,6 +625,18 @@ GPU_CASES = {
                                                                              False, device),
     "qk_norm_rope_store-R2-l999-H16-d128-bf16-per-row": lambda device: _qk_rope_case(2, 999, 16, 128, 1200,
                                                                                     torch.bfloat16, True, device),
+    # VAR-d30's four GEMMs at 2 and 18 rows (split-K on fc2 and proj), Infinity-2B's fc2, a 4-row fp16 GELU
+    **{f"linear-M{M}-{n}-bf16": (lambda device, M=M, N=N, K=K, gelu=gelu: _linear_case(M, N, K, True, gelu,
+                                                                                       torch.bfloat16, device))
+       for M in (2, 18) for n, (N, K, gelu) in {"qkv1920": (5760, 1920, False), "proj1920": (1920, 1920, False),
+                                                "fc1-1920": (7680, 1920, True), "fc2-1920": (1920, 7680, False),
+                                                "fc2-2048": (2048, 8192, False)}.items()},
+    # VAR's 4096 codes with its defaults at the last scale's 512 rows; top-k only; greedy
+    "sample_top_k_top_p-N512-V4096-k900-p0.96": lambda device: _sample_case(512, 4096, 900, 0.96, device),
+    "sample_top_k_top_p-N7-V4096-k600": lambda device: _sample_case(7, 4096, 600, 0.0, device),
+    "sample_top_k_top_p-N3-V1000-k1": lambda device: _sample_case(3, 1000, 1, 0.0, device),
+    "linear-M4-N1000-K999-fp16-gelu": lambda device: _linear_case(4, 1000, 999, True, True, torch.float16, device),
+    "linear-M300-N2048-K2048-bf16": lambda device: _linear_case(300, 2048, 2048, True, False, torch.bfloat16, device),
     "attention_colsum-R1H4-l333-Lk1000-d64-fp16": lambda device: _colsum_case(1, 4, 333, 1000, 64, 192, torch.float16,
                                                                              device),
 }
@@ -633,7 +700,7 @@ def test_small_query_attention_uses_the_memory_efficient_kernel_and_matches_sdpa
     _needs_gpu()
     from sparsevar.sparse_ops import attention as A
     g = torch.Generator(device="cuda").manual_seed(0)
-    for l, Lk, want in ((1, 1, "sdpa-small"), (25, 55, "sdpa-small"), (36, 91, "sdpa")):
+    for l, Lk, want in ((1, 1, "sdpa-small"), (25, 55, "sdpa-small"), (36, 91, "sdpa-cudnn"), (256, 680, "sdpa-cudnn")):
         q = torch.randn(2, 30, l, 64, device="cuda", generator=g).to(torch.bfloat16)
         k, v = (torch.randn(2, 30, Lk, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
         name, why = A.choose_attention(q, k)
