@@ -27,6 +27,7 @@ import torch
 
 from ._results import write_csv
 
+from ..models._blocks import dense_linear as _dense_linear
 from ..sparse_ops import ref
 from ..sparse_ops.attention import attention
 
@@ -194,6 +195,31 @@ def _cases(dev) -> list[dict]:
                       flops=flops, memory_bound=False, target=False,
                       run={"triton": lambda: colsum.attention_colsum(q, k, d ** -0.5, 192),
                            "torch": lambda: ref.attention_colsum(q, k, d ** -0.5, 192)}))
+    # the few-row GEMM: VAR-d30's fc1 / fc2 and Infinity-2B's fc2 at 2 rows (batch 1 with CFG at the 1×1
+    # scale); memory-bound: the weights are streamed once. Eight weight copies rotate past the 50 MB L2
+    from ..sparse_ops import linear as linear_mod
+    for N, K, gelu, what in ((7680, 1920, True, "VAR-d30 fc1"), (1920, 7680, False, "VAR-d30 fc2"),
+                             (2048, 8192, False, "Infinity-2B fc2")):
+        ws = [torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16) * K ** -0.5 for _ in range(8)]
+        bs = torch.randn(N, device=dev, generator=g).to(torch.bfloat16)
+        xs = torch.randn(2, K, device=dev, generator=g).to(torch.bfloat16)
+        turn = [0]
+
+        def pick(ws=ws):
+            turn[0] = (turn[0] + 1) % len(ws)
+            return ws[turn[0]]
+        cases.append(dict(op="linear", shape=f"{what}: M2 N{N} K{K}{' +GELU' if gelu else ''}", dtype="bf16",
+                          bytes=N * K * 2, memory_bound=True, target=False,
+                          run={"triton": lambda x=xs, b=bs, gl=gelu, p=pick: linear_mod.linear(x, p(), b, gl),
+                               "torch": lambda x=xs, b=bs, gl=gelu, p=pick: _dense_linear(x, p(), b, gl)}))
+    # top-k 900 / top-p 0.96 sampling of 4096-way logits: VAR-d30's last scale at batch 1 (256 rows)
+    from ..sparse_ops import sample as sample_mod
+    logits_s = torch.randn(256, 4096, device=dev, generator=g) * 3
+    noise_s = torch.empty_like(logits_s).exponential_(generator=g)
+    cases.append(dict(op="sample_top_k_top_p", shape="N256 V4096 top-k 900 top-p 0.96", dtype="fp32",
+                      bytes=logits_s.numel() * 8, memory_bound=False, target=False,
+                      run={"triton": lambda: sample_mod.sample_top_k_top_p(logits_s, noise_s, 900, 0.96),
+                           "torch": lambda: ref.sample_top_k_top_p(logits_s, noise_s, 900, 0.96)}))
     # attention with padding keys: VAR-d30, 8 images with CFG at 13×13 whose kept counts differ;
     # Infinity-2B's last scale (2 images, half the 4096 tokens kept, 10k-token cache); Infinity's
     # cross-attention to padded prompts
