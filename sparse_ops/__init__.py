@@ -6,7 +6,10 @@
   ``restore.py`` (FastVAR's restore with the gated residual), ``select.py`` (SparseVAR's change
   map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
   sums per query group), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
-  q/k normalisation + KV-cache write, with Infinity's RoPE in ``qk_norm_rope_store``, each one kernel);
+  q/k normalisation + KV-cache write, with Infinity's RoPE in ``qk_norm_rope_store``, each one kernel),
+  ``linear.py`` (the dense path's GEMM for a few rows, deterministic split-K), ``sample.py`` (top-k /
+  top-p filtering and the categorical draw in one launch); their front ends are ``ops.linear`` and
+  ``ops.sample_top_k_top_p`` (not re-exported here: the names are the modules');
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
 - ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention).
