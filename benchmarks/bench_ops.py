@@ -18,6 +18,7 @@ flash attention versus SDPA with a key mask, and dense SDPA on the same keys as 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -203,11 +204,7 @@ def _cases(dev) -> list[dict]:
         ws = [torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16) * K ** -0.5 for _ in range(8)]
         bs = torch.randn(N, device=dev, generator=g).to(torch.bfloat16)
         xs = torch.randn(2, K, device=dev, generator=g).to(torch.bfloat16)
-        turn = [0]
-
-        def pick(ws=ws):
-            turn[0] = (turn[0] + 1) % len(ws)
-            return ws[turn[0]]
+        pick = itertools.cycle(ws).__next__                 # the next of this case's weight copies
         cases.append(dict(op="linear", shape=f"{what}: M2 N{N} K{K}{' +GELU' if gelu else ''}", dtype="bf16",
                           bytes=N * K * 2, memory_bound=True, target=False,
                           run={"triton": lambda x=xs, b=bs, gl=gelu, p=pick: linear_mod.linear(x, p(), b, gl),

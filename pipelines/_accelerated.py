@@ -55,7 +55,9 @@ class AcceleratedPipelineMixin:
         products, dominate a VAR step; Infinity runs ~20 of them per layer at every scale. CUDA + Triton only.
 
         kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
-            ``sparse_ops.dense_fused`` (one launch per step); ``"compile"`` lets torch.compile fuse
+            ``sparse_ops.dense_fused`` (one launch per step), plus ``sparse_ops.linear`` for matrix
+            products of ≤ 32 rows and ``sparse_ops.sample`` for codebook sampling (filter and draw in
+            one launch per scale); ``"compile"`` lets torch.compile fuse
             each step (the first call compiles for tens of seconds; one more launch per layer).
         """
         if kernels not in ("fused", "compile"):

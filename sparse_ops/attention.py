@@ -72,7 +72,7 @@ def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: O
                      backend: str = "auto") -> tuple[str, str]:
     """(backend, reason) for one attention call: ``"sdpa"``, ``"sdpa-small"`` (SDPA with the
     memory-efficient kernel first, for ≤ ``SMALL_QUERY_TOKENS`` queries under ``backend="auto"``),
-    ``"varlen"`` or ``"flex"``."""
+    ``"sdpa-cudnn"`` (cuDNN first, above that), ``"varlen"`` or ``"flex"``."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend={backend!r} is not an attention backend: use one of {ATTENTION_BACKENDS} "
                          f"('auto' picks per call)")
