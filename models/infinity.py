@@ -42,7 +42,9 @@ from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
 from ..sparse_ops.ref import rope_pairs
-from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, dense_linear, layer_norm_no_affine, trunc_normal_init_
+from ._blocks import (EAGER_OPS, AbsorbedCrossMemory, CrossMemory, ElementwiseOps, TanhGeluFFN, absorb_cross_attention,
+                      absorbed_cross_attention, absorbs_cross_attention, dense_linear, layer_norm_no_affine,
+                      trunc_normal_init_)
 from .bsq_vae import code_value, next_scale_input, upsample_codes
 from .text_encoder import TextFeatures
 
@@ -220,17 +222,18 @@ class _Call:
     """Where a block runs: the KV cache (None in teacher forcing, with ``attn_mask`` instead), scale,
     layer, the run (None in teacher forcing), the layer's per-image constants, RoPE tables of the whole
     schedule, the absolute positions of the tokens it runs on (``start`` + ``n`` for a contiguous
-    scale, or ``pos`` (R, n)), their key validity, and the cross-attention K/V of the text."""
+    scale, or ``pos`` (R, n)), their key validity, and the text memory of the cross-attention
+    (``ca``: a ``CrossMemory`` or an ``AbsorbedCrossMemory``, all rows)."""
 
     __slots__ = ("kv", "si", "layer", "run", "qkv_bias", "q_mult", "cos_LD", "sin_LD", "start", "pos", "valid_Rl",
-                 "record", "ca_k", "ca_v", "ca_mask", "attn_mask", "rope_l", "ops")
+                 "record", "ca", "attn_mask", "rope_l", "ops")
 
     def __init__(self, *, kv, si, layer, run, qkv_bias, q_mult, cos_LD, sin_LD, start, pos, valid_Rl, record,
-                 ca_k, ca_v, ca_mask, attn_mask=None, rope_l=None, ops: ElementwiseOps = EAGER_OPS):
+                 ca, attn_mask=None, rope_l=None, ops: ElementwiseOps = EAGER_OPS):
         self.kv, self.si, self.layer, self.run = kv, si, layer, run
         self.qkv_bias, self.q_mult, self.cos_LD, self.sin_LD = qkv_bias, q_mult, cos_LD, sin_LD
         self.start, self.pos, self.valid_Rl, self.record = start, pos, valid_Rl, record
-        self.ca_k, self.ca_v, self.ca_mask, self.attn_mask = ca_k, ca_v, ca_mask, attn_mask
+        self.ca, self.attn_mask = ca, attn_mask
         self.rope_l = rope_l          # cos, sin of ``pos`` gathered once per scale (shared by the layers)
         self.ops = ops                # the elementwise steps: eager, torch.compile or fused Triton kernels
 
@@ -322,12 +325,19 @@ class InfinityCrossAttention(nn.Module):
         kv_RT2Hd = F.linear(ca_RTC.to(w.dtype), w, bias).view(R, T, 2, self.num_heads, self.head_dim)
         return kv_RT2Hd[:, :, 0].transpose(1, 2), kv_RT2Hd[:, :, 1].transpose(1, 2)
 
-    def forward(self, y_RlC: torch.Tensor, k_RHTd: torch.Tensor, v_RHTd: torch.Tensor,
-                mask_R11T: Optional[torch.Tensor], ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+    def absorb(self, k_RHTd: torch.Tensor, v_RHTd: torch.Tensor, valid_RT: Optional[torch.Tensor]) -> AbsorbedCrossMemory:
+        """The text memory with ``mat_q`` and ``proj`` folded in (``_blocks.absorb_cross_attention``)."""
+        return absorb_cross_attention(k_RHTd, v_RHTd, valid_RT, self.mat_q.weight, self.mat_q.bias, self.proj.weight,
+                                      1.0 / math.sqrt(self.head_dim), self.proj.weight.dtype)
+
+    def forward(self, y_RlC: torch.Tensor, mem, ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+        """``mem``: a ``CrossMemory`` (text K/V, key mask) or an ``AbsorbedCrossMemory`` of these rows."""
+        if isinstance(mem, AbsorbedCrossMemory):
+            return absorbed_cross_attention(y_RlC, mem, self.proj.bias)
         R, l, C = y_RlC.shape
         linear_fn = ops.linear if ops is not None else dense_linear
         q = linear_fn(y_RlC, self.mat_q.weight, self.mat_q.bias).view(R, l, self.num_heads, self.head_dim).transpose(1, 2)   # (R, l, C) → (R, H, l, d)
-        out = dense_attention(q, k_RHTd, v_RHTd, scale=1.0 / math.sqrt(self.head_dim), attn_mask=mask_R11T)
+        out = dense_attention(q, mem.k_RHTd, mem.v_RHTd, scale=1.0 / math.sqrt(self.head_dim), attn_mask=mem.mask_R11T)
         out_RlC = out.transpose(1, 2).reshape(R, l, C).to(self.proj.weight.dtype)          # (R, H, l, d) → (R, l, C)
         return linear_fn(out_RlC, self.proj.weight, self.proj.bias)
 
@@ -357,14 +367,13 @@ class InfinityBlock(nn.Module):
         wdtype = self.ffn.fc1.weight.dtype
         ops, eps = ctx.ops, self.norm_eps
         R = x_RlC.shape[0]
-        ca_k, ca_v = ctx.ca_k[:R], ctx.ca_v[:R]
-        ca_mask = ctx.ca_mask[:R] if ctx.ca_mask is not None else None
+        ca_mem = ctx.ca.rows(R)
 
         def sa_branch(y, idx_Rn=None):
             return self.sa(y, ctx, idx_Rn)
 
         def ca_branch(y, idx_Rn=None):
-            return self.ca(y, ca_k, ca_v, ca_mask, ops)
+            return self.ca(y, ca_mem, ops)
 
         def ffn_branch(y, idx_Rn=None):
             return self.ffn(y, ops)
@@ -400,10 +409,9 @@ class InfinityBlock(nn.Module):
         g1, g2, _, m2, _, b2 = mod_R6C.unsqueeze(2).unbind(1)                        # each (R, 1, C)
         ops, eps, wdtype = ctx.ops, self.norm_eps, self.ffn.fc1.weight.dtype
         R = x_RlC.shape[0]
-        ca_mask = ctx.ca_mask[:R] if ctx.ca_mask is not None else None
         ca_w, ca_b = self.ca_norm.weight.view(1, 1, -1), self.ca_norm.bias.view(1, 1, -1)
         x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.sa(y_RlC, ctx), g1, ca_w, ca_b, eps, wdtype)
-        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.ca(y_RlC, ctx.ca_k[:R], ctx.ca_v[:R], ca_mask, ops),
+        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.ca(y_RlC, ctx.ca.rows(R), ops),
                                              ones_R1C[:R], m2, b2, eps, wdtype)
         branch_RlC = self.ffn(y_RlC, ops)
         if next_mod_R6C is None:
@@ -638,7 +646,7 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
             k, v = blk.ca.text_kv(ca_RTC)
             ctx = _Call(kv=None, si=-1, layer=i, run=None, qkv_bias=blk.sa.qkv_bias(), q_mult=blk.sa.q_multiplier(),
                         cos_LD=cos_LD, sin_LD=sin_LD, start=0, pos=pos_L,
-                        valid_Rl=None, record=False, ca_k=k, ca_v=v, ca_mask=mask_RT[:, None, None, :],
+                        valid_Rl=None, record=False, ca=CrossMemory(k, v, mask_RT[:, None, None, :]),
                         attn_mask=visible_LL)
             x_BLC = blk(x_BLC, blk.modulation(shared), ctx)
             if taps is not None and i == 0:
@@ -707,21 +715,44 @@ class InfinityConditioning:
     resolution: InfinityResolution = field(default=DEFAULT_RESOLUTION)
 
 
+# The full KV cache (no shared last-scale tail) is kept up to this size: the tail costs one copy of
+# each layer's cache at the last scale (4.6 ms of 240 for Infinity-2B at 1024² on an H100) and saves
+# the last scale's K/V of all but one layer (2.0 GB there; 8.0 GB at 2048²)
+KV_FULL_MAX_BYTES = 8 << 30
+KV_FULL_MAX_DEVICE_FRACTION = 0.25
+
+
+def kv_tail_needed(full_bytes: int, device: torch.device) -> bool:
+    """Whether a KV cache of ``full_bytes`` should share one last-scale tail between its layers:
+    when it is larger than 8 GiB, or than a quarter of the GPU's memory (so that a 16 GB card keeps
+    the smaller cache at 1024² and an 80 GB one the faster one). Both forms give the same numbers."""
+    if device.type != "cuda":
+        return full_bytes > KV_FULL_MAX_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return full_bytes > min(KV_FULL_MAX_BYTES, KV_FULL_MAX_DEVICE_FRACTION * total)
+
+
 class _InfinityWorkspace:
     """Buffers of one batch size and schedule, reused across generations of the same shape."""
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
-                 patchify: bool, device, dtype):
+                 patchify: bool, device, dtype, kv_tail="auto"):
         self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
         last = hw[-1][0] * hw[-1][1]
-        # nothing attends to the last scale's keys afterwards: it gets a tail shared by all layers
-        # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9)
-        self._kv_args = (N, R, cfg.num_heads, model.head_dim, L - last, dtype, device)
-        self._kv_transient = last
+        full_bytes = 2 * N * R * L * C * torch.empty((), dtype=dtype).element_size()
+        self.kv_tail = kv_tail_needed(full_bytes, torch.device(device)) if kv_tail == "auto" else bool(kv_tail)
+        if self.kv_tail:
+            # nothing attends to the last scale's keys afterwards: it gets a tail shared by all layers
+            # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9)
+            self._kv_args = (N, R, cfg.num_heads, model.head_dim, L - last, dtype, device)
+            self._kv_transient = last
+        else:
+            self._kv_args = (N, R, cfg.num_heads, model.head_dim, L, dtype, device)
+            self._kv_transient = 0
         self.kv: Optional[KVCache] = None
         self.ensure_kv()
         H, W = hw[-1]
@@ -739,45 +770,89 @@ class _InfinityWorkspace:
         self.q_mult_NH1 = torch.zeros(N, cfg.num_heads, 1, device=device, dtype=torch.float32)
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, model.head_dim)
         self.cos_LD, self.sin_LD = cos.to(device), sin.to(device)
-        # the text memory's cross-attention K/V per layer, padded to a bucket of TEXT_BUCKET tokens
-        # on CUDA so that prompts of similar length share captured graphs (set_text)
+        # the text memory of every layer's cross-attention (set_text), padded to a bucket of TEXT_BUCKET
+        # tokens on CUDA so that prompts of similar length share captured graphs
         self._ca_args = (N, R, cfg.num_heads, model.head_dim, dtype, device)
         self.ca_k_NRHTd: Optional[torch.Tensor] = None
         self.ca_v_NRHTd: Optional[torch.Tensor] = None
         self.ca_valid_R11T: Optional[torch.Tensor] = None
         self.ca_masked = False
+        self.ca_kq_NRMC: Optional[torch.Tensor] = None      # absorbed form (M = H·T): see set_text
+        self.ca_bias_NR1M: Optional[torch.Tensor] = None
+        self.ca_vo_NRMC: Optional[torch.Tensor] = None
         self.static_index: dict = {}          # graphed layer stacks: their token-index input buffers
         self.image_buffer: Optional[torch.Tensor] = None   # decoded images of graphed runs (see decode)
         self.graph_inputs = None              # what captured graphs point at (weights, KV cache, text buffers)
 
-    def set_text(self, kv_per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]], lens: Sequence[int]) -> None:
-        """Copy the text K/V (each (R, H, T, d)) into the static buffers; keys past a row's prompt
-        length are masked out (no mask when every row fills the buffer)."""
+    def set_text(self, blocks: Sequence[InfinityBlock], ca_RTC: torch.Tensor, lens: Sequence[int],
+                 absorb: str = "auto") -> None:
+        """Compute every layer's text memory from the projected T5 features ``ca_RTC`` (R, T, C) into
+        the static buffers; keys past a row's prompt length are masked out.
+
+        absorb: ``"auto"`` folds each layer's query and output projections into the memory
+        (``_blocks.absorb_cross_attention``) when that is the cheaper form — H·T ≤ C/2 for the padded
+        length T — and otherwise stores K/V; ``"always"`` / ``"never"`` force one form."""
         N, Rmax, H, d, dtype, device = self._ca_args
-        R, _, T, _ = kv_per_layer[0][0].shape
+        R, T, _ = ca_RTC.shape
+        C = H * d
         bucket = TEXT_BUCKET if device.type == "cuda" else 1
         Tb = -(-T // bucket) * bucket
+        if absorb not in ("auto", "always", "never"):
+            raise ValueError(f"absorb={absorb!r}: choose 'auto', 'always' or 'never'")
+        absorbed = absorb == "always" or (absorb == "auto" and absorbs_cross_attention(H, Tb, C))
+        lens_R = torch.tensor(list(lens), device=device)
+        valid_RT = torch.arange(Tb, device=device)[None, :] < lens_R[:, None]           # (R, Tb)
+        if absorbed:
+            if self.ca_kq_NRMC is None or self.ca_kq_NRMC.shape[2] != H * Tb:
+                self.ca_k_NRHTd = self.ca_v_NRHTd = self.ca_valid_R11T = None
+                self.ca_kq_NRMC = torch.zeros(N, Rmax, H * Tb, C, device=device, dtype=dtype)
+                self.ca_vo_NRMC = torch.zeros_like(self.ca_kq_NRMC)
+                self.ca_bias_NR1M = torch.zeros(N, Rmax, 1, H * Tb, device=device, dtype=torch.float32)
+            for i, blk in enumerate(blocks):
+                k_RHTd, v_RHTd = blk.ca.text_kv(ca_RTC)
+                mem = blk.ca.absorb(k_RHTd, v_RHTd, valid_RT[:, :T])
+                self.ca_kq_NRMC[i, :R].view(R, H, Tb, C)[:, :, :T].copy_(mem.kq_RNC.view(R, H, T, C))
+                self.ca_vo_NRMC[i, :R].view(R, H, Tb, C)[:, :, :T].copy_(mem.vo_RNC.view(R, H, T, C))
+                bias_RHTb = self.ca_bias_NR1M[i, :R].view(R, H, Tb)
+                bias_RHTb.fill_(float("-inf"))                      # the bucket's padding: never attended
+                bias_RHTb[:, :, :T].copy_(mem.bias_R1N.view(R, H, T))
+            self.ca_masked = False
+            return
         if self.ca_k_NRHTd is None or self.ca_k_NRHTd.shape[3] != Tb:
+            self.ca_kq_NRMC = self.ca_vo_NRMC = self.ca_bias_NR1M = None
             self.ca_k_NRHTd = torch.zeros(N, Rmax, H, Tb, d, device=device, dtype=dtype)
             self.ca_v_NRHTd = torch.zeros_like(self.ca_k_NRHTd)
             self.ca_valid_R11T = torch.zeros(Rmax, 1, 1, Tb, device=device, dtype=torch.bool)
-        for i, (k, v) in enumerate(kv_per_layer):
-            self.ca_k_NRHTd[i, :R, :, :T].copy_(k)
-            self.ca_v_NRHTd[i, :R, :, :T].copy_(v)
-        lens_R = torch.tensor(list(lens), device=device)
-        self.ca_valid_R11T[:R, 0, 0].copy_(torch.arange(Tb, device=device)[None, :] < lens_R[:, None])
+        for i, blk in enumerate(blocks):
+            k_RHTd, v_RHTd = blk.ca.text_kv(ca_RTC)
+            self.ca_k_NRHTd[i, :R, :, :T].copy_(k_RHTd)
+            self.ca_v_NRHTd[i, :R, :, :T].copy_(v_RHTd)
+        self.ca_valid_R11T[:R, 0, 0].copy_(valid_RT)
         # equal lengths filling the buffer need no key mask (keeps the fast SDPA kernels available)
         self.ca_masked = any(n != Tb for n in lens)
 
-    def text_memory(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(K, V, key mask or None) of ``layer``'s cross-attention, all rows."""
-        return self.ca_k_NRHTd[layer], self.ca_v_NRHTd[layer], (self.ca_valid_R11T if self.ca_masked else None)
+    @property
+    def ca_absorbed(self) -> bool:
+        return self.ca_kq_NRMC is not None
+
+    def text_memory(self, layer: int):
+        """``layer``'s cross-attention memory, all rows: an ``AbsorbedCrossMemory`` or a ``CrossMemory``."""
+        if self.ca_absorbed:
+            return AbsorbedCrossMemory(self.ca_kq_NRMC[layer], self.ca_bias_NR1M[layer], self.ca_vo_NRMC[layer],
+                                       self._ca_args[2])
+        return CrossMemory(self.ca_k_NRHTd[layer], self.ca_v_NRHTd[layer], self.ca_valid_R11T if self.ca_masked else None)
+
+    def text_buffers(self) -> tuple:
+        """Addresses of the text-memory buffers, which captured graphs read."""
+        bufs = (self.ca_kq_NRMC, self.ca_bias_NR1M, self.ca_vo_NRMC) if self.ca_absorbed else \
+            (self.ca_k_NRHTd, self.ca_v_NRHTd, self.ca_valid_R11T)
+        return tuple(b.data_ptr() for b in bufs)
 
     def check_graphs(self, model: "InfinityTransformer") -> None:
         """Drop captured graphs whose buffers moved (a re-allocated KV cache, weights moved away and
         back by offloading, another text bucket or mask): they would read freed memory."""
         inputs = (tuple(p.data_ptr() for p in model.parameters()), self.kv.storage_ptrs(),
-                  self.ca_k_NRHTd.data_ptr(), self.ca_v_NRHTd.data_ptr(), self.ca_masked)
+                  self.text_buffers(), self.ca_masked)
         if inputs != self.graph_inputs:
             if getattr(self, "graphs", None):
                 self.graphs.clear()
@@ -826,6 +901,11 @@ class InfinityAdapter:
         self._workspace: Optional[_InfinityWorkspace] = None
         self._workspace_key = None
         self.ops = EAGER_OPS
+        # "auto" | "always" | "never": fold the cross-attention's projections into the text memory
+        # (_InfinityWorkspace.set_text); "auto" does where that is less work (short prompts)
+        self.absorb_cross_attention = "auto"
+        # "auto" | True | False: give the last scale's K/V one buffer shared by the layers (kv_tail_needed)
+        self.kv_tail = "auto"
 
     def set_compiled_elementwise(self, enabled) -> None:
         """Fuse the blocks' elementwise steps (CUDA + Triton only): ``True`` / ``"fused"`` for the
@@ -866,11 +946,11 @@ class InfinityAdapter:
         if run.schedule.hw != cond.resolution.hw:
             raise ValueError(f"the run's schedule {run.schedule} is not that of {cond.resolution}")
         res = cond.resolution
-        key = (B, res.hw, res.rope_grid, self.device, self.dtype)
+        key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail)
         if self._workspace_key != key:
             self._workspace = None                   # one workspace at a time: a KV cache can be gigabytes
             self._workspace = _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
-                                                 self.device, self.dtype)
+                                                 self.device, self.dtype, self.kv_tail)
             self._workspace_key = key
         ws = self._workspace
         run.cfg_active = float(run.settings.guidance_scale) != 1.0
@@ -883,14 +963,11 @@ class InfinityAdapter:
         ws.sos_R1C[:R].copy_(cond_RD.unsqueeze(1) + m.pos_start + m.lvl_embed.weight[0].float())
         shared = m.shared_adaln(cond_RD)
         blocks = m.blocks
-        text_kv = []
         for i, blk in enumerate(blocks):
             ws.ada_NR6C[i, :R].copy_(blk.modulation(shared))
             ws.qkv_bias_N3C[i].copy_(blk.sa.qkv_bias())
             ws.q_mult_NH1[i].copy_(blk.sa.q_multiplier())
-            text_kv.append(blk.ca.text_kv(ca_RTC))
-        ws.set_text(text_kv, text.lens)
-        del text_kv
+        ws.set_text(blocks, ca_RTC, text.lens, self.absorb_cross_attention)
         ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
         run.model_state.update(temperature=float(cond.temperature))
         ws.summed_BdHW.zero_()
@@ -964,8 +1041,7 @@ class InfinityAdapter:
         observe = bool(stack.active["observe"]) and taps is None
         collected = []
         rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,
-                       sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca_k=None, ca_v=None,
-                       ca_mask=None).rope(pos)
+                       sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca=None).rope(pos)
         blocks = self.transformer.blocks
         # fused elementwise kernels and no sub-layer wrapper: chain each residual add with the next norm
         chained = self.ops.kind != "eager" and not stack.active["wrap_sublayer"]
@@ -974,10 +1050,9 @@ class InfinityAdapter:
                                       blocks[0].ffn.fc1.weight.dtype)
         for i, blk in enumerate(blocks):
             x_in = x_RlC
-            ca_k, ca_v, ca_mask = ws.text_memory(i)
             call = _Call(kv=kv, si=si, layer=i, run=run, qkv_bias=ws.qkv_bias_N3C[i], q_mult=ws.q_mult_NH1[i],
                          cos_LD=ws.cos_LD, sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=valid_Rn, record=record,
-                         ca_k=ca_k, ca_v=ca_v, ca_mask=ca_mask, rope_l=rope_l, ops=self.ops)
+                         ca=ws.text_memory(i), rope_l=rope_l, ops=self.ops)
             if chained:
                 next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) else None
                 x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call, ws.ones_R1C)

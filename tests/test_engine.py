@@ -491,6 +491,26 @@ def test_top_p_always_keeps_the_largest_entry(top_p):
     assert finite[0, 1]
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.97), (1, 0.0), (1, 0.97), (900, 0.97), (2, 0.6), (0, 0.3), (900, 0.0)])
+def test_two_way_logits_take_the_closed_form_with_the_sorted_paths_result(top_k, top_p):
+    """Infinity's bit logits (rows of two) skip the sort and cumsum; the kept entries are those of
+    the sorted path, ties and near-ties at the nucleus boundary included."""
+    from sparsevar.engine.sampling import _filter_sorted
+
+    g = _g(11)
+    logits = torch.randn(4000, 2, generator=g) * 3
+    logits[:50, 1] = logits[:50, 0]                                   # exact ties
+    p_small = torch.tensor([0.03, 0.4, 0.5 - 1e-7])                  # the small entry at a few masses
+    logits[50:53, 0] = 0.0
+    logits[50:53, 1] = (1 - p_small).log() - p_small.log()
+    logits[60] = torch.tensor([float("-inf"), 2.0])
+    fast = filter_top_k_top_p(logits, top_k, top_p)
+    slow = _filter_sorted(logits, top_k, top_p)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
+    assert torch.equal(fast[torch.isfinite(fast)], slow[torch.isfinite(slow)])
+    assert torch.isfinite(fast).any(-1).all()                        # the larger entry always survives
+
+
 def test_sample_codes_is_reproducible_and_respects_the_filters():
     logits = torch.randn(2, 50, 40, generator=_g(0))
     a = sample_codes(logits, 0, 0.0, _g(3))

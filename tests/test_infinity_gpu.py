@@ -73,6 +73,36 @@ def test_infinity_2b_real_size_random_weights_1024px():
     pipe.release_memory()
 
 
+def test_absorbed_cross_attention_in_bf16_errs_like_the_projections():
+    """Infinity-2B's cross-attention shapes (C 2048, 16 heads, a 20-token prompt padded to 32, 300
+    queries) in bf16: the absorbed form's error against float32 stays within 2x that of the
+    projections + SDPA in bf16 (both round their operands to bf16; the absorbed form keeps its logits
+    in float32 as a flash kernel does)."""
+    from sparsevar.models._blocks import CrossMemory
+    from sparsevar.models.infinity import InfinityCrossAttention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator("cuda").manual_seed(0)
+    C, H, T, Tb, l = 2048, 16, 20, 32, 300
+    ca = InfinityCrossAttention(C, H).cuda()
+    with torch.no_grad():
+        for prm in ca.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, device="cuda") * 0.02)
+    text = torch.randn(2, Tb, C, generator=g, device="cuda")
+    y = torch.randn(2, l, C, generator=g, device="cuda")
+    valid = (torch.arange(Tb, device="cuda") < T)[None].expand(2, -1)
+    with torch.no_grad():
+        k, v = ca.text_kv(text)
+        ref = ca(y, CrossMemory(k, v, valid[:, None, None, :]))
+        ca16 = InfinityCrossAttention(C, H).cuda().to(torch.bfloat16)
+        ca16.load_state_dict(ca.state_dict())
+        k16, v16 = ca16.text_kv(text)
+        std = ca16(y.bfloat16(), CrossMemory(k16, v16, valid[:, None, None, :])).float()
+        absorbed = ca16(y.bfloat16(), ca16.absorb(k16, v16, valid)).float()
+    err_std, err_abs = (std - ref).abs().max().item(), (absorbed - ref).abs().max().item()
+    assert err_abs <= 2 * err_std, (err_abs, err_std)
+
+
 # ---- CUDA graphs and the fused elementwise kernels ---------------------------------------------------
 def _tiny_bf16():
     pipe = InfinityPipeline.from_random("infinity-tiny", device="cuda", dtype=torch.bfloat16)
@@ -87,16 +117,19 @@ def _codes(pipe, prompts, graphs, seed=3, **kw):
     return got
 
 
+@pytest.mark.parametrize("absorb", ["never", "always"])
 @pytest.mark.parametrize("kernels", [False, "fused"], ids=["eager-ops", "fused-ops"])
 @pytest.mark.parametrize("setup", [
     lambda p: p,
     lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0),      # the tiny model has 2 groups
     lambda p: p.enable_scale_skip(skip_last=1),
 ], ids=["dense", "sparsevar-keep", "skip"])
-def test_graphs_replay_eager_codes_exactly(kernels, setup):
+def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
     """Dense scales replay whole from graphs, SparseVAR's subsets replay their layer stacks: the sampled
-    bits equal the eager run's bit for bit, at the capturing call and at a replaying one."""
+    bits equal the eager run's bit for bit, at the capturing call and at a replaying one; with the
+    cross-attention as projections and in its absorbed form."""
     pipe = _tiny_bf16()
+    pipe.adapter().absorb_cross_attention = absorb
     if kernels:
         pipe.enable_compiled_elementwise(True, kernels=kernels)
     setup(pipe)
@@ -112,20 +145,24 @@ def test_graphs_replay_eager_codes_exactly(kernels, setup):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_prompts_of_one_text_bucket_share_graphs():
-    """Prompt lengths inside one 32-token bucket reuse the captured graphs (the text K/V live in one
-    static buffer, masked past each prompt); a new bucket captures new ones."""
+@pytest.mark.parametrize("absorb", ["never", "always"])
+def test_prompts_of_one_text_bucket_share_graphs(absorb):
+    """Prompt lengths inside one 32-token bucket reuse the captured graphs (the text memory lives in
+    static buffers, masked past each prompt); a new bucket captures new ones."""
     pipe = _tiny_bf16()
+    pipe.adapter().absorb_cross_attention = absorb
     short = _codes(pipe, "w3 w4 w5", graphs=True)
     ws = pipe.adapter()._workspace
-    n_graphs, ptr = len(ws.graphs), ws.ca_k_NRHTd.data_ptr()
+    assert ws.ca_absorbed == (absorb == "always")
+    n_graphs, ptrs = len(ws.graphs), ws.text_buffers()
     other = _codes(pipe, "w9 w10 w11 w12 w13 w14 w15", graphs=True)
-    assert len(ws.graphs) == n_graphs and ws.ca_k_NRHTd.data_ptr() == ptr
+    assert len(ws.graphs) == n_graphs and ws.text_buffers() == ptrs
     assert torch.equal(torch.cat(other, 1), torch.cat(_codes(pipe, "w9 w10 w11 w12 w13 w14 w15", graphs=False), 1))
     assert not torch.equal(torch.cat(short, 1), torch.cat(other, 1))
     long_prompt = " ".join(f"w{i}" for i in range(3, 45))          # > 32 tokens: the next bucket
     long_codes = _codes(pipe, long_prompt, graphs=True)
-    assert ws.ca_k_NRHTd.shape[3] == 64
+    heads = pipe.transformer.config.num_heads
+    assert (ws.ca_kq_NRMC.shape[2] // heads if ws.ca_absorbed else ws.ca_k_NRHTd.shape[3]) == 64
     assert torch.equal(torch.cat(long_codes, 1), torch.cat(_codes(pipe, long_prompt, graphs=False), 1))
 
 

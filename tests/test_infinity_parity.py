@@ -165,7 +165,17 @@ def _greedy_cases(config):
     return [name for name, c in config["inference_cases"].items() if c["top_k"] == 1]
 
 
-def test_greedy_generation(infinity_fixture_dir, infinity_fixture_config, pipe, prompts, resolution):
+@pytest.fixture(params=["auto", "never"])
+def absorb(request, pipe):
+    """The cross-attention's form: absorbed projections (what "auto" picks for the fixtures' short
+    prompts) or the projections as the reference runs them."""
+    adapter = pipe.adapter()
+    adapter.absorb_cross_attention = request.param
+    yield request.param
+    adapter.absorb_cross_attention = "auto"
+
+
+def test_greedy_generation(infinity_fixture_dir, infinity_fixture_config, pipe, prompts, resolution, absorb):
     """Free-running KV-cached generation through the pipeline: bits exact, guided logits, next-scale
     inputs, summed codes and the returned image within the README tolerances."""
     ref = load_file(infinity_fixture_dir / "inference.safetensors")
@@ -175,6 +185,7 @@ def test_greedy_generation(infinity_fixture_dir, infinity_fixture_config, pipe, 
     for name in cases:
         case = infinity_fixture_config["inference_cases"][name]
         images, steps = _generate(pipe, prompts, resolution, _case_kwargs(case, prompts), case["g_seed"])
+        assert pipe.adapter()._workspace.ca_absorbed == (absorb == "auto"), name
         assert len(steps) == len(hw)
         bits = torch.cat([s["codes"] for s in steps], dim=1).to(torch.uint8)
         mismatch = (bits != ref[f"{name}.bits"]).sum().item()

@@ -18,8 +18,10 @@ from accelerate import init_empty_weights
 
 from sparsevar import InfinityPipeline, InfinityPipelineOutput
 from sparsevar.models.bsq_vae import BSQVAE, next_scale_input
-from sparsevar.models.infinity import (INFINITY_PRESETS, InfinityTransformer, ffn_hidden, infinity_resolution,
-                                       infinity_resolutions, resolve_resolution, rope_positions, text_pool_heads)
+from sparsevar.models._blocks import CrossMemory, absorbs_cross_attention
+from sparsevar.models.infinity import (INFINITY_PRESETS, InfinityCrossAttention, InfinityTransformer, ffn_hidden,
+                                       infinity_resolution, infinity_resolutions, resolve_resolution, rope_positions,
+                                       text_pool_heads)
 from sparsevar.models.loading import load_infinity_transformer, load_infinity_vae
 from sparsevar.models.text_encoder import random_t5
 
@@ -373,13 +375,22 @@ def _patchify_pipe() -> InfinityPipeline:
     return p
 
 
-@pytest.mark.parametrize("which, height, width", [("tiny", 240, 320), ("tiny", 336, 224), ("patchify", 256, 256)])
-def test_kv_cached_generation_equals_teacher_forcing(tiny, which, height, width):
+@pytest.mark.parametrize("which, height, width, absorb", [("tiny", 240, 320, "auto"), ("tiny", 336, 224, "never"),
+                                                            ("patchify", 256, 256, "auto")])
+def test_kv_cached_generation_equals_teacher_forcing(tiny, which, height, width, absorb):
+    """Teacher forcing runs the cross-attention's projections as such; the KV-cached path runs the
+    absorbed form ("auto" with these short prompts) or the projections ("never")."""
     pipe = tiny if which == "tiny" else _patchify_pipe()
     assert pipe.is_patchify == (which == "patchify")
     res = resolve_resolution(height, width)
-    bits, latent, steps = _bits(pipe, ["w3 w4 w5", "w6"], height=height, width=width, guidance_scale=1.0,
-                                temperature=1.0)
+    adapter = pipe.adapter()
+    adapter.absorb_cross_attention = absorb
+    try:
+        bits, latent, steps = _bits(pipe, ["w3 w4 w5", "w6"], height=height, width=width, guidance_scale=1.0,
+                                    temperature=1.0)
+        assert adapter._workspace.ca_absorbed == (absorb == "auto")
+    finally:
+        adapter.absorb_cross_attention = "auto"
     x = torch.cat([next_scale_input(steps[k]["latent"], res.hw[k + 1], pipe.is_patchify)
                    for k in range(len(res.hw) - 1)], dim=1)
     with torch.no_grad():
@@ -390,6 +401,51 @@ def test_kv_cached_generation_equals_teacher_forcing(tiny, which, height, width)
         assert latent.shape == (2, 8, 2 * H, 2 * W)
         img = pipe("w6", height=height, width=width, generator=_g(0), output_type="pt").images
         assert img.shape == (1, 3, height, width)
+
+
+@pytest.mark.parametrize("R, l, T, H, d, masked", [(1, 1, 1, 1, 8, False), (3, 13, 7, 4, 16, True),
+                                                    (2, 37, 33, 2, 24, True)])
+def test_absorbed_cross_attention_equals_projections_then_attention(R, l, T, H, d, masked):
+    """Folding mat_q and proj into the text memory is exact up to float32 rounding, also where it is
+    not the cheaper form (T = 33 with H·T > C/2), with per-row key masks and non-zero biases."""
+    g = torch.Generator().manual_seed(R * 100 + l)
+    ca = InfinityCrossAttention(H * d, H)
+    with torch.no_grad():
+        for prm in ca.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
+    text_RTC = torch.randn(R, T, H * d, generator=g)
+    y_RlC = torch.randn(R, l, H * d, generator=g)
+    lens = torch.randint(1, T + 1, (R,), generator=g) if masked else torch.full((R,), T)
+    valid_RT = torch.arange(T)[None, :] < lens[:, None]
+    k, v = ca.text_kv(text_RTC)
+    with torch.no_grad():
+        ref = ca(y_RlC, CrossMemory(k, v, valid_RT[:, None, None, :] if masked else None))
+        out = ca(y_RlC, ca.absorb(k, v, valid_RT if masked else None))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_absorbed_form_is_chosen_only_where_it_is_less_work():
+    assert absorbs_cross_attention(16, 32, 2048) and absorbs_cross_attention(16, 64, 2048)
+    assert not absorbs_cross_attention(16, 96, 2048) and not absorbs_cross_attention(28, 96, 3584)
+
+
+def test_shared_last_scale_tail_of_the_kv_cache_changes_nothing(tiny):
+    """The KV cache with one last-scale tail shared by the layers (what large caches get) and the
+    full per-layer cache give the same bits and logits; "auto" keeps a tiny model's cache whole."""
+    adapter = tiny.adapter()
+    got = {}
+    try:
+        for tail in (True, False, "auto"):
+            adapter.kv_tail = tail
+            bits, _, steps = _bits(tiny, ["w3 w4 w5", "w6"], height=240, width=320, guidance_scale=3.0)
+            got[tail] = (bits, steps[-1]["logits"])
+            assert adapter._workspace.kv_tail == (tail is True)
+            assert adapter._workspace.kv.transient == (240 // 16 * 320 // 16 if tail is True else 0)
+    finally:
+        adapter.kv_tail = "auto"
+    for tail in (False, "auto"):
+        assert torch.equal(got[tail][0], got[True][0])
+        torch.testing.assert_close(got[tail][1], got[True][1], atol=1e-5, rtol=0)
 
 
 def test_flop_model_counts_the_dense_loop(tiny):
