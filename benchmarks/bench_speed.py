@@ -82,6 +82,33 @@ def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
     return total * 1e3
 
 
+def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, gpu: str) -> float:
+    """Lower bound of an Infinity scale loop with CFG (2·batch rows), the same model as
+    :func:`var_floor_ms`: per scale max(FLOPs / peak, (block weights + head + K/V read) / bandwidth),
+    FLOPs as ``infinity_loop_flops`` counts them (the projections of the cross-attention included)."""
+    from ..models.infinity import ffn_hidden
+
+    key = _gpu_key(gpu)
+    if key is None:
+        return float("nan")
+    C, depth, V = cfg.embed_dim, cfg.depth, 2 * cfg.token_dim
+    hidden = ffn_hidden(C, cfg.mlp_ratio)
+    rows = 2 * batch
+    block_w = (6 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + ca q + ca out + fc1 + fc2
+    head_w = C * V * 4                                             # the head runs in float32
+    total, prefix = 0.0, 0
+    for h, w in hw:
+        n = h * w
+        prefix += n
+        flops = rows * (depth * (2 * n * (6 * C * C + 2 * C * hidden) + 4 * n * prefix * C + 4 * n * text_tokens * C)
+                        + 2 * n * C * V)
+        kv_bytes = depth * 2 * rows * (prefix + text_tokens) * C * weight_bytes
+        t_compute = flops / (PEAK_TFLOPS[key] * 1e12)
+        t_memory = (depth * block_w + head_w + kv_bytes) / (PEAK_TBPS[key] * 1e12)
+        total += max(t_compute, t_memory)
+    return total * 1e3
+
+
 def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal) -> None:
     for i in range(warmup + runs):
         gen = torch.Generator(device).manual_seed(i)
@@ -108,18 +135,23 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
     """(pipeline, resolution, call(generator, kwargs, batch) → (output, flop-speed-up fn), floor fn).
     ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule)."""
     if name.startswith("infinity"):
+        from ..models.infinity import resolve_resolution
         from ..pipelines.infinity_pipeline import InfinityPipeline
 
         pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype)
         res = resolution or 1024
+        prompt = "w3 w4 w5 w6"
 
         def call(gen, kw, batch):
             if res > 1024:              # zero-shot sizes: the pipeline's default (eager, KV freed before decode)
                 kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}
-            out = pipe(["w3 w4 w5 w6"] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
+            out = pipe([prompt] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
             return out, lambda st: pipe.flop_speedup(st, height=res, width=res)
 
-        return pipe, res, call, lambda batch, wbytes, gpu: float("nan")
+        hw = resolve_resolution(res, res).hw
+        text_tokens = pipe.encode_prompt(prompt).lens[0]
+        return pipe, res, call, lambda batch, wbytes, gpu: infinity_floor_ms(pipe.transformer.config, hw, text_tokens,
+                                                                             batch, wbytes, gpu)
     from ..pipelines.var_pipeline import VARPipeline
 
     pipe = VARPipeline.from_random(name, device=device, dtype=dtype)
