@@ -217,6 +217,15 @@ def _cases(dev) -> list[dict]:
                       bytes=logits_s.numel() * 8, memory_bound=False, target=False,
                       run={"triton": lambda: sample_mod.sample_top_k_top_p(logits_s, noise_s, 900, 0.96),
                            "torch": lambda: ref.sample_top_k_top_p(logits_s, noise_s, 900, 0.96)}))
+    # the absorbed cross-attention's softmax: Infinity-2B's last scale with CFG, 16 heads × a 32-token
+    # prompt bucket (float32 logits in, bf16 probabilities out); memory-bound
+    from ..sparse_ops import softmax as softmax_mod
+    logits_a = torch.randn(2, 4096, 16 * 32, device=dev, generator=g) * 4
+    bias_a = torch.randn(2, 1, 16 * 32, device=dev, generator=g)
+    cases.append(dict(op="bias_softmax", shape="R2 l4096 16 groups of 32", dtype="fp32 → bf16",
+                      bytes=logits_a.numel() * 6 + bias_a.numel() * 4, memory_bound=True, target=False,
+                      run={"triton": lambda: softmax_mod.bias_softmax(logits_a, bias_a, 16, torch.bfloat16),
+                           "torch": lambda: ref.bias_softmax(logits_a, bias_a, 16, torch.bfloat16)}))
     # attention with padding keys: VAR-d30, 8 images with CFG at 13×13 whose kept counts differ;
     # Infinity-2B's last scale (2 images, half the 4096 tokens kept, 10k-token cache); Infinity's
     # cross-attention to padded prompts

@@ -73,16 +73,16 @@ def absorbs_cross_attention(heads: int, text_tokens: int, dim: int) -> bool:
 
 def absorb_cross_attention(k_RHTd: torch.Tensor, v_RHTd: torch.Tensor, valid_RT: Optional[torch.Tensor],
                            wq_CC: torch.Tensor, bq_C: Optional[torch.Tensor], wo_CC: torch.Tensor,
-                           scale: float, dtype: torch.dtype) -> AbsorbedCrossMemory:
-    """Fold ``q = y·Wqᵀ + bq`` and ``out = o·Woᵀ`` into the text memory (computed in float32, once per
-    generation). With q_h = y·Wq,hᵀ + bq,h for head h:
+                           bo_C: Optional[torch.Tensor], scale: float, dtype: torch.dtype) -> AbsorbedCrossMemory:
+    """Fold ``q = y·Wqᵀ + bq`` and ``out = o·Woᵀ + bo`` into the text memory (computed in float32,
+    once per generation). With q_h = y·Wq,hᵀ + bq,h for head h:
 
         logits_h,t = scale · q_h·k_h,t = y · (scale · k_h,t·Wq,h) + scale · bq,h·k_h,t
-        out = Σ_h P_h·V_h·Wo,hᵀ = Σ_h,t P_h,t · (v_h,t·Wo,hᵀ)
+        out = Σ_h P_h·V_h·Wo,hᵀ + bo = Σ_h,t P_h,t · (v_h,t·Wo,hᵀ + bo / H)
 
-    so the attention of l queries to T keys becomes two products of l × C by C × H·T and l × H·T by
-    H·T × C, in place of the two l × C by C × C projections: exact in exact arithmetic, and less work
-    while H·T < C. The output bias ``bo`` is added by :func:`absorbed_cross_attention`."""
+    (each head's probabilities sum to 1, so bo / H on every row of Vo adds bo once). The attention
+    of l queries to T keys becomes two products of l × C by C × H·T and l × H·T by H·T × C, in place
+    of the two l × C by C × C projections: exact in exact arithmetic, and less work while H·T < C."""
     R, H, T, d = k_RHTd.shape
     C = wq_CC.shape[1]
     kq_RHTC = torch.einsum("rhtj,hjc->rhtc", k_RHTd.float(), wq_CC.float().view(H, d, C)).mul_(scale)
@@ -93,28 +93,32 @@ def absorb_cross_attention(k_RHTd: torch.Tensor, v_RHTd: torch.Tensor, valid_RT:
     if valid_RT is not None:
         bias_RHT = bias_RHT.masked_fill(~valid_RT[:, None, :], float("-inf"))
     vo_RHTC = torch.einsum("rhtj,chj->rhtc", v_RHTd.float(), wo_CC.float().view(-1, H, d))
+    if bo_C is not None:
+        vo_RHTC += bo_C.float() / H
     return AbsorbedCrossMemory(kq_RHTC.reshape(R, H * T, C).to(dtype), bias_RHT.reshape(R, 1, H * T),
                                vo_RHTC.reshape(R, H * T, -1).to(dtype), H)
 
 
 def absorbed_cross_attention(y_RlC: torch.Tensor, mem: AbsorbedCrossMemory,
-                             bo_C: Optional[torch.Tensor]) -> torch.Tensor:
-    """softmax(y·Kqᵀ + bias) per head, times Vo, plus ``bo``: (R, l, C) in the memory's dtype. The
-    logits and the softmax are float32 (as inside a flash-attention kernel); on CUDA the first
-    product reads bf16 / fp16 operands and writes float32 directly."""
-    R, l, _ = y_RlC.shape
-    N = mem.kq_RNC.shape[1]
+                             ops: Optional["ElementwiseOps"] = None) -> torch.Tensor:
+    """softmax(y·Kqᵀ + bias) per head, times Vo: (R, l, C) in the memory's dtype. The logits and the
+    softmax are float32 (as inside a flash-attention kernel); on CUDA the first product reads bf16 /
+    fp16 operands and writes float32 directly; the bias add, softmax and cast are one step
+    (``ops.bias_softmax``: one Triton launch with the fused ops)."""
     kqT_RCN = mem.kq_RNC.transpose(1, 2)
     if y_RlC.is_cuda and y_RlC.dtype == mem.kq_RNC.dtype and y_RlC.dtype in (torch.bfloat16, torch.float16):
-        logits_RlN = torch.bmm(y_RlC, kqT_RCN, out_dtype=torch.float32).add_(mem.bias_R1N)
+        logits_RlN = torch.bmm(y_RlC, kqT_RCN, out_dtype=torch.float32)
     else:
-        logits_RlN = torch.baddbmm(mem.bias_R1N, y_RlC.float(), kqT_RCN.float())
-    p_RlN = torch.softmax(logits_RlN.view(R, l, mem.heads, N // mem.heads), dim=-1).view(R, l, N)
-    vo = mem.vo_RNC
-    p_RlN = p_RlN.to(vo.dtype)
-    if bo_C is None:
-        return torch.bmm(p_RlN, vo)
-    return torch.baddbmm(bo_C.to(vo.dtype), p_RlN, vo)
+        logits_RlN = torch.bmm(y_RlC.float(), kqT_RCN.float())
+    softmax_fn = ops.bias_softmax if ops is not None else _ref_bias_softmax
+    p_RlN = softmax_fn(logits_RlN, mem.bias_R1N, mem.heads, mem.vo_RNC.dtype)
+    return torch.bmm(p_RlN, mem.vo_RNC)
+
+
+def _ref_bias_softmax(logits_RlN, bias_R1N, groups, out_dtype):
+    from ..sparse_ops.ref import bias_softmax
+
+    return bias_softmax(logits_RlN, bias_R1N, groups, out_dtype)
 
 
 def layer_norm_no_affine(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,6 +207,9 @@ class ElementwiseOps:
         self.compiled = kind != "eager"
         self._compiled_rope = None
         self.linear = dense_linear
+        from ..sparse_ops import ref as sparse_ref
+
+        self.bias_softmax = sparse_ref.bias_softmax
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate)
         for name, fn in fns.items():
@@ -215,6 +222,7 @@ class ElementwiseOps:
             self.qk_normalize_store = functools.partial(sparse_ops.qk_norm_store, backend="triton")
             self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)
+            self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
         elif kind == "compile":
             # Compiling the cache write into the norm produced four kernels instead of one on an H100
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.

@@ -328,12 +328,12 @@ class InfinityCrossAttention(nn.Module):
     def absorb(self, k_RHTd: torch.Tensor, v_RHTd: torch.Tensor, valid_RT: Optional[torch.Tensor]) -> AbsorbedCrossMemory:
         """The text memory with ``mat_q`` and ``proj`` folded in (``_blocks.absorb_cross_attention``)."""
         return absorb_cross_attention(k_RHTd, v_RHTd, valid_RT, self.mat_q.weight, self.mat_q.bias, self.proj.weight,
-                                      1.0 / math.sqrt(self.head_dim), self.proj.weight.dtype)
+                                      self.proj.bias, 1.0 / math.sqrt(self.head_dim), self.proj.weight.dtype)
 
     def forward(self, y_RlC: torch.Tensor, mem, ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
         """``mem``: a ``CrossMemory`` (text K/V, key mask) or an ``AbsorbedCrossMemory`` of these rows."""
         if isinstance(mem, AbsorbedCrossMemory):
-            return absorbed_cross_attention(y_RlC, mem, self.proj.bias)
+            return absorbed_cross_attention(y_RlC, mem, ops)
         R, l, C = y_RlC.shape
         linear_fn = ops.linear if ops is not None else dense_linear
         q = linear_fn(y_RlC, self.mat_q.weight, self.mat_q.bias).view(R, l, self.num_heads, self.head_dim).transpose(1, 2)   # (R, l, C) → (R, H, l, d)

@@ -23,7 +23,7 @@ _TRITON_MODULES = {
     "anchor_match": "anchor", "attention_colsum": "colsum",
     "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "linear": "linear",
-    "sample_top_k_top_p": "sample",
+    "sample_top_k_top_p": "sample", "bias_softmax": "softmax",
 }
 
 
@@ -120,3 +120,9 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
                        backend: str = "auto") -> torch.Tensor:
     """(N,) draws from the top-k / top-p filtered softmax given Exp(1) noise (see ``ref.sample_top_k_top_p``)."""
     return implementation("sample_top_k_top_p", backend, logits_NV.device)(logits_NV, noise_NV, top_k, top_p)
+
+
+def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, out_dtype: torch.dtype, *,
+                 backend: str = "auto") -> torch.Tensor:
+    """softmax(logits + bias) per group of the last dim, in ``out_dtype`` (see ``ref.bias_softmax``)."""
+    return implementation("bias_softmax", backend, logits_RlN.device)(logits_RlN, bias_R1N, groups, out_dtype)

@@ -99,6 +99,15 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
     return (probs_NV / noise_NV).argmax(dim=-1)
 
 
+def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """softmax(logits + bias) over each of ``groups`` consecutive segments of the last dim (one per
+    attention head), in float32, returned in ``out_dtype``: (R, l, N). ``bias`` may hold −inf (masked
+    keys); every segment needs one finite entry."""
+    R, l, N = logits_RlN.shape
+    x = (logits_RlN.float() + bias_R1N.float()).view(R, l, groups, N // groups)
+    return torch.softmax(x, dim=-1).view(R, l, N).to(out_dtype)
+
+
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
     """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""
     R, L, C = x_RLC.shape

@@ -180,6 +180,26 @@ def _sample_case(N, V, top_k, top_p, device):
     assert torch.equal(got, want), f"sample_top_k_top_p: {(got != want).sum().item()} of {N} draws differ"
 
 
+def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
+    """Bias add + softmax per group + cast in one pass against the torch twin, float64 oracle; with
+    -inf bias entries (masked keys) that leave at least one key per group."""
+    from sparsevar.sparse_ops import ref, softmax
+    g = _gen(13)
+    x = _rand((R, l, G * T), g, device, scale=4.0)
+    b = _rand((R, 1, G * T), g, device, scale=2.0)
+    if masked:
+        lens = torch.randint(1, T + 1, (R,), generator=g)
+        dead = torch.arange(T)[None, :] >= lens[:, None]                           # (R, T): past each prompt
+        b = b.masked_fill(dead.repeat(1, G).view(R, 1, G * T).to(device), float("-inf"))
+    got = softmax.bias_softmax(x, b, G, out_dtype)
+    want = ref.bias_softmax(x, b, G, out_dtype)
+    oracle = torch.softmax((x.double() + b.double()).view(R, l, G, T), -1).view(R, l, G * T)
+    assert got.dtype == out_dtype and got.shape == (R, l, G * T)
+    assert_close_to_oracle(f"bias_softmax {R}x{l}x{G}x{T}", got, want, oracle, one_step=True)
+    if masked:
+        assert (got.view(R, l, G, T).float().masked_select(dead.to(device)[:, None, None, :]) == 0).all()
+
+
 def _gather_norm_case(shape, C, out_dtype, device):
     ref, gm, *_ = _ops()
     B, h, w = shape
@@ -417,6 +437,16 @@ def _(device="cpu"):
     _sample_case(4, 37, 0, 0.5, device)
 
 
+@case("bias_softmax-R3-l13-G4-T7-fp32")
+def _(device="cpu"):
+    _bias_softmax_case(3, 13, 4, 7, torch.float32, device)
+
+
+@case("bias_softmax-R2-l5-G3-T33-bf16")
+def _(device="cpu"):
+    _bias_softmax_case(2, 5, 3, 33, torch.bfloat16, device)
+
+
 def run_cases(names, device) -> dict:
     """Run the named cases on ``device``; {name: {"ok", "msg", "sec"}}."""
     results = {}
@@ -635,6 +665,9 @@ GPU_CASES = {
     "sample_top_k_top_p-N512-V4096-k900-p0.96": lambda device: _sample_case(512, 4096, 900, 0.96, device),
     "sample_top_k_top_p-N7-V4096-k600": lambda device: _sample_case(7, 4096, 600, 0.0, device),
     "sample_top_k_top_p-N3-V1000-k1": lambda device: _sample_case(3, 1000, 1, 0.0, device),
+    # the absorbed cross-attention of Infinity-2B at its last scale: 16 heads × a 32-token bucket
+    "bias_softmax-R2-l4096-G16-T32-bf16": lambda device: _bias_softmax_case(2, 4096, 16, 32, torch.bfloat16, device),
+    "bias_softmax-R1-l77-G28-T64-fp16": lambda device: _bias_softmax_case(1, 77, 28, 64, torch.float16, device, False),
     "linear-M4-N1000-K999-fp16-gelu": lambda device: _linear_case(4, 1000, 999, True, True, torch.float16, device),
     "linear-M300-N2048-K2048-bf16": lambda device: _linear_case(300, 2048, 2048, True, False, torch.bfloat16, device),
     "attention_colsum-R1H4-l333-Lk1000-d64-fp16": lambda device: _colsum_case(1, 4, 333, 1000, 64, 192, torch.float16,
