@@ -226,6 +226,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 speedup = base / statistics.median(loop_ms) if base else float("nan")
                 if method == "dense":
                     dense_ms[batch] = statistics.median(loop_ms)
+                    speedup = 1.0
                 row = dict(model=name, resolution=res, batch=batch, method=method, settings=settings,
                            dtype=dtype, ms_median=round(statistics.median(loop_ms), 3),
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
