@@ -266,7 +266,8 @@ def cmd_bench(args) -> int:
             from .benchmarks.bench_speed import METHODS
             methods = list(METHODS)
         run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
-                  dtype=args.dtype, out=out, device=args.device, resolution=args.resolution)
+                  dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
+                  vae_dtype=args.vae_dtype)
         return 0
     raise CLIError(f"unknown benchmark {args.what!r}")
 
@@ -397,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ["sparsevar-keep1.0", "sparsevar-keep0.5", "sparsevar-keep0.3", "sparsevar-preset",
                         "fastvar-preset", "skip-last-1", "skip-last-2"]) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
+    b.add_argument("--vae-dtype", default="float32", choices=DTYPES[1:],
+                   help="Infinity models: the VAE's dtype (bfloat16: channels-last decode with fused norms)")
     b.add_argument("--device", default="cuda")
     b.add_argument("--out", type=Path, default=None)
     b.set_defaults(func=cmd_bench)

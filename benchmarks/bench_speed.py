@@ -131,14 +131,15 @@ def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_s
         ideal.append(flop_speedup(st))
 
 
-def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]):
+def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int],
+           vae_dtype: torch.dtype = torch.float32):
     """(pipeline, resolution, call(generator, kwargs, batch) → (output, flop-speed-up fn), floor fn).
     ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule)."""
     if name.startswith("infinity"):
         from ..models.infinity import resolve_resolution
         from ..pipelines.infinity_pipeline import InfinityPipeline
 
-        pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype)
+        pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
         res = resolution or 1024
         prompt = "w3 w4 w5 w6"
 
@@ -168,7 +169,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
               methods: Sequence[str] = ("dense", "dense-graphs", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print,
-              resolution: Optional[int] = None) -> list[dict]:
+              resolution: Optional[int] = None, vae_dtype: str = "float32") -> list[dict]:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda': bench speed measures GPU generation and no CUDA device is available "
                          "here (pass --device cpu for a functional run without meaningful numbers)")
@@ -190,7 +191,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         triton_version = ""
     rows = []
     for name in models:
-        pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution)
+        pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution, getattr(torch, vae_dtype))
         pipe.set_progress_bar_config(disable=True)
         dense_ms: dict[int, float] = {}
         for batch in batches:
@@ -227,6 +228,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 if method == "dense":
                     dense_ms[batch] = statistics.median(loop_ms)
                     speedup = 1.0
+                if name.startswith("infinity") and vae_dtype != "float32":
+                    settings = f"{settings}; VAE {vae_dtype} (channels-last, fused norms)"
                 row = dict(model=name, resolution=res, batch=batch, method=method, settings=settings,
                            dtype=dtype, ms_median=round(statistics.median(loop_ms), 3),
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),

@@ -86,8 +86,17 @@ class _Norm(nn.Module):
                              f"ch_mult giving widths divisible by 32 (official: base_ch 128)")
         self.norm = nn.GroupNorm(groups, channels, eps=1e-6, affine=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """GroupNorm, then SiLU when ``silu``. Channels-last CUDA input (the fast decode, see
+        ``BSQVAE.decode``) takes the fused kernel of ``sparse_ops.group_norm_silu`` and stays
+        channels-last; anything else runs PyTorch's GroupNorm."""
+        n = self.norm
+        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1:
+            from ..sparse_ops import ops as sparse_ops
+
+            return sparse_ops.group_norm_silu(x, n.weight, n.bias, n.num_groups, n.eps, silu)
+        y = n(x)
+        return F.silu(y) if silu else y
 
 
 class _ResnetBlock(nn.Module):
@@ -99,8 +108,8 @@ class _ResnetBlock(nn.Module):
             self.nin_shortcut = _Conv(cin, cout, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(self.norm1(x, silu=True))
+        h = self.conv2(self.norm2(h, silu=True))
         skip = self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x
         return skip + h
 
@@ -171,7 +180,7 @@ class _Encoder(nn.Module):
             if hasattr(level, "downsample"):
                 h = level.downsample(h)
         h = self.mid(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out(h, silu=True))
 
 
 class _Decoder(nn.Module):
@@ -203,7 +212,7 @@ class _Decoder(nn.Module):
                 h = blk(h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out(h, silu=True))
 
 
 class BSQVAE(ModelMixin, ConfigMixin):
@@ -299,9 +308,16 @@ class BSQVAE(ModelMixin, ConfigMixin):
     # ---- decode ------------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, z_BdHW: torch.Tensor) -> torch.Tensor:
-        """Summed codes → images (B, 3, H·patch, W·patch) float32 clamped to [-1, 1]."""
+        """Summed codes → images (B, 3, H·patch, W·patch) float32 clamped to [-1, 1].
+
+        In the weights' dtype. A bf16 / fp16 decoder on CUDA runs channels-last (the memory layout
+        cuDNN's half-precision convolutions work in) with the fused GroupNorm + SiLU kernel; float32
+        runs channels-first with PyTorch's GroupNorm."""
         wdtype = self.decoder.conv_in.conv.weight.dtype
-        return self.decoder(z_BdHW.to(wdtype)).float().clamp(-1.0, 1.0)
+        z = z_BdHW.to(wdtype)
+        if z.is_cuda and wdtype in (torch.bfloat16, torch.float16):
+            z = z.contiguous(memory_format=torch.channels_last)
+        return self.decoder(z).float().clamp(-1.0, 1.0).contiguous()
 
     # ---- checkpoints -------------------------------------------------------------------------------
     @staticmethod

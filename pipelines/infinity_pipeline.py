@@ -111,11 +111,13 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     @classmethod
     def from_random(cls, preset: str = "infinity-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
-                    dtype: torch.dtype = torch.float32, text_encoder=None) -> "InfinityPipeline":
+                    dtype: torch.dtype = torch.float32, text_encoder=None,
+                    vae_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
 
         preset: one of ``INFINITY_PRESETS`` (infinity-tiny, infinity-2b, infinity-8b); dtype: the
-        blocks' dtype. text_encoder: a local T5 folder of the preset's width; by default a 1-layer
+        blocks' dtype; vae_dtype: the VAE's (bf16 decodes channels-last with fused norms on CUDA,
+        as the reference decodes under bf16 autocast). text_encoder: a local T5 folder of the preset's width; by default a 1-layer
         random T5 of that width with a word-level tokenizer (text only has to have the right shape).
         """
         if preset not in INFINITY_PRESETS:
@@ -136,7 +138,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         else:
             tokenizer, t5 = random_t5(spec["transformer"]["text_channels"], seed=seed)
         return cls(transformer=transformer.set_block_dtype(dtype).eval().requires_grad_(False),
-                   vae=vae.eval().requires_grad_(False), text_encoder=t5.to(dev), tokenizer=tokenizer)
+                   vae=vae.to(vae_dtype).eval().requires_grad_(False), text_encoder=t5.to(dev), tokenizer=tokenizer)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,

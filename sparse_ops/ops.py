@@ -24,6 +24,7 @@ _TRITON_MODULES = {
     "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax",
+    "group_norm_silu": "group_norm",
 }
 
 
@@ -126,3 +127,10 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
                  backend: str = "auto") -> torch.Tensor:
     """softmax(logits + bias) per group of the last dim, in ``out_dtype`` (see ``ref.bias_softmax``)."""
     return implementation("bias_softmax", backend, logits_RlN.device)(logits_RlN, bias_R1N, groups, out_dtype)
+
+
+def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
+                    silu: bool = True, *, backend: str = "auto") -> torch.Tensor:
+    """GroupNorm + affine (+ SiLU) in x's dtype; channels-last input keeps its layout on the Triton
+    path (see ``ref.group_norm_silu``)."""
+    return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu)

@@ -108,6 +108,16 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
     return torch.softmax(x, dim=-1).view(R, l, N).to(out_dtype)
 
 
+def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
+                    silu: bool = True) -> torch.Tensor:
+    """GroupNorm (statistics and normalisation in float32) with its affine, then SiLU when ``silu``;
+    returned in x's dtype."""
+    y = F.group_norm(x_BCHW.float(), groups, weight_C.float(), bias_C.float(), eps)
+    if silu:
+        y = F.silu(y)
+    return y.to(x_BCHW.dtype)
+
+
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:
     """Rows ``idx_Rn`` of every batch row: (R, n, C) with ``out[r, j] = x[r, idx[r, j]]``."""
     R, L, C = x_RLC.shape

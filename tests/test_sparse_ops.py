@@ -200,6 +200,24 @@ def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
         assert (got.view(R, l, G, T).float().masked_select(dead.to(device)[:, None, None, :]) == 0).all()
 
 
+def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0):
+    """GroupNorm + affine (+ SiLU) on channels-last input against the torch twin, float64 oracle;
+    ``offset`` shifts the input's mean far from 0 (the statistics must not cancel)."""
+    from sparsevar.sparse_ops import group_norm, ref
+    g = _gen(17)
+    x = _rand((B, C, H, W), g, device, dtype, scale=2.0, offset=offset).contiguous(memory_format=torch.channels_last)
+    w = _rand((C,), g, device, scale=0.5, offset=1.0)
+    b = _rand((C,), g, device, scale=0.5)
+    assert group_norm.supported(x, G)
+    got = group_norm.group_norm_silu(x, w, b, G, 1e-6, silu)
+    want = ref.group_norm_silu(x, w, b, G, 1e-6, silu)
+    oracle = torch.nn.functional.group_norm(x.double(), G, w.double(), b.double(), 1e-6)
+    if silu:
+        oracle = torch.nn.functional.silu(oracle)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+    assert_close_to_oracle(f"group_norm_silu {B}x{C}x{H}x{W} G{G}", got, want, oracle, one_step=True)
+
+
 def _gather_norm_case(shape, C, out_dtype, device):
     ref, gm, *_ = _ops()
     B, h, w = shape
@@ -447,6 +465,16 @@ def _(device="cpu"):
     _bias_softmax_case(2, 5, 3, 33, torch.bfloat16, device)
 
 
+@case("group_norm_silu-B2-C64-5x7-G8-fp32")
+def _(device="cpu"):
+    _group_norm_case(2, 64, 5, 7, 8, torch.float32, True, device)
+
+
+@case("group_norm_silu-B1-C32-13x3-G32-bf16-offset-nosilu")
+def _(device="cpu"):
+    _group_norm_case(1, 32, 13, 3, 32, torch.bfloat16, False, device, offset=50.0)
+
+
 def run_cases(names, device) -> dict:
     """Run the named cases on ``device``; {name: {"ok", "msg", "sec"}}."""
     results = {}
@@ -668,6 +696,11 @@ GPU_CASES = {
     # the absorbed cross-attention of Infinity-2B at its last scale: 16 heads × a 32-token bucket
     "bias_softmax-R2-l4096-G16-T32-bf16": lambda device: _bias_softmax_case(2, 4096, 16, 32, torch.bfloat16, device),
     "bias_softmax-R1-l77-G28-T64-fp16": lambda device: _bias_softmax_case(1, 77, 28, 64, torch.float16, device, False),
+    # the BSQ-VAE decoder's norms at 1024²: the top level (128 channels at 1024×1024) and the bottom (512 at 64×64)
+    "group_norm_silu-B1-C128-1024x1024-G32-bf16": lambda device: _group_norm_case(1, 128, 1024, 1024, 32,
+                                                                                  torch.bfloat16, True, device),
+    "group_norm_silu-B2-C512-64x64-G32-bf16": lambda device: _group_norm_case(2, 512, 64, 64, 32, torch.bfloat16,
+                                                                              True, device, offset=3.0),
     "linear-M4-N1000-K999-fp16-gelu": lambda device: _linear_case(4, 1000, 999, True, True, torch.float16, device),
     "linear-M300-N2048-K2048-bf16": lambda device: _linear_case(300, 2048, 2048, True, False, torch.bfloat16, device),
     "attention_colsum-R1H4-l333-Lk1000-d64-fp16": lambda device: _colsum_case(1, 4, 333, 1000, 64, 192, torch.float16,
