@@ -86,6 +86,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 FUSED_MIN_VOCAB = 16
 
 
+def draw_one(probs_NV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row, (N,) int64: what ``torch.multinomial(probs, 1, generator=generator)`` returns
+    (for one sample it draws Exp(1) noise q with ``exponential_`` and takes ``argmax(p / q)``; the same
+    calls here give the same codes), without its input checks, which are a handful of reductions
+    and device asserts per call on a GPU."""
+    noise_NV = torch.empty_like(probs_NV).exponential_(generator=generator)
+    return (probs_NV / noise_NV).argmax(dim=-1)
+
+
 def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
                  generator: torch.Generator | None, fused: bool = False) -> torch.Tensor:
     """Sample one code per token: (B, l, V) float logits -> (B, l) int64 codes.
@@ -105,7 +114,7 @@ def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
     masked_NV = filter_top_k_top_p(logits_BlV.reshape(B * l, V), top_k, top_p)  # (B·l, V)
     probs_NV = masked_NV.softmax(dim=-1)
     if generator is None or _same_device(generator.device, probs_NV.device):
-        idx_N = torch.multinomial(probs_NV, num_samples=1, replacement=True, generator=generator)[:, 0]
+        idx_N = draw_one(probs_NV, generator)
     else:
         u_N = torch.rand(B * l, generator=generator, device=generator.device, dtype=torch.float64)
         u_N = u_N.to(probs_NV.device, non_blocking=True)

@@ -511,6 +511,17 @@ def test_two_way_logits_take_the_closed_form_with_the_sorted_paths_result(top_k,
     assert torch.isfinite(fast).any(-1).all()                        # the larger entry always survives
 
 
+def test_draw_one_is_torch_multinomial_for_one_sample():
+    from sparsevar.engine.sampling import draw_one
+
+    probs = torch.softmax(torch.randn(500, 37, generator=_g(2)) * 2, dim=-1)
+    probs[:7, 3:] = 0.0                                              # rows with zero-probability entries
+    probs[:7] /= probs[:7].sum(-1, keepdim=True)
+    want = torch.multinomial(probs, 1, replacement=True, generator=_g(5))[:, 0]
+    assert torch.equal(draw_one(probs, _g(5)), want)
+    assert (draw_one(probs, _g(6))[:7] < 3).all()
+
+
 def test_sample_codes_is_reproducible_and_respects_the_filters():
     logits = torch.randn(2, 50, 40, generator=_g(0))
     a = sample_codes(logits, 0, 0.0, _g(3))
