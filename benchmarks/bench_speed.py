@@ -144,8 +144,6 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
         prompt = "w3 w4 w5 w6"
 
         def call(gen, kw, batch):
-            if res > 1024:              # zero-shot sizes: the pipeline's default (eager, KV freed before decode)
-                kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}
             out = pipe([prompt] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
             return out, lambda st: pipe.flop_speedup(st, height=res, width=res)
 

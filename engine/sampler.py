@@ -143,11 +143,15 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              decode: bool = True,
              keep_workspace: bool = True,
              stop: Optional[Callable[[], bool]] = None,
-             schedule: Optional[ScaleSchedule] = None) -> GenerationResult:
+             schedule: Optional[ScaleSchedule] = None,
+             graph_max_tokens: Optional[int] = None) -> GenerationResult:
     """Run every scale of one generation and decode the result.
 
     cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
         given batch size). Scales a policy changes always run eagerly.
+    graph_max_tokens: with graphs, scales whose map has more tokens run eagerly (their kernels are
+        long enough not to wait on the host, and a graph pool holding their activations would be
+        large); None: no limit.
     stop: polled after every scale; when it returns True the remaining scales are skipped and the
         latent accumulated so far is decoded (an interrupt that still returns an image).
     keep_workspace: keep the workspace (KV cache, graphs) for the next call of the same batch size;
@@ -194,7 +198,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 run.cfg_active = False
             timer.start(si)
             logits = None
-            if graphs is not None and run.cfg_active:
+            if graphs is not None and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens):
                 if plan.dense and not policies.uses_model_hooks(si, run):
                     # keyed also by whether sub-layers go through a (neutral) wrapper: other kernels
                     key = (("dense", si, bool(policies.active["wrap_sublayer"])))

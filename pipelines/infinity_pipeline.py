@@ -306,7 +306,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             prompt_features, negative_prompt_features: precomputed packed T5 features instead of
                 strings (:meth:`encode_prompt`).
             use_cuda_graphs: replay each scale's layer stack from a CUDA graph (default: on for CUDA
-                models, off at zero-shot sizes). Graphs are captured at the first call of a size and
+                models; at zero-shot sizes for the trained scales only). Graphs are captured at the first call of a size and
                 text-length bucket (32 tokens) and replayed by later calls of the same shape.
         Returns:
             :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
@@ -338,9 +338,14 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         wanted = tuple(callback_on_step_end_tensor_inputs or ())
         sched = resolution.schedule
         if use_cuda_graphs is None:
-            # zero-shot sizes run eagerly: their large scales do not wait on the host, and a graph
-            # pool holding activations of 128×128-token scales would cost gigabytes
-            use_cuda_graphs = adapter.device.type == "cuda" and resolution.pn not in ZERO_SHOT_PN
+            use_cuda_graphs = adapter.device.type == "cuda"
+        # at zero-shot sizes the scales past the trained schedule run eagerly: their kernels do not
+        # wait on the host, and a graph pool holding the activations of 128×128-token maps would cost
+        # gigabytes; the trained scales before them replay from graphs (eager, each of those spent
+        # 40-90 ms waiting on kernel launches at 2048², H100)
+        graph_max_tokens = None
+        if resolution.pn in ZERO_SHOT_PN:
+            graph_max_tokens = max(h * w for h, w in sched.hw[:TRAINED_SCALES])
         with self.progress_bar(total=sched.num_scales) as pbar:
             def on_scale(si: int, tensors: dict) -> None:
                 self._current_scale = si
@@ -350,7 +355,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
             result = generate(adapter, cond, B, settings=settings, generator=generator, policies=stack,
                               callback=on_scale, decode=output_type != "latent", stop=lambda: self._interrupt,
-                              schedule=sched, cuda_graphs=use_cuda_graphs)
+                              schedule=sched, cuda_graphs=use_cuda_graphs, graph_max_tokens=graph_max_tokens)
         self._current_scale = None
         images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
         self.maybe_free_model_hooks()

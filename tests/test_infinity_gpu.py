@@ -145,6 +145,23 @@ def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_zero_shot_size_replays_the_trained_scales_from_graphs():
+    """At 2048² the 13 trained scales replay from graphs and the two zero-shot scales run eagerly;
+    the codes equal a fully eager run's."""
+    pipe = _tiny_bf16()
+    kw = dict(height=2048, width=2048, generator=torch.Generator("cuda").manual_seed(1), top_k=1, output_type="latent")
+    got = {}
+    for graphs in (False, None):                     # None: the pipeline's default
+        codes = []
+        pipe("w3 w4", use_cuda_graphs=graphs, callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"].clone()),
+             **kw)
+        got[graphs] = torch.cat([c.flatten(1) for c in codes], 1)
+    ws = pipe.adapter()._workspace
+    graphed = {k[1] for k in ws.graphs}
+    assert graphed == set(range(13)), sorted(graphed)
+    assert torch.equal(got[False], got[None])
+
+
 @pytest.mark.parametrize("absorb", ["never", "always"])
 def test_prompts_of_one_text_bucket_share_graphs(absorb):
     """Prompt lengths inside one 32-token bucket reuse the captured graphs (the text memory lives in
