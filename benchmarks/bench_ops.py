@@ -226,6 +226,18 @@ def _cases(dev) -> list[dict]:
                       bytes=logits_a.numel() * 6 + bias_a.numel() * 4, memory_bound=True, target=False,
                       run={"triton": lambda: softmax_mod.bias_softmax(logits_a, bias_a, 16, torch.bfloat16),
                            "torch": lambda: ref.bias_softmax(logits_a, bias_a, 16, torch.bfloat16)}))
+    # the BSQ-VAE decoder's GroupNorm + SiLU at its largest map (1024², 128 channels, channels-last
+    # bf16): three passes (partial statistics, their combination, normalise) against PyTorch's
+    # GroupNorm then SiLU
+    from ..sparse_ops import group_norm as gn_mod
+    x_gn = torch.randn(1, 128, 1024, 1024, device=dev, generator=g).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    w_gn = torch.randn(128, device=dev, generator=g)
+    b_gn = torch.randn(128, device=dev, generator=g)
+    cases.append(dict(op="group_norm_silu", shape="B1 C128 1024x1024 32 groups, channels-last", dtype="bf16",
+                      bytes=x_gn.numel() * 2 * 3, memory_bound=True, target=False,
+                      run={"triton": lambda: gn_mod.group_norm_silu(x_gn, w_gn, b_gn, 32, 1e-6, True),
+                           "torch": lambda: ref.group_norm_silu(x_gn, w_gn, b_gn, 32, 1e-6, True)}))
     # attention with padding keys: VAR-d30, 8 images with CFG at 13×13 whose kept counts differ;
     # Infinity-2B's last scale (2 images, half the 4096 tokens kept, 10k-token cache); Infinity's
     # cross-attention to padded prompts
