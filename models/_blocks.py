@@ -63,12 +63,18 @@ class AbsorbedCrossMemory(NamedTuple):
         return AbsorbedCrossMemory(self.kq_RNC[:R], self.bias_R1N[:R], self.vo_RNC[:R], self.heads)
 
 
-def absorbs_cross_attention(heads: int, text_tokens: int, dim: int) -> bool:
-    """Whether the absorbed form is the cheaper one: its two products have H·T columns / rows where
+# the absorbed text memory holds C values per (head, token) where K/V hold head_dim: H times more
+ABSORBED_MAX_BYTES = 1 << 30
+
+
+def absorbs_cross_attention(heads: int, text_tokens: int, dim: int, memory_bytes: int = 0) -> bool:
+    """Whether the absorbed form is the one to use: its two products have H·T columns / rows where
     the projections have C, so it does less work while H·T ≤ C/2 (T ≤ head_dim / 2). On an H100 with
     Infinity-2B's shapes it took 137 against 224 µs per layer at 4096 queries and T = 32, 194 against
-    227 µs at T = 64, and lost at T = 128 (318 against 223 µs)."""
-    return 2 * heads * text_tokens <= dim
+    227 µs at T = 64, and lost at T = 128 (318 against 223 µs). ``memory_bytes``: what its buffers
+    would take for every layer and row, kept to 1 GiB (Infinity-2B, one image, T = 32: 0.27 GB;
+    Infinity-8B: 1.0 GB; larger batches keep K/V)."""
+    return 2 * heads * text_tokens <= dim and memory_bytes <= ABSORBED_MAX_BYTES
 
 
 def absorb_cross_attention(k_RHTd: torch.Tensor, v_RHTd: torch.Tensor, valid_RT: Optional[torch.Tensor],
@@ -106,7 +112,8 @@ def absorbed_cross_attention(y_RlC: torch.Tensor, mem: AbsorbedCrossMemory,
     fp16 operands and writes float32 directly; the bias add, softmax and cast are one step
     (``ops.bias_softmax``: one Triton launch with the fused ops)."""
     kqT_RCN = mem.kq_RNC.transpose(1, 2)
-    if y_RlC.is_cuda and y_RlC.dtype == mem.kq_RNC.dtype and y_RlC.dtype in (torch.bfloat16, torch.float16):
+    if y_RlC.is_cuda and y_RlC.dtype == mem.kq_RNC.dtype and y_RlC.dtype in (torch.bfloat16, torch.float16) \
+            and hasattr(torch.ops.aten.bmm, "dtype"):                # bmm with out_dtype: torch >= 2.8
         logits_RlN = torch.bmm(y_RlC, kqT_RCN, out_dtype=torch.float32)
     else:
         logits_RlN = torch.bmm(y_RlC.float(), kqT_RCN.float())

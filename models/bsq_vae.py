@@ -89,9 +89,11 @@ class _Norm(nn.Module):
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
         """GroupNorm, then SiLU when ``silu``. Channels-last CUDA input (the fast decode, see
         ``BSQVAE.decode``) takes the fused kernel of ``sparse_ops.group_norm_silu`` and stays
-        channels-last; anything else runs PyTorch's GroupNorm."""
+        channels-last; anything else, and anything autograd tracks, runs PyTorch's GroupNorm."""
         n = self.norm
-        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1:
+        grad = torch.is_grad_enabled() and (x.requires_grad or n.weight.requires_grad)   # the kernel has no backward
+        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1 \
+                and not grad:
             from ..sparse_ops import ops as sparse_ops
 
             return sparse_ops.group_norm_silu(x, n.weight, n.bias, n.num_groups, n.eps, silu)

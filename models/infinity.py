@@ -743,6 +743,9 @@ class _InfinityWorkspace:
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
         last = hw[-1][0] * hw[-1][1]
+        if kv_tail not in ("auto", True, False):
+            raise ValueError(f"kv_tail={kv_tail!r}: choose 'auto', True (a last-scale tail shared by the layers) "
+                             f"or False (the whole cache per layer)")
         full_bytes = 2 * N * R * L * C * torch.empty((), dtype=dtype).element_size()
         self.kv_tail = kv_tail_needed(full_bytes, torch.device(device)) if kv_tail == "auto" else bool(kv_tail)
         if self.kv_tail:
@@ -799,7 +802,8 @@ class _InfinityWorkspace:
         Tb = -(-T // bucket) * bucket
         if absorb not in ("auto", "always", "never"):
             raise ValueError(f"absorb={absorb!r}: choose 'auto', 'always' or 'never'")
-        absorbed = absorb == "always" or (absorb == "auto" and absorbs_cross_attention(H, Tb, C))
+        absorbed_bytes = 2 * N * Rmax * H * Tb * C * torch.empty((), dtype=dtype).element_size()
+        absorbed = absorb == "always" or (absorb == "auto" and absorbs_cross_attention(H, Tb, C, absorbed_bytes))
         lens_R = torch.tensor(list(lens), device=device)
         valid_RT = torch.arange(Tb, device=device)[None, :] < lens_R[:, None]           # (R, Tb)
         if absorbed:
@@ -852,7 +856,7 @@ class _InfinityWorkspace:
         """Drop captured graphs whose buffers moved (a re-allocated KV cache, weights moved away and
         back by offloading, another text bucket or mask): they would read freed memory."""
         inputs = (tuple(p.data_ptr() for p in model.parameters()), self.kv.storage_ptrs(),
-                  self.text_buffers(), self.ca_masked)
+                  self.text_buffers(), self.ca_absorbed, self.ca_masked)
         if inputs != self.graph_inputs:
             if getattr(self, "graphs", None):
                 self.graphs.clear()

@@ -138,7 +138,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         else:
             tokenizer, t5 = random_t5(spec["transformer"]["text_channels"], seed=seed)
         return cls(transformer=transformer.set_block_dtype(dtype).eval().requires_grad_(False),
-                   vae=vae.to(vae_dtype).eval().requires_grad_(False), text_encoder=t5.to(dev), tokenizer=tokenizer)
+                   vae=torch.nn.Module.to(vae, vae_dtype).eval().requires_grad_(False), text_encoder=t5.to(dev),
+                   tokenizer=tokenizer)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,

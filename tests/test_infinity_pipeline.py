@@ -424,9 +424,10 @@ def test_absorbed_cross_attention_equals_projections_then_attention(R, l, T, H, 
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_absorbed_form_is_chosen_only_where_it_is_less_work():
+def test_absorbed_form_is_chosen_only_where_it_is_less_work_and_small():
     assert absorbs_cross_attention(16, 32, 2048) and absorbs_cross_attention(16, 64, 2048)
     assert not absorbs_cross_attention(16, 96, 2048) and not absorbs_cross_attention(28, 96, 3584)
+    assert not absorbs_cross_attention(16, 32, 2048, memory_bytes=2 << 30)     # too large a memory
 
 
 def test_shared_last_scale_tail_of_the_kv_cache_changes_nothing(tiny):
@@ -446,6 +447,14 @@ def test_shared_last_scale_tail_of_the_kv_cache_changes_nothing(tiny):
     for tail in (False, "auto"):
         assert torch.equal(got[tail][0], got[True][0])
         torch.testing.assert_close(got[tail][1], got[True][1], atol=1e-5, rtol=0)
+    for knob, value in (("kv_tail", "yes"), ("absorb_cross_attention", "sometimes")):
+        setattr(adapter, knob, value)
+        try:
+            with pytest.raises(ValueError, match=f"{knob}={value!r}".replace("absorb_cross_attention", "absorb")):
+                _bits(tiny, "w3", height=256, width=256)
+        finally:
+            setattr(adapter, knob, "auto")
+        _bits(tiny, "w3", height=256, width=256)                       # the next run works
 
 
 def test_flop_model_counts_the_dense_loop(tiny):
