@@ -60,26 +60,33 @@ def _gpu_key(name: str) -> Optional[str]:
     return None
 
 
-def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
-    """Lower bound of the scale loop of a VAR model with CFG (2·batch rows), AdaLN hoisted."""
+def _floor_ms(per_scale, gpu: str) -> float:
+    """Sum over scales of max(FLOPs / peak, bytes / bandwidth); ``per_scale`` yields (FLOPs, bytes)."""
     key = _gpu_key(gpu)
     if key is None:
         return float("nan")
+    return 1e3 * sum(max(flops / (PEAK_TFLOPS[key] * 1e12), nbytes / (PEAK_TBPS[key] * 1e12))
+                     for flops, nbytes in per_scale)
+
+
+def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
+    """Lower bound of the scale loop of a VAR model with CFG (2·batch rows), AdaLN hoisted."""
     C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
     hidden = round(C * cfg.mlp_ratio)
     rows = 2 * batch
     block_w = (4 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + fc1 + fc2
     head_w = C * V * weight_bytes
-    total, prefix = 0.0, 0
-    for p in cfg.patch_nums:
-        n = p * p
-        prefix += n
-        flops = rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * prefix * C) + 2 * n * C * V)
-        kv_bytes = depth * 2 * rows * prefix * C * weight_bytes
-        t_compute = flops / (PEAK_TFLOPS[key] * 1e12)
-        t_memory = (depth * block_w + head_w + kv_bytes) / (PEAK_TBPS[key] * 1e12)
-        total += max(t_compute, t_memory)
-    return total * 1e3
+
+    def per_scale():
+        prefix = 0
+        for p in cfg.patch_nums:
+            n = p * p
+            prefix += n
+            flops = rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * prefix * C) + 2 * n * C * V)
+            kv_bytes = depth * 2 * rows * prefix * C * weight_bytes
+            yield flops, depth * block_w + head_w + kv_bytes
+
+    return _floor_ms(per_scale(), gpu)
 
 
 def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, gpu: str) -> float:
@@ -88,25 +95,23 @@ def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, 
     FLOPs as ``infinity_loop_flops`` counts them (the projections of the cross-attention included)."""
     from ..models.infinity import ffn_hidden
 
-    key = _gpu_key(gpu)
-    if key is None:
-        return float("nan")
     C, depth, V = cfg.embed_dim, cfg.depth, 2 * cfg.token_dim
     hidden = ffn_hidden(C, cfg.mlp_ratio)
     rows = 2 * batch
     block_w = (6 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + ca q + ca out + fc1 + fc2
     head_w = C * V * 4                                             # the head runs in float32
-    total, prefix = 0.0, 0
-    for h, w in hw:
-        n = h * w
-        prefix += n
-        flops = rows * (depth * (2 * n * (6 * C * C + 2 * C * hidden) + 4 * n * prefix * C + 4 * n * text_tokens * C)
-                        + 2 * n * C * V)
-        kv_bytes = depth * 2 * rows * (prefix + text_tokens) * C * weight_bytes
-        t_compute = flops / (PEAK_TFLOPS[key] * 1e12)
-        t_memory = (depth * block_w + head_w + kv_bytes) / (PEAK_TBPS[key] * 1e12)
-        total += max(t_compute, t_memory)
-    return total * 1e3
+
+    def per_scale():
+        prefix = 0
+        for h, w in hw:
+            n = h * w
+            prefix += n
+            flops = rows * (depth * (2 * n * (6 * C * C + 2 * C * hidden) + 4 * n * prefix * C
+                                     + 4 * n * text_tokens * C) + 2 * n * C * V)
+            kv_bytes = depth * 2 * rows * (prefix + text_tokens) * C * weight_bytes
+            yield flops, depth * block_w + head_w + kv_bytes
+
+    return _floor_ms(per_scale(), gpu)
 
 
 def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal) -> None:

@@ -5,8 +5,9 @@ Semantics follow the official VAR sampler (research/var.md §3.9):
 - top_p > 0: sorted ascending, entries whose cumulative probability is <= 1 - top_p become -inf; the
   largest entry always survives;
 - one draw per token from softmax(masked logits).
-With a generator on the logits' device the draw is ``torch.multinomial`` (the reference call, so CPU
-runs reproduce the official random stream); with a generator on another device (a CPU generator for
+With a generator on the logits' device the draw is ``torch.multinomial``'s own one-sample
+algorithm (:func:`draw_one`, the same codes as the reference call, so CPU runs reproduce the
+official random stream); with a generator on another device (a CPU generator for
 a CUDA model, the diffusers habit) uniforms are drawn from it and inverted through the CDF on the
 logits' device. Neither path syncs the host.
 """

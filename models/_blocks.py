@@ -117,15 +117,8 @@ def absorbed_cross_attention(y_RlC: torch.Tensor, mem: AbsorbedCrossMemory,
         logits_RlN = torch.bmm(y_RlC, kqT_RCN, out_dtype=torch.float32)
     else:
         logits_RlN = torch.bmm(y_RlC.float(), kqT_RCN.float())
-    softmax_fn = ops.bias_softmax if ops is not None else _ref_bias_softmax
-    p_RlN = softmax_fn(logits_RlN, mem.bias_R1N, mem.heads, mem.vo_RNC.dtype)
+    p_RlN = (ops or EAGER_OPS).bias_softmax(logits_RlN, mem.bias_R1N, mem.heads, mem.vo_RNC.dtype)
     return torch.bmm(p_RlN, mem.vo_RNC)
-
-
-def _ref_bias_softmax(logits_RlN, bias_R1N, groups, out_dtype):
-    from ..sparse_ops.ref import bias_softmax
-
-    return bias_softmax(logits_RlN, bias_R1N, groups, out_dtype)
 
 
 def layer_norm_no_affine(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -793,15 +793,16 @@ class _InfinityWorkspace:
         the static buffers; keys past a row's prompt length are masked out.
 
         absorb: ``"auto"`` folds each layer's query and output projections into the memory
-        (``_blocks.absorb_cross_attention``) when that is the cheaper form — H·T ≤ C/2 for the padded
-        length T — and otherwise stores K/V; ``"always"`` / ``"never"`` force one form."""
+        (``_blocks.absorb_cross_attention``) where ``absorbs_cross_attention`` says so — less work
+        (H·T ≤ C/2 for the padded length T) and at most 1 GiB of buffers — and otherwise stores
+        K/V; ``"always"`` / ``"never"`` force one form (``InfinityAdapter.absorb_cross_attention``)."""
         N, Rmax, H, d, dtype, device = self._ca_args
         R, T, _ = ca_RTC.shape
         C = H * d
         bucket = TEXT_BUCKET if device.type == "cuda" else 1
         Tb = -(-T // bucket) * bucket
         if absorb not in ("auto", "always", "never"):
-            raise ValueError(f"absorb={absorb!r}: choose 'auto', 'always' or 'never'")
+            raise ValueError(f"absorb_cross_attention={absorb!r}: choose 'auto', 'always' or 'never'")
         absorbed_bytes = 2 * N * Rmax * H * Tb * C * torch.empty((), dtype=dtype).element_size()
         absorbed = absorb == "always" or (absorb == "auto" and absorbs_cross_attention(H, Tb, C, absorbed_bytes))
         lens_R = torch.tensor(list(lens), device=device)

@@ -122,6 +122,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """
         if preset not in INFINITY_PRESETS:
             raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(INFINITY_PRESETS)}")
+        if not isinstance(vae_dtype, torch.dtype) or not vae_dtype.is_floating_point:
+            raise ValueError(f"vae_dtype={vae_dtype!r}: pass torch.float32, torch.bfloat16 or torch.float16")
         from accelerate import init_empty_weights
 
         spec = INFINITY_PRESETS[preset]
