@@ -69,52 +69,66 @@ def _floor_ms(per_scale, gpu: str) -> float:
                      for flops, nbytes in per_scale)
 
 
-def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str) -> float:
-    """Lower bound of the scale loop of a VAR model with CFG (2·batch rows), AdaLN hoisted."""
+def _scale_counts(patch_counts, stats):
+    """(tokens, rows per image) of each scale: every token and 2 rows (dense), or what ``stats``
+    (a generation's ``GenerationStats``) says ran."""
+    if stats is None:
+        return [(n, 2) for n in patch_counts]
+    return [(s.tokens_computed, s.rows) for s in stats.scales]
+
+
+def var_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str, stats=None) -> float:
+    """Lower bound of the scale loop of a VAR model with CFG (2·batch rows), AdaLN hoisted. With
+    ``stats``, the bound for the tokens and rows that generation computed (a skipped scale costs
+    nothing; excluded tokens add no K/V): dense floor / this floor is the roofline ideal of a method."""
     C, V, depth = cfg.embed_dim, cfg.vocab_size, cfg.depth
     hidden = round(C * cfg.mlp_ratio)
-    rows = 2 * batch
     block_w = (4 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + fc1 + fc2
     head_w = C * V * weight_bytes
 
     def per_scale():
         prefix = 0
-        for p in cfg.patch_nums:
-            n = p * p
+        for p, (n, r) in zip(cfg.patch_nums, _scale_counts([p * p for p in cfg.patch_nums], stats)):
+            if n == 0:
+                continue
+            rows = r * batch
             prefix += n
-            flops = rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * prefix * C) + 2 * n * C * V)
+            flops = rows * (depth * (2 * n * (4 * C * C + 2 * C * hidden) + 4 * n * prefix * C) + 2 * p * p * C * V)
             kv_bytes = depth * 2 * rows * prefix * C * weight_bytes
             yield flops, depth * block_w + head_w + kv_bytes
 
     return _floor_ms(per_scale(), gpu)
 
 
-def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, gpu: str) -> float:
+def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, gpu: str, stats=None) -> float:
     """Lower bound of an Infinity scale loop with CFG (2·batch rows), the same model as
     :func:`var_floor_ms`: per scale max(FLOPs / peak, (block weights + head + K/V read) / bandwidth),
-    FLOPs as ``infinity_loop_flops`` counts them (the projections of the cross-attention included)."""
+    FLOPs as ``infinity_loop_flops`` counts them (the projections of the cross-attention included);
+    ``stats`` as for :func:`var_floor_ms`."""
     from ..models.infinity import ffn_hidden
 
     C, depth, V = cfg.embed_dim, cfg.depth, 2 * cfg.token_dim
     hidden = ffn_hidden(C, cfg.mlp_ratio)
-    rows = 2 * batch
     block_w = (6 * C * C + 2 * C * hidden) * weight_bytes        # qkv + proj + ca q + ca out + fc1 + fc2
     head_w = C * V * 4                                             # the head runs in float32
 
     def per_scale():
         prefix = 0
-        for h, w in hw:
-            n = h * w
+        for (h, w), (n, r) in zip(hw, _scale_counts([h * w for h, w in hw], stats)):
+            if n == 0:
+                continue
+            rows = r * batch
             prefix += n
             flops = rows * (depth * (2 * n * (6 * C * C + 2 * C * hidden) + 4 * n * prefix * C
-                                     + 4 * n * text_tokens * C) + 2 * n * C * V)
+                                     + 4 * n * text_tokens * C) + 2 * h * w * C * V)
             kv_bytes = depth * 2 * rows * (prefix + text_tokens) * C * weight_bytes
             yield flops, depth * block_w + head_w + kv_bytes
 
     return _floor_ms(per_scale(), gpu)
 
 
-def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal) -> None:
+def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal,
+               floors, floor_of) -> None:
     for i in range(warmup + runs):
         gen = torch.Generator(device).manual_seed(i)
         if device == "cuda":
@@ -134,6 +148,7 @@ def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_s
         tokens.append([s.tokens_computed for s in st.scales])
         policy.append([s.policy_ms for s in st.scales])
         ideal.append(flop_speedup(st))
+        floors.append(floor_of(st))
 
 
 def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int],
@@ -154,8 +169,8 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
 
         hw = resolve_resolution(res, res).hw
         text_tokens = pipe.encode_prompt(prompt).lens[0]
-        return pipe, res, call, lambda batch, wbytes, gpu: infinity_floor_ms(pipe.transformer.config, hw, text_tokens,
-                                                                             batch, wbytes, gpu)
+        return pipe, res, call, lambda batch, wbytes, gpu, stats=None: infinity_floor_ms(
+            pipe.transformer.config, hw, text_tokens, batch, wbytes, gpu, stats)
     from ..pipelines.var_pipeline import VARPipeline
 
     pipe = VARPipeline.from_random(name, device=device, dtype=dtype)
@@ -166,7 +181,8 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
         out = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
         return out, pipe.flop_speedup
 
-    return pipe, 16 * cfg.patch_nums[-1], call, lambda batch, wbytes, gpu: var_floor_ms(cfg, batch, wbytes, gpu)
+    return pipe, 16 * cfg.patch_nums[-1], call, lambda batch, wbytes, gpu, stats=None: var_floor_ms(
+        cfg, batch, wbytes, gpu, stats)
 
 
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
@@ -198,7 +214,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         pipe.set_progress_bar_config(disable=True)
         dense_ms: dict[int, float] = {}
         for batch in batches:
-            floor = floor_fn(batch, torch.finfo(torch_dtype).bits // 8, gpu)
+            wbytes = torch.finfo(torch_dtype).bits // 8
+            floor = floor_fn(batch, wbytes, gpu)
             for method in methods:
                 setup, kw, compiled, settings = METHODS[method]
                 for name_ in [p.name for p in pipe.policies]:
@@ -214,10 +231,11 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideals = [], [], [], [], [], [], []
+                loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideals, floors = [], [], [], [], [], [], [], []
                 try:
                     _time_runs(lambda gen, kw_: call_model(gen, kw_, batch), kw, warmup, runs, device, loop_ms,
-                               e2e_ms, decode_ms, per_scale, tokens, policy, ideals)
+                               e2e_ms, decode_ms, per_scale, tokens, policy, ideals, floors,
+                               lambda st: floor_fn(batch, wbytes, gpu, st))
                 except Exception as e:      # record the failure and go on with the other settings
                     log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
                     continue
@@ -226,6 +244,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 tok_mean = [statistics.fmean(col) for col in zip(*tokens)]
                 pol_med = [statistics.median(col) for col in zip(*policy)]
                 ideal = statistics.fmean(ideals)
+                roof_ideal = floor / statistics.fmean(floors)     # nan off the known GPUs
                 base = dense_ms.get(batch)
                 speedup = base / statistics.median(loop_ms) if base else float("nan")
                 if method == "dense":
@@ -239,6 +258,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            e2e_ms_median=round(statistics.median(e2e_ms), 3),
                            decode_ms_median=round(statistics.median(decode_ms), 3),
                            speedup_vs_dense=round(speedup, 3), ideal_speedup=round(ideal, 3),
+                           roofline_ideal_speedup=round(roof_ideal, 3),
                            kept_tokens=round(sum(tok_mean), 1),
                            per_scale_ms=";".join(f"{x:.3f}" for x in scale_med),
                            per_scale_policy_ms=";".join(f"{x:.3f}" for x in pol_med),
@@ -246,7 +266,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            triton=triton_version)
                 rows.append(row)
                 log(f"{name:>9} {res}px b{batch:<2} {method:<18} loop {row['ms_median']:8.2f} ms "
-                    f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x) "
+                    f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x FLOPs, {roof_ideal:4.2f}x roofline) "
                     f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
                     f"decode {row['decode_ms_median']:.1f} ms peak {row['peak_mem_gb']:.2f} GB")
         del pipe

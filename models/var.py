@@ -35,6 +35,7 @@ from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
 from ..sparse_ops.ops import gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from .vqvae import bicubic_operator
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
 VAR_SCHEDULES: dict[int, tuple[int, ...]] = {
@@ -352,6 +353,7 @@ class _VARWorkspace:
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
         self.static_index: dict = {}     # token-index buffers read by captured layer stacks, by graph key
         self.weights: tuple = ()         # weight addresses the captured graphs were made with
+        self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)
 
 
 class VARAdapter:
@@ -537,7 +539,14 @@ class VARAdapter:
         B, l, c = residual_BlC.shape
         h_BChw = residual_BlC.transpose(1, 2).reshape(B, c, h, w)                      # (B, l, c) → (B, c, h, w)
         H, W = sch.latent_hw
-        if (h, w) != (H, W):
+        if (h, w) != (H, W) and h_BChw.is_cuda:
+            # bicubic upsampling as one product with its (h·w, H·W) operator (vqvae.bicubic_operator:
+            # PyTorch's CUDA kernel loops over the B·c planes in every thread)
+            op = ws.upsample_ops.get((h, w))
+            if op is None:
+                op = ws.upsample_ops[(h, w)] = bicubic_operator((h, w), (H, W), h_BChw.device)
+            h_BChw = torch.mm(h_BChw.reshape(B * c, h * w), op).view(B, c, H, W)     # (B·c, hw) → (B·c, HW)
+        elif (h, w) != (H, W):
             h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic")
         ws.f_hat_BChw.add_(self.vqvae.apply_phi(h_BChw, si, sch.num_scales))     # φ in float32
 

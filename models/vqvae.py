@@ -59,6 +59,20 @@ def _phi_index(si: int, num_scales: int, num_phi: int) -> int:
     return int(np.argmin(np.abs(ticks - at)).item())
 
 
+def bicubic_operator(hw: tuple[int, int], size: tuple[int, int], device) -> torch.Tensor:
+    """The linear map of ``F.interpolate(·, size, mode="bicubic", align_corners=False)`` from an
+    (h, w) map to ``size`` = (H, W), as an (h·w, H·W) float32 matrix: row i is the upsampled i-th
+    basis map, so ``x_N(hw) @ op`` upsamples N maps at once (borders clamped as PyTorch does).
+
+    Why: PyTorch's CUDA bicubic kernel runs one thread per output pixel and loops over every
+    (image, channel) plane, so VAR's latent update (B × 32 planes of 16 × 16) took 20 µs per scale
+    at batch 1 and 205 µs at batch 8 on an H100; the product takes a few µs. The sums run in a
+    different order: results agree to float32 rounding, not bit for bit."""
+    h, w = hw
+    basis = torch.eye(h * w, device=device, dtype=torch.float32).view(h * w, 1, h, w)
+    return F.interpolate(basis, size=size, mode="bicubic", align_corners=False).view(h * w, size[0] * size[1])
+
+
 def phi_index_table(num_scales: int, num_phi: int = 4) -> list[int]:
     """phi conv index of every scale of a ``num_scales``-scale schedule (reference rule).
 

@@ -186,3 +186,26 @@ def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
             ffn.fc2.weight.double(), ffn.fc2.bias.double())
         err_fused, err_two = (got.double() - ref64).abs().max(), (want.double() - ref64).abs().max()
         assert err_fused <= 1.5 * err_two + 1e-3, (shape, float(err_fused), float(err_two))
+
+
+def test_fused_linear_row_blocks_match_one_product_in_bfloat16():
+    """Under the fused ops a long reduction on CHUNK_ROWS < rows < 2·CHUNK_ROWS runs through cuBLAS
+    in two row blocks (``ElementwiseOps._fused_linear``): every row is still one bf16 product with
+    float32 accumulation, so its error against float64 stays within 2× that of a single
+    ``F.linear`` plus one bf16 step; other shapes, GELU and autograd take the single product."""
+    from sparsevar.models._blocks import ElementwiseOps
+    ops = ElementwiseOps(kind="fused")
+    chunk = ElementwiseOps.CHUNK_ROWS
+    g = torch.Generator("cuda").manual_seed(0)
+    w = torch.randn(192, 1536, device="cuda", generator=g).to(torch.bfloat16) * 0.03
+    b = torch.randn(192, device="cuda", generator=g).to(torch.bfloat16)
+    for rows in (chunk + 1, chunk + 288, 2 * chunk - 1):
+        x = torch.randn(1, rows, 1536, device="cuda", generator=g).to(torch.bfloat16)
+        for bias in (b, None):
+            with torch.no_grad():
+                got = ops.linear(x, w, bias)
+            want = torch.nn.functional.linear(x, w, bias)
+            ref64 = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert got.shape == want.shape == (1, rows, 192) and got.dtype == torch.bfloat16
+            err, err_one = (got.double() - ref64).abs().max().item(), (want.double() - ref64).abs().max().item()
+            assert err <= 2 * err_one + torch.finfo(torch.bfloat16).eps * ref64.abs().max().item(), (rows, err, err_one)

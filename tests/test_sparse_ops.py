@@ -167,12 +167,15 @@ def _linear_case(M, N, K, bias, gelu, dtype, device, configs=()):
     assert lead.shape == (1, M, N) and torch.equal(lead[0], L.linear(x, w, b, gelu))
 
 
-def _sample_case(N, V, top_k, top_p, device):
+def _sample_case(N, V, top_k, top_p, device, ties=False):
     """Fused top-k / top-p draw against the torch twin with the same exponential noise: the same
-    codes (continuous random logits: no exact ties at the nucleus boundary)."""
+    codes (continuous random logits: no exact ties at the nucleus boundary; ``ties``: integer
+    logits, for top-k alone, where both paths keep every logit equal to the k-th largest)."""
     from sparsevar.sparse_ops import ref, sample
     g = _gen(11)
     x = _rand((N, V), g, device, scale=3.0)
+    if ties:
+        x = x.round()
     q = torch.empty(N, V).exponential_(generator=g).to(device)
     got = sample.sample_top_k_top_p(x, q, top_k, top_p)
     want = ref.sample_top_k_top_p(x, q, top_k, top_p)
@@ -453,6 +456,21 @@ def _(device="cpu"):
 @case("sample_top_k_top_p-N4-V37-p0.5")
 def _(device="cpu"):
     _sample_case(4, 37, 0, 0.5, device)
+
+
+@case("sample_top_k_top_p-N5-V64-k1-p0.9")
+def _(device="cpu"):
+    _sample_case(5, 64, 1, 0.9, device)
+
+
+@case("sample_top_k_top_p-N3-V50-p1e-9")
+def _(device="cpu"):
+    _sample_case(3, 50, 0, 1e-9, device)           # (1 - top_p) rounds to 1: only the largest survives
+
+
+@case("sample_top_k_top_p-ties-N6-V40-k10")
+def _(device="cpu"):
+    _sample_case(6, 40, 10, 0.0, device, ties=True)  # integer logits: ties at the k-th largest all kept
 
 
 @case("bias_softmax-R3-l13-G4-T7-fp32")

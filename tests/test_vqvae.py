@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from sparsevar.models.vqvae import MultiScaleVQVAE, phi_index_table
@@ -263,3 +264,15 @@ def test_quantize_non_square_roundtrip():
         assert (m.idx_to_fhat(idx, schedule) - fhats[-1]).abs().max().item() <= 1e-5
         with pytest.raises(ValueError, match="schedule"):
             m.quantize_multiscale(f)  # default square schedule ends at 4x4, latent is 4x6
+
+
+@pytest.mark.parametrize("hw,size", [((1, 1), (16, 16)), ((2, 3), (16, 16)), ((13, 13), (16, 16)), ((5, 7), (16, 24))])
+def test_bicubic_operator_is_torch_bicubic(hw, size):
+    """The operator VAR's latent update multiplies by on CUDA is PyTorch's bicubic upsampling
+    (borders clamped; odd and non-square maps) to float32 rounding."""
+    from sparsevar.models.vqvae import bicubic_operator
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, *hw, generator=g) * 3
+    want = F.interpolate(x, size=size, mode="bicubic", align_corners=False)
+    got = (x.reshape(12, hw[0] * hw[1]) @ bicubic_operator(hw, size, "cpu")).view(4, 3, *size)
+    assert (got - want).abs().max().item() <= 4e-6 * want.abs().max().item()
