@@ -135,9 +135,10 @@ class KVCache:
         return self.view(layer)
 
     def record_positions(self, start: int, pos_l: torch.Tensor) -> None:
-        """Record positions ``pos_l`` for slots [start, start + l) of every layer (one write)."""
-        end = start + pos_l.shape[0]
-        self.pos_NRT[:, :self.rows, start:end] = pos_l[:max(0, self.capacity - start)]
+        """Record positions ``pos_l`` — (l,) shared by all rows or (R, l) per row — for slots
+        [start, start + l) of every layer (one write)."""
+        end = start + pos_l.shape[-1]
+        self.pos_NRT[:, :self.rows, start:end] = pos_l[..., :max(0, self.capacity - start)]
         if end > self.capacity and self.transient:          # every layer's tail holds the same positions
             self.tail_pos_RT[:self.rows, start:end] = pos_l
 

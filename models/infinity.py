@@ -1033,7 +1033,10 @@ class InfinityAdapter:
         if idx_Bn is not None:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
-            pos, record = idx_Rn + start, True
+            pos = idx_Rn + start
+            record = len(set(kv.lengths)) > 1          # layers in step: one write of the positions for all
+            if not record:
+                kv.record_positions(kv.lengths[0], pos)
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
         else:

@@ -481,7 +481,10 @@ class VARAdapter:
         if idx_Bn is not None:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = gather_rows(x0_RLC, idx_Rn)                                      # (R, L, C) → (R, n, C)
-            pos, record = idx_Rn + start, True
+            pos = idx_Rn + start
+            record = len(set(kv.lengths)) > 1          # layers in step: one write of the positions for all
+            if not record:
+                kv.record_positions(kv.lengths[0], pos)
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
         else:

@@ -9,8 +9,8 @@ one row of logits in registers and draws with the exponential-race identity that
 drawn by the caller from its generator.
 
 No sort: both cut-offs are found by a bitwise search over the logits' order-preserving integer
-keys (the float32 bits, with the magnitude bits of negative values flipped), 32 steps of one
-masked reduction each:
+keys (the float32 bits as int32, with the magnitude bits of negative values flipped), 32 steps of
+one masked reduction each:
 
 - top-k: the largest key ``t`` with ``count(key >= t) >= k`` is exactly the k-th largest logit;
 - top-p: the largest key ``t`` with ``mass(key < t) <= (1 - top_p) · mass(kept)`` is the smallest
@@ -34,10 +34,9 @@ import triton.language as tl
 
 @triton.jit
 def _order_key(x):
-    """float32 → int64 in [0, 2³²) with the same order (−0.0 just below +0.0)."""
+    """float32 → int32 with the same order (−0.0 just below +0.0)."""
     bits = x.to(tl.int32, bitcast=True)
-    flipped = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)            # negative: flip the magnitude
-    return flipped.to(tl.int64) + 2147483648
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                  # negative: flip the magnitude
 
 
 @triton.jit
@@ -49,22 +48,24 @@ def _sample_kernel(logits_ptr, q_ptr, out_ptr, V, stride_l, stride_q, top_k, one
     x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     keep = valid
     if USE_K or USE_P:
-        key = tl.where(valid, _order_key(x), -1)                         # padding below every key
-        if USE_K:
-            t = tl.zeros((), tl.int64)
-            for b in tl.static_range(31, -1, -1):                        # the k-th largest key
+        # a bitwise search over signed keys: the sign first, then bits 30 … 0 (setting a bit raises
+        # the value on either side of zero)
+        key = tl.where(valid, _order_key(x), -2147483648)                 # padding at the bottom
+        if USE_K:                                                         # the k-th largest key
+            t = tl.where(tl.sum((key >= 0).to(tl.int32)) >= top_k, 0, -2147483648)
+            for b in tl.static_range(30, -1, -1):
                 cand = t | (1 << b)
                 t = tl.where(tl.sum((key >= cand).to(tl.int32)) >= top_k, cand, t)
             keep = keep & (key >= t)
-        if USE_P:
+        if USE_P:                                                         # the smallest key kept
             m = tl.max(tl.where(keep, x, float("-inf")))
             e = tl.where(keep, tl.exp(x - m), 0.0)
             limit = one_minus_p * tl.sum(e)
-            t = tl.zeros((), tl.int64)
-            for b in tl.static_range(31, -1, -1):                        # the smallest key kept
+            t = tl.where(tl.sum(tl.where(key < 0, e, 0.0)) <= limit, 0, -2147483648)
+            for b in tl.static_range(30, -1, -1):
                 cand = t | (1 << b)
                 t = tl.where(tl.sum(tl.where(key < cand, e, 0.0)) <= limit, cand, t)
-            top = tl.max(tl.where(keep, key, -1))                        # the largest always survives
+            top = tl.max(tl.where(keep, key, -2147483648))                # the largest always survives
             keep = keep & (key >= tl.minimum(t, top))
     m = tl.max(tl.where(keep, x, float("-inf")))
     p = tl.where(keep, tl.exp(x - m), 0.0)
