@@ -8,7 +8,10 @@ For each model × batch × method it times whole generations after warm-up and w
 median / min of the scale loop (sum of per-scale CUDA-event times), end-to-end wall time with
 decode, per-scale medians, peak memory, and the hardware floor of the scale loop
 (research/kernels.md §6: per scale, max(FLOPs / peak, bytes of weights + KV cache / bandwidth)),
-so every number says how far it is from the roof.
+so every number says how far it is from the roof. Each method's speed-up over the dense row of the
+same run sits beside two ideals: the ratio of FLOPs (``ideal_speedup``) and the ratio of floors
+(``roofline_ideal_speedup``: the same floor model with the tokens the method computed, where a
+weight-bound scale gains nothing from fewer tokens).
 """
 from __future__ import annotations
 

@@ -216,3 +216,27 @@ def test_bench_speed_runs_both_families_on_cpu(tmp_path, capsys):
     assert "infinity-tiny b1 sparsevar-preset: skipped: block=3" in capsys.readouterr().out
     skip = next(r for r in rows if r["model"] == "var-tiny" and r["method"] == "skip-last-1")
     assert float(skip["ideal_speedup"]) > 1.0
+
+
+def test_roofline_floor_counts_the_tokens_a_method_computed():
+    """The roofline ideal of `bench speed`: the dense generation's own stats give the dense floor;
+    pruning compute-bound scales lowers it, pruning a weight-bound scale only by the K/V its
+    excluded tokens no longer add; a skipped scale costs nothing. VAR-d30 at batch 8 on an H100."""
+    from types import SimpleNamespace as NS
+    from sparsevar.benchmarks.bench_speed import var_floor_ms
+    from sparsevar.models.var import VAR_PRESETS
+    d = VAR_PRESETS["var-d30"]
+    cfg = NS(embed_dim=d["embed_dim"], vocab_size=4096, depth=d["depth"], mlp_ratio=4.0, patch_nums=d["patch_nums"])
+    gpu = "NVIDIA H100 80GB HBM3"
+    toks = [p * p for p in cfg.patch_nums]
+
+    def floor(counts, batch=8):
+        return var_floor_ms(cfg, batch, 2, gpu, NS(scales=[NS(tokens_computed=n, rows=2) for n in counts]))
+
+    dense = var_floor_ms(cfg, 8, 2, gpu)
+    assert abs(dense - 40.104) < 1e-3 and floor(toks) == dense
+    assert dense - floor(toks[:-3] + [round(n / 2) for n in toks[-3:]]) > 10               # compute-bound at batch 8
+    # 4×4 is weight-bound: halving it saves only the K/V reads of the later scales
+    assert 0 < dense - floor(toks[:3] + [n // 2 for n in toks[3:4]] + toks[4:]) < 0.05
+    assert floor(toks[:-1] + [0]) < floor(toks[:-1] + [1])                                  # a skipped scale is free
+    assert var_floor_ms(cfg, 8, 2, "cpu") != var_floor_ms(cfg, 8, 2, "cpu")                # nan off the known GPUs
