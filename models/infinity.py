@@ -1034,18 +1034,15 @@ class InfinityAdapter:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
             pos = idx_Rn + start
-            record = len(set(kv.lengths)) > 1          # layers in step: one write of the positions for all
-            if not record:
-                kv.record_positions(kv.lengths[0], pos)
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
         else:
             idx_Rn = None
             x_RlC = x0_RLC
             pos = ws.positions_L[start:start + L]
-            record = len(set(kv.lengths)) > 1          # layers out of step (per-layer pruning): record per layer
-            if not record:
-                kv.record_positions(kv.lengths[0], pos)
+        record = len(set(kv.lengths)) > 1              # layers out of step (per-layer pruning): record per layer
+        if not record:
+            kv.record_positions(kv.lengths[0], pos)    # layers in step: one write for all ((L,) or (R, n))
         observe = bool(stack.active["observe"]) and taps is None
         collected = []
         rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,

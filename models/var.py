@@ -482,17 +482,14 @@ class VARAdapter:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
             x_RlC = gather_rows(x0_RLC, idx_Rn)                                      # (R, L, C) → (R, n, C)
             pos = idx_Rn + start
-            record = len(set(kv.lengths)) > 1          # layers in step: one write of the positions for all
-            if not record:
-                kv.record_positions(kv.lengths[0], pos)
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
         else:
             x_RlC = x0_RLC
             pos = ws.positions_L[start:start + L]
-            record = len(set(kv.lengths)) > 1          # layers out of step (per-layer pruning): record per layer
-            if not record:
-                kv.record_positions(kv.lengths[0], pos)
+        record = len(set(kv.lengths)) > 1              # layers out of step (per-layer pruning): record per layer
+        if not record:
+            kv.record_positions(kv.lengths[0], pos)    # layers in step: one write for all ((L,) or (R, n))
         observe = stack.active["observe"] and taps is None
         collected = []
         blocks = self.transformer.blocks
@@ -542,15 +539,15 @@ class VARAdapter:
         B, l, c = residual_BlC.shape
         h_BChw = residual_BlC.transpose(1, 2).reshape(B, c, h, w)                      # (B, l, c) → (B, c, h, w)
         H, W = sch.latent_hw
-        if (h, w) != (H, W) and h_BChw.is_cuda:
+        if (h, w) != (H, W) and not h_BChw.is_cuda:
+            h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic")
+        elif (h, w) != (H, W):
             # bicubic upsampling as one product with its (h·w, H·W) operator (vqvae.bicubic_operator:
             # PyTorch's CUDA kernel loops over the B·c planes in every thread)
             op = ws.upsample_ops.get((h, w))
             if op is None:
                 op = ws.upsample_ops[(h, w)] = bicubic_operator((h, w), (H, W), h_BChw.device)
             h_BChw = torch.mm(h_BChw.reshape(B * c, h * w), op).view(B, c, H, W)     # (B·c, hw) → (B·c, HW)
-        elif (h, w) != (H, W):
-            h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic")
         ws.f_hat_BChw.add_(self.vqvae.apply_phi(h_BChw, si, sch.num_scales))     # φ in float32
 
     def drop_uncond(self, run: RunState) -> None:
