@@ -19,8 +19,11 @@ class TanhGeluFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Optional["ElementwiseOps"] = None) -> torch.Tensor:
         linear_fn = ops.linear if ops is not None else dense_linear
-        h = linear_fn(x, self.fc1.weight, self.fc1.bias, gelu=True)
-        return linear_fn(h, self.fc2.weight, self.fc2.bias)
+        return linear_fn(self.hidden(x, ops), self.fc2.weight, self.fc2.bias)
+
+    def hidden(self, x: torch.Tensor, ops: Optional["ElementwiseOps"] = None) -> torch.Tensor:
+        """GELU(fc1(x)): the input of fc2 (for callers that fuse fc2 with what follows)."""
+        return (ops.linear if ops is not None else dense_linear)(x, self.fc1.weight, self.fc1.bias, gelu=True)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -185,8 +188,10 @@ class ElementwiseOps:
     kind: ``"eager"`` (plain torch); ``"compile"`` (each step compiled lazily by torch.compile at
     its first call, with dynamic token counts so every scale shares a kernel); ``"fused"`` (the
     hand-written Triton kernels of ``sparse_ops.dense_fused`` for the LayerNorm + AdaLN steps and
-    the q/k norm + KV-cache write, one kernel each; torch.compile for the gated residual) and the
-    Triton GEMM of ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows.
+    the q/k norm + KV-cache write, one kernel each; torch.compile for the gated residual), the
+    Triton GEMM of ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows, and
+    ``qk_norm_attend`` (``sparse_ops.cache_attention``: VAR's q/k norm, cache write and unmasked
+    attention in one launch; None under the other kinds).
 
     ``linear(x, weight, bias=None, gelu=False)`` is the layers' matrix product: cuBLAS, except
     under ``"fused"`` at few rows.
@@ -207,6 +212,7 @@ class ElementwiseOps:
         self.compiled = kind != "eager"
         self._compiled_rope = None
         self.linear = dense_linear
+        self.qk_norm_attend = None          # VAR's norm + cache write + attention in one launch ("fused" only)
         from ..sparse_ops import ref as sparse_ref
 
         self.bias_softmax = sparse_ref.bias_softmax
@@ -221,6 +227,7 @@ class ElementwiseOps:
             self.residual_modulate = functools.partial(sparse_ops.residual_norm_modulate, backend="triton")
             self.qk_normalize_store = functools.partial(sparse_ops.qk_norm_store, backend="triton")
             self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
+            self.qk_norm_attend = functools.partial(sparse_ops.qk_norm_attend, backend="triton")
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
         elif kind == "compile":
@@ -259,6 +266,21 @@ class ElementwiseOps:
                         torch.addmm(bias, x2[lo:hi], weight.t(), out=y[lo:hi])
                 return y.view(*x.shape[:-1], N)                                         # (M, N) → (…, N)
         return dense_linear(x, weight, bias, gelu)
+
+    def linear_residual_modulate(self, h_RlK, weight, bias, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype):
+        """``residual_modulate(x, linear(h, weight, bias), gate, mul, shift, …)``: an output projection
+        into the residual stream and the next sub-layer's AdaLN input. Under ``"fused"`` at most
+        ``SMALL_GEMM_ROWS`` rows run as a split-K product whose splits the norm's launch adds
+        (``sparse_ops.linear_residual``): no reduction launch, and the same bits."""
+        rows = h_RlK.numel() // h_RlK.shape[-1] if h_RlK.shape[-1] else 0
+        if self.kind == "fused" and h_RlK.is_cuda and h_RlK.dtype == weight.dtype \
+                and h_RlK.dtype in (torch.bfloat16, torch.float16) and 0 < rows <= ElementwiseOps.SMALL_GEMM_ROWS:
+            from ..sparse_ops import ops as sparse_ops
+
+            return sparse_ops.linear_residual_norm_modulate(h_RlK, weight, bias, x_RlC, gate_R1C, mul_R1C, shift_R1C,
+                                                            eps, out_dtype, backend="triton")
+        return self.residual_modulate(x_RlC, self.linear(h_RlK, weight, bias), gate_R1C, mul_R1C, shift_R1C, eps,
+                                      out_dtype)
 
     @staticmethod
     def _fused_modulate(kernel, x, mul, shift, eps, out_dtype):

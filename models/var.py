@@ -32,7 +32,7 @@ from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
-from ..sparse_ops.attention import dense_attention
+from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.ops import gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .vqvae import bicubic_operator
@@ -85,9 +85,11 @@ class VARSelfAttention(nn.Module):
         return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
     def forward(self, x_RlC: torch.Tensor, ctx: Optional["_LayerCall"] = None,
-                attn_mask: Optional[torch.Tensor] = None, idx_Rn: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None, idx_Rn: Optional[torch.Tensor] = None,
+                project: bool = True) -> torch.Tensor:
         """Attention of tokens ``x_RlC``; during generation their K/V join the cache first.
-        ``idx_Rn`` says which of the layer's current tokens these are, when a policy runs a subset."""
+        ``idx_Rn`` says which of the layer's current tokens these are, when a policy runs a subset.
+        ``project=False`` returns the heads' output (R, l, C) before the output projection."""
         R, l, C = x_RlC.shape
         H, d = self.num_heads, self.head_dim
         ops = ctx.ops if ctx is not None else EAGER_OPS
@@ -102,15 +104,19 @@ class VARSelfAttention(nn.Module):
         else:
             pos, valid = ctx.positions(idx_Rn)
             k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos, valid)                # this scale's cache slots
-            q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
-            k, v = ctx.kv.view(ctx.layer)
+            k, v = ctx.kv.view(ctx.layer)                                          # (R, H, L, d), ending with them
             attn_mask = ctx.kv.key_mask(ctx.layer)
+            if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.policies.active["attention"],
+                                         R, H, l, k.shape[2]):
+                out_RlC = ops.qk_norm_attend(qkv_Rl3Hd, mult, k, v).view(R, l, C)  # norm, cache write, attention
+                return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
+            q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
             if ctx.run.policies.active["attention"]:
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
         out_RlC = out.transpose(1, 2).reshape(R, l, C)                            # (R, H, l, d) → (R, l, C)
-        return ops.linear(out_RlC, self.proj.weight, self.proj.bias)
+        return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
 
 
 class _LayerCall:
@@ -193,12 +199,14 @@ class VARBlock(nn.Module):
         residual and the next block's LayerNorm + AdaLN run as one step: one launch fewer per layer."""
         g1, g2, _, m2, _, b2 = mod_R6C.unsqueeze(2).unbind(1)                        # each (R, 1, C)
         ops, eps, wdtype = ctx.ops, self.norm_eps, self.ffn.fc1.weight.dtype
-        x_RlC, y_RlC = ops.residual_modulate(x_RlC, self.attn(y_RlC, ctx), g1, m2, b2, eps, wdtype)
-        branch_RlC = self.ffn(y_RlC, ops)
+        proj, fc2 = self.attn.proj, self.ffn.fc2
+        x_RlC, y_RlC = ops.linear_residual_modulate(self.attn(y_RlC, ctx, project=False), proj.weight, proj.bias,
+                                                    x_RlC, g1, m2, b2, eps, wdtype)
+        h_RlF = self.ffn.hidden(y_RlC, ops)
         if next_mod_R6C is None:
-            return ops.gated_residual(x_RlC, branch_RlC, g2), None
+            return ops.gated_residual(x_RlC, ops.linear(h_RlF, fc2.weight, fc2.bias), g2), None
         _, _, m1_next, _, b1_next, _ = next_mod_R6C.unsqueeze(2).unbind(1)
-        return ops.residual_modulate(x_RlC, branch_RlC, g2, m1_next, b1_next, eps, wdtype)
+        return ops.linear_residual_modulate(h_RlF, fc2.weight, fc2.bias, x_RlC, g2, m1_next, b1_next, eps, wdtype)
 
 
 class VARTransformer(ModelMixin, ConfigMixin):

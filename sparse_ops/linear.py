@@ -108,12 +108,13 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def choose_config(M: int, N: int, K: int, num_sms: int) -> LinearConfig:
+def choose_config(M: int, N: int, K: int, num_sms: int, min_split_k: int = 1024) -> LinearConfig:
     """The launch shape for an (M × K) · (K × N) product on a GPU with ``num_sms`` SMs.
 
     Few rows: the product streams the weights, so tiles are narrow (many programs in flight). The
     reduction is split while the output tiles cannot fill the SMs once and each split keeps at
-    least 1024 of the reduction dimension."""
+    least ``min_split_k`` of the reduction dimension (lower where the consumer adds the splits, so
+    that no reduction launch is paid for them: ``linear_residual``)."""
     if interpreting():
         return LinearConfig(16, 32, 32, 1 if K <= 64 else 2, 4, 1)
     if M <= 64:
@@ -126,7 +127,7 @@ def choose_config(M: int, N: int, K: int, num_sms: int) -> LinearConfig:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split = 1
-    while tiles * split < num_sms and K // (2 * split) >= 1024 and split < 16:
+    while tiles * split < num_sms and K // (2 * split) >= min_split_k and split < 16:
         split *= 2
     return LinearConfig(block_m, block_n, block_k, split, warps, stages)
 
@@ -156,22 +157,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         config = choose_config(M, N, K, sms)
     bm, bn, bk, split, warps, stages = config
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per_split)
-    even_k = K % k_per_split == 0                                       # every split ends inside K
-    upcast = interpreting() and x2.dtype not in (torch.float32, torch.float64)
-    precision = "ieee" if x2.dtype == torch.float32 else None             # float32: no TF32
-    b = bias if bias is not None else y                                  # never read without HAS_BIAS
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    if split == 1:
-        _linear_kernel[grid](x2, w, b, y, M, N, K, k_per_split, x2.stride(0), w.stride(0), y.stride(0), 0,
-                             HAS_BIAS=bias is not None, GELU=gelu, PARTIAL=False, EVEN_K=even_k, UPCAST=upcast, PRECISION=precision,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if triton.cdiv(K, k_per_split) == 1:
+        even_k = K % k_per_split == 0
+        upcast = interpreting() and x2.dtype not in (torch.float32, torch.float64)
+        precision = "ieee" if x2.dtype == torch.float32 else None         # float32: no TF32
+        b = bias if bias is not None else y                              # never read without HAS_BIAS
+        _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), 1)](
+            x2, w, b, y, M, N, K, k_per_split, x2.stride(0), w.stride(0), y.stride(0), 0,
+            HAS_BIAS=bias is not None, GELU=gelu, PARTIAL=False, EVEN_K=even_k, UPCAST=upcast, PRECISION=precision,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         return y.view(*lead, N)
-    ws = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    _linear_kernel[grid](x2, w, b, ws, M, N, K, k_per_split, x2.stride(0), w.stride(0), N, M * N,
-                         HAS_BIAS=False, GELU=False, PARTIAL=True, EVEN_K=even_k, UPCAST=upcast, PRECISION=precision,
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    ws = partial_products(x2, w, config)
+    split = ws.shape[0]
+    b = bias if bias is not None else y
     block = min(1024, triton.next_power_of_2(N))
     _splitk_reduce_kernel[(triton.cdiv(N, block), M)](ws, b, y, M, N, M * N, y.stride(0), SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, GELU=gelu, BLOCK=block)
     return y.view(*lead, N)
+
+
+def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: LinearConfig) -> torch.Tensor:
+    """float32 partial sums (splits, M, N) of ``x_MK · weight_NKᵀ``, one slice per split of K (the
+    first step of a split-K product; the caller adds the slices in order). ``x_MK`` and the weight
+    rows must be contiguous in K."""
+    M, K = x_MK.shape
+    N = weight_NK.shape[0]
+    bm, bn, bk, split, warps, stages = config
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)
+    ws = torch.empty(split, M, N, device=x_MK.device, dtype=torch.float32)
+    upcast = interpreting() and x_MK.dtype not in (torch.float32, torch.float64)
+    precision = "ieee" if x_MK.dtype == torch.float32 else None
+    _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+        x_MK, weight_NK, ws, ws, M, N, K, k_per_split, x_MK.stride(0), weight_NK.stride(0), N, M * N,
+        HAS_BIAS=False, GELU=False, PARTIAL=True, EVEN_K=K % k_per_split == 0, UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return ws

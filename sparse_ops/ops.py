@@ -21,8 +21,8 @@ _TRITON_MODULES = {
     "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
     "restore_residual": "restore", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum",
-    "residual_norm_modulate": "dense_fused", "qk_norm_store": "dense_fused",
-    "qk_norm_rope_store": "dense_fused", "linear": "linear",
+    "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
+    "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax",
     "group_norm_silu": "group_norm",
 }
@@ -97,10 +97,27 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
                                                                            shift_R1C, eps, out_dtype)
 
 
+def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
+                                  x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
+                                  shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
+                                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate·(h·wᵀ + b), LN(·)·mul + shift): an output projection into the residual stream and the
+    next AdaLN input (see ``ref.linear_residual_norm_modulate``)."""
+    return implementation("linear_residual_norm_modulate", backend, x_RlC.device)(
+        h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype)
+
+
 def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
                   v_dst_RHld: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Cosine q (R, H, l, d); normalised k and raw v into their cache slots (see ``ref.qk_norm_store``)."""
     return implementation("qk_norm_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld)
+
+
+def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """VAR's q/k norm, cache write and unmasked attention over the cache in one step: (R, l, H, d)
+    out (see ``ref.qk_norm_attend``)."""
+    return implementation("qk_norm_attend", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, mult_2H1, k_RHLd, v_RHLd)
 
 
 def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Tensor,

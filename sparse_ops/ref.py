@@ -44,6 +44,16 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
     return x_RlC, torch.addcmul(shift_R1C, y_RlC, mul_R1C).to(out_dtype)
 
 
+def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
+                                  x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
+                                  shift_R1C: torch.Tensor, eps: float,
+                                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sub-layer's output projection, its gated residual and the next sub-layer's AdaLN input:
+    ``branch = h · weightᵀ + bias`` in h's dtype, then ``residual_norm_modulate(x, branch, …)``."""
+    return residual_norm_modulate(x_RlC, linear(h_RlK, weight_CK, bias_C), gate_R1C, mul_R1C, shift_R1C, eps,
+                                  out_dtype)
+
+
 def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
                   v_dst_RHld: torch.Tensor) -> torch.Tensor:
     """Cosine attention's q/k step with the KV-cache write: q and k L2-normalised over the head
@@ -56,6 +66,17 @@ def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: t
     k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))                           # (R, l, H, d) → (R, H, l, d)
     v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
     return qk_Rl2Hd[:, :, 0].transpose(1, 2)
+
+
+def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torch.Tensor,
+                   v_RHLd: torch.Tensor) -> torch.Tensor:
+    """VAR's whole attention step over the KV cache: ``qk_norm_store`` of this scale's ``l`` tokens
+    into the last ``l`` slots of the cache views ``k_RHLd`` / ``v_RHLd`` (R, H, L, d), then
+    softmax(q·kᵀ)·v over all ``L`` slots (scale 1: the temperature is in q). Returns (R, l, H, d),
+    which reshapes to (R, l, C) for the output projection."""
+    l, L = qkv_Rl3Hd.shape[1], k_RHLd.shape[2]
+    q_RHld = qk_norm_store(qkv_Rl3Hd, mult_2H1, k_RHLd[:, :, L - l:], v_RHLd[:, :, L - l:])
+    return F.scaled_dot_product_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0).transpose(1, 2)
 
 
 # ---- (a) gather → LayerNorm → AdaLN modulation, and its inverse ------------------------------------

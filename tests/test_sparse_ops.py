@@ -44,18 +44,19 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def assert_close_to_oracle(name, got, torch_path, oracle, floor_rel=1e-5, one_step=False):
+def assert_close_to_oracle(name, got, torch_path, oracle, floor_rel=1e-5, one_step=False, extra_abs=0.0):
     """``got`` (kernel) within 2× the torch path's error against ``oracle`` (float64), plus float32
     summation noise (``floor_rel`` × the output scale) — or within one rounding step of a bf16 /
     fp16 output with ``one_step`` (the dense fused ops): both paths round a float32 result once, and
     a last-bit difference in a float32 norm can move that rounding by one step where the torch path
-    happened to land closer."""
+    happened to land closer. ``extra_abs``: a rounding the kernel does by design and the torch path
+    does not, bounded by the caller (stated where it is passed)."""
     assert got.shape == oracle.shape, (name, got.shape, oracle.shape)
     assert torch.isfinite(got.double()).all(), f"{name}: non-finite kernel output"
     scale = max(oracle.abs().max().item(), 1.0) if oracle.numel() else 1.0
     e_kernel, e_torch = _err(got, oracle), _err(torch_path, oracle)
     step = torch.finfo(got.dtype).eps * scale if one_step and got.dtype in (torch.bfloat16, torch.float16) else 0.0
-    bound = max(2 * e_torch + floor_rel * scale, step)
+    bound = max(2 * e_torch + floor_rel * scale + extra_abs, step)
     assert e_kernel <= bound, \
         f"{name}: kernel error {e_kernel:.3g} > 2 × torch error {e_torch:.3g} + {floor_rel * scale:.3g} (one step {step:.3g})"
 
@@ -122,6 +123,37 @@ def _qk_norm_case(R, l, H, d, T, dtype, device):
     assert empty.shape == (R, H, 0, d)
 
 
+def _qk_attend_case(R, l, H, d, start, dtype, device):
+    """VAR's fused attention step: this scale's ``l`` tokens written into slots [start, start + l) of
+    layer 1 of a (2, R, H, start + l + 5, d) cache whose first ``start`` slots hold earlier keys;
+    attention over all ``start + l`` slots."""
+    from sparsevar.sparse_ops import cache_attention, ref
+    g = _gen(10)
+    qkv = _rand((R, l, 3, H, d), g, device, dtype=dtype, scale=2.0)
+    mult = torch.stack((_rand((H,), g, device, scale=1.0, offset=4.0).abs(), torch.ones(H, device=device)))[..., None]
+    T, L = start + l + 5, start + l
+    earlier = _rand((2, 2, R, H, T, d), g, device)
+    earlier[0] = earlier[0] / earlier[0].norm(dim=-1, keepdim=True)          # earlier keys: unit rows, as cached
+    earlier = earlier.to(dtype)
+    caches = [tuple(earlier[i].clone() for i in range(2)) for _ in range(2)]
+    outs = [fn(qkv, mult, k_c[1, :, :, :L], v_c[1, :, :, :L])
+            for fn, (k_c, v_c) in zip((cache_attention.qk_norm_attend, ref.qk_norm_attend), caches)]
+    (kk, vk), (rk, rv) = caches
+    ok, ov = earlier[0, 1, :, :, :L].double().clone(), earlier[1, 1, :, :, :L].double().clone()
+    oracle = ref.qk_norm_attend(qkv.double(), mult.double(), ok, ov)
+    assert outs[0].shape == (R, l, H, d) and outs[0].is_contiguous() and outs[0].dtype == dtype
+    # the kernel rounds the softmax probabilities to the operand dtype before P·V, as SDPA's flash and
+    # cuDNN kernels do, and the CPU math path does not: that moves each output by at most half a
+    # rounding step of P (relative) times the largest |v|, since the probabilities sum to 1
+    p_round = torch.finfo(dtype).eps / 2 * ov.abs().max().item() if dtype != torch.float32 else 0.0
+    assert_close_to_oracle("qk_norm_attend (out)", outs[0], outs[1], oracle, extra_abs=p_round)
+    assert_close_to_oracle("qk_norm_attend (k)", kk[1, :, :, start:L], rk[1, :, :, start:L], ok[:, :, start:],
+                           one_step=True)
+    assert torch.equal(vk, rv)                                         # v: a plain copy into its slots
+    assert torch.equal(kk[0], earlier[0, 0]) and torch.equal(kk[1, :, :, :start], earlier[0, 1, :, :, :start]) \
+        and torch.equal(kk[1, :, :, L:], earlier[0, 1, :, :, L:])      # nothing outside its slots changes
+
+
 def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
     """Infinity's q/k norm + RoPE with the cache write into slots [3, 3 + l) of layer 1; RoPE tables
     shared by the rows (1, l, 1, d/2) or per row (R, l, 1, d/2), as a subset of tokens has them."""
@@ -165,6 +197,36 @@ def _linear_case(M, N, K, bias, gelu, dtype, device, configs=()):
         assert torch.equal(got, L.linear(x, w, b, gelu, config=cfg)), f"linear {cfg}: not deterministic"
     lead = L.linear(x.view(1, M, K), w, b, gelu)                               # leading dims kept
     assert lead.shape == (1, M, N) and torch.equal(lead[0], L.linear(x, w, b, gelu))
+
+
+def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
+    """Output projection + gated residual + LayerNorm + AdaLN, the splits added by the norm's launch:
+    within 2× the torch path's error of the float64 result (or one rounding step), and bit for bit
+    the unfused Triton path (the product, then ``residual_norm_modulate``) at the same launch shape."""
+    from sparsevar.sparse_ops import dense_fused, linear as L, linear_residual, ref
+    g = _gen(12)
+    h = _rand((R, l, K), g, device, dtype=dtype)
+    w = _rand((C, K), g, device, dtype=dtype, scale=K ** -0.5)
+    b = _rand((C,), g, device, dtype=dtype) if bias else None
+    x = _rand((R, l, C), g, device, scale=3.0, offset=0.5)                    # float32 residual stream
+    ada = _rand((R, 6, C), g, device, scale=0.3) + torch.tensor([0, 0, 1, 1, 0, 0], device=device)[None, :, None]
+    gate, mul, shift = ada[:, 0:1], ada[:, 2:3], ada[:, 4:5]
+    ox, oy = ref.linear_residual_norm_modulate(h.double(), w.double(), None if b is None else b.double(), x.double(),
+                                               gate.double(), mul.double(), shift.double(), 1e-6, torch.float64)
+    tx, ty = ref.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype)
+    for cfg in (None, *configs):
+        gx, gy = linear_residual.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype, config=cfg)
+        assert gx.dtype == x.dtype and gy.dtype == dtype and gy.shape == (R, l, C)
+        # the branch is rounded to bf16 before the residual: the one-step rule applies to it, scaled
+        # by the gate, on top of the float32 stream's own error
+        step = torch.finfo(dtype).eps * (ref.linear(h, w, b).abs().max().item() * gate.abs().max().item())
+        assert_close_to_oracle(f"linear_residual x {cfg}", gx, tx, ox, extra_abs=step)
+        assert_close_to_oracle(f"linear_residual y {cfg}", gy, ty, oy, one_step=True)
+        use = cfg or L.choose_config(R * l, C, K, 1 if device == "cpu" else
+                                     torch.cuda.get_device_properties(device).multi_processor_count,
+                                     min_split_k=linear_residual.MIN_SPLIT_K)
+        ux, uy = dense_fused.residual_norm_modulate(x, L.linear(h, w, b, config=use), gate, mul, shift, 1e-6, dtype)
+        assert torch.equal(gx, ux) and torch.equal(gy, uy), f"linear_residual {cfg}: differs from the unfused path"
 
 
 def _sample_case(N, V, top_k, top_p, device, ties=False):
@@ -426,6 +488,21 @@ def _(device="cpu"):
     _qk_norm_case(3, 7, 5, 24, 12, torch.float32, device)
 
 
+@case("qk_norm_attend-R1-l1-H3-d16-first-scale-fp32")
+def _(device="cpu"):
+    _qk_attend_case(1, 1, 3, 16, 0, torch.float32, device)
+
+
+@case("qk_norm_attend-R2-l13-H2-d32-after30-bf16")
+def _(device="cpu"):
+    _qk_attend_case(2, 13, 2, 32, 30, torch.bfloat16, device)
+
+
+@case("qk_norm_attend-R3-l37-H2-d64-after53-fp32")
+def _(device="cpu"):
+    _qk_attend_case(3, 37, 2, 64, 53, torch.float32, device)
+
+
 @case("qk_norm_rope_store-R2-l13-H3-d16-bf16-shared")
 def _(device="cpu"):
     _qk_rope_case(2, 13, 3, 16, 29, torch.bfloat16, False, device)
@@ -446,6 +523,18 @@ def _(device="cpu"):
 def _(device="cpu"):
     from sparsevar.sparse_ops.linear import LinearConfig
     _linear_case(40, 33, 160, False, False, torch.float32, device, [LinearConfig(32, 32, 32, 2, 4, 1)])
+
+
+@case("linear_residual-R2-l3-K53-C37-bias-split3-bf16")
+def _(device="cpu"):
+    from sparsevar.sparse_ops.linear import LinearConfig
+    _linear_residual_case(2, 3, 53, 37, True, torch.bfloat16, device, [LinearConfig(16, 16, 16, 3, 4, 1)])
+
+
+@case("linear_residual-R1-l20-K96-C33-nobias-fp32")
+def _(device="cpu"):
+    from sparsevar.sparse_ops.linear import LinearConfig
+    _linear_residual_case(1, 20, 96, 33, False, torch.float32, device, [LinearConfig(16, 32, 32, 1, 4, 1)])
 
 
 @case("sample_top_k_top_p-N3-V300-k30-p0.9")
@@ -653,6 +742,27 @@ def test_attention_dispatch_chooses_per_call_and_logs_why(caplog):
     assert torch.equal(out, want)                                 # the CPU path is the SDPA call it always was
 
 
+def test_fused_cache_attention_is_chosen_per_call_and_logs_why(caplog):
+    """VAR's fused attention step runs only without a key mask, without an attention policy, under
+    the fused kernels, and outside the shapes where cuDNN measured faster; each call logs why."""
+    from sparsevar.sparse_ops.attention import FUSED_CACHE_ATTENTION_GAP, use_fused_cache_attention
+    min_rh, lo, hi = FUSED_CACHE_ATTENTION_GAP
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    with caplog.at_level(logging.DEBUG, logger="sparsevar.sparse_ops.attention"):
+        assert use_fused_cache_attention(True, None, False, 2, 30, 256, 680)
+        assert use_fused_cache_attention(True, None, False, 1, min_rh - 1, hi, hi + 1)       # few row-heads
+        assert use_fused_cache_attention(True, None, False, 1, min_rh, lo, lo + 1)           # at the gap's edges
+        assert use_fused_cache_attention(True, None, False, 1, min_rh, hi + 1, hi + 1)
+        assert not use_fused_cache_attention(False, None, False, 2, 30, 4, 5)
+        assert not use_fused_cache_attention(True, mask, False, 2, 30, 4, 9)
+        assert not use_fused_cache_attention(True, None, True, 2, 30, 4, 5)
+        assert not use_fused_cache_attention(True, None, False, 1, min_rh, lo + 1, lo + 1)
+    text = caplog.text
+    for why in ("unmasked: one Triton launch", "fused kernels not in use", "key-padding mask",
+                "a policy chooses the attention pattern", "cuDNN measured faster"):
+        assert why in text, why
+
+
 def test_flex_attention_with_a_block_mask_equals_masked_sdpa():
     from torch.nn.attention.flex_attention import create_block_mask
     from sparsevar.sparse_ops.attention import attention, choose_attention
@@ -701,12 +811,21 @@ GPU_CASES = {
                                                                              False, device),
     "qk_norm_rope_store-R2-l999-H16-d128-bf16-per-row": lambda device: _qk_rope_case(2, 999, 16, 128, 1200,
                                                                                     torch.bfloat16, True, device),
+    # VAR-d30's attention (30 heads of 64) at the first scale, a middle one (batch 8 with CFG) and the last
+    "qk_norm_attend-R2-l1-H30-d64-bf16": lambda device: _qk_attend_case(2, 1, 30, 64, 0, torch.bfloat16, device),
+    "qk_norm_attend-R16-l100-H30-d64-bf16": lambda device: _qk_attend_case(16, 100, 30, 64, 155, torch.bfloat16,
+                                                                          device),
+    "qk_norm_attend-R2-l256-H30-d64-bf16": lambda device: _qk_attend_case(2, 256, 30, 64, 424, torch.bfloat16, device),
     # VAR-d30's four GEMMs at 2 and 18 rows (split-K on fc2 and proj), Infinity-2B's fc2, a 4-row fp16 GELU
     **{f"linear-M{M}-{n}-bf16": (lambda device, M=M, N=N, K=K, gelu=gelu: _linear_case(M, N, K, True, gelu,
                                                                                        torch.bfloat16, device))
        for M in (2, 18) for n, (N, K, gelu) in {"qkv1920": (5760, 1920, False), "proj1920": (1920, 1920, False),
                                                 "fc1-1920": (7680, 1920, True), "fc2-1920": (1920, 7680, False),
                                                 "fc2-2048": (2048, 8192, False)}.items()},
+    # VAR-d30's two output projections into the residual stream at 2 and 32 rows
+    **{f"linear_residual-R{R}-l{l}-{n}-bf16": (lambda device, R=R, l=l, K=K: _linear_residual_case(
+        R, l, K, 1920, True, torch.bfloat16, device)) for R, l in ((2, 1), (2, 16)) for n, K in
+       {"proj1920": 1920, "fc2-1920": 7680}.items()},
     # VAR's 4096 codes with its defaults at the last scale's 512 rows; top-k only; greedy
     "sample_top_k_top_p-N512-V4096-k900-p0.96": lambda device: _sample_case(512, 4096, 900, 0.96, device),
     "sample_top_k_top_p-N7-V4096-k600": lambda device: _sample_case(7, 4096, 600, 0.0, device),
