@@ -153,6 +153,29 @@ def _cases(dev) -> list[dict]:
                           memory_bound=True, target=lq_ == L,
                           run={"triton": lambda a=(qkv, mult, kc[:, :, 64:], vc[:, :, 64:]): dense_fused.qk_norm_store(*a),
                                "torch": lambda a=(qkv, mult, kc[:, :, 64:], vc[:, :, 64:]): ref.qk_norm_store(*a)}))
+    # VAR's attention step in one launch (sparse_ops.cache_attention) against its twin and against the
+    # two launches it replaces (the Triton norm + cache write, then SDPA as dispatched): VAR-d30's
+    # first and last scale at batch 1, its last at batch 8 (CFG doubles the rows)
+    from ..sparse_ops import cache_attention
+    from ..sparse_ops.attention import dense_attention
+    for Ra, la, start in ((2, 1, 0), (2, 256, 424), (16, 256, 424)):
+        Ha, da = 30, 64
+        qkv = torch.randn(Ra, la, 3, Ha, da, device=dev, generator=g).to(torch.bfloat16)
+        mult = torch.rand(2, Ha, 1, device=dev, generator=g) + 1
+        ka, va = (torch.randn(Ra, Ha, start + la, da, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+        La = start + la
+        by = qkv.numel() * 2 + 2 * Ra * Ha * (start * da * 2 + la * da * 2) + Ra * la * Ha * da * 2
+        fl = 4 * Ra * Ha * la * La * da
+
+        def unfused(a=(qkv, mult, ka, va, start)):
+            q = dense_fused.qk_norm_store(a[0], a[1], a[2][:, :, a[4]:], a[3][:, :, a[4]:])
+            return dense_attention(q, a[2], a[3], scale=1.0)
+
+        cases.append(dict(op="qk_norm_attend", shape=f"R{Ra} l{la} after {start} H{Ha} d{da}", dtype="bf16", bytes=by,
+                          flops=fl, memory_bound=False, target=False,
+                          run={"triton": lambda a=(qkv, mult, ka, va): cache_attention.qk_norm_attend(*a),
+                               "torch": lambda a=(qkv, mult, ka, va): ref.qk_norm_attend(*a),
+                               "triton norm + sdpa": unfused}))
     x_out = x + 0.1 * torch.randn(R, L, C, device=dev, generator=g)
     by = 2 * R * L * C * 4 + L * 4
     cases.append(dict(op="change_map", shape=f"R{R} L{L} C{C}", dtype="fp32", bytes=by, memory_bound=True,
@@ -209,6 +232,27 @@ def _cases(dev) -> list[dict]:
                           bytes=N * K * 2, memory_bound=True, target=False,
                           run={"triton": lambda x=xs, b=bs, gl=gelu, p=pick: linear_mod.linear(x, p(), b, gl),
                                "torch": lambda x=xs, b=bs, gl=gelu, p=pick: _dense_linear(x, p(), b, gl)}))
+    # an output projection into the residual stream (sparse_ops.linear_residual) at VAR-d30's first
+    # scales: the product streams its weights (eight copies rotate past L2, as above); against its
+    # twin and the unfused Triton path (the product, then the gated residual + LayerNorm + AdaLN)
+    from ..sparse_ops import linear_residual
+    for Rl, ll, Kl in ((2, 1, 1920), (2, 1, 7680), (2, 16, 7680)):
+        Cl = 1920
+        hl = torch.randn(Rl, ll, Kl, device=dev, generator=g).to(torch.bfloat16)
+        wls = [(torch.randn(Cl, Kl, device=dev, generator=g) * Kl ** -0.5).to(torch.bfloat16) for _ in range(8)]
+        bl = torch.randn(Cl, device=dev, generator=g).to(torch.bfloat16)
+        xl = torch.randn(Rl, ll, Cl, device=dev, generator=g)
+        gl, ml, sl = (torch.randn(Rl, 1, Cl, device=dev, generator=g) for _ in range(3))
+        pick = itertools.cycle(wls).__next__
+        by = Cl * Kl * 2 + hl.numel() * 2 + Rl * ll * Cl * (4 + 4 + 2)
+        rest = (xl, gl, ml, sl, 1e-6, torch.bfloat16)
+        cases.append(dict(op="linear_residual_norm_modulate", shape=f"R{Rl} l{ll} K{Kl} C{Cl}", dtype="bf16 + fp32",
+                          bytes=by, flops=2 * Rl * ll * Kl * Cl, memory_bound=True, target=False,
+                          run={"triton": lambda h=hl, b=bl, p=pick, r=rest: linear_residual.linear_residual_norm_modulate(
+                                   h, p(), b, *r),
+                               "torch": lambda h=hl, b=bl, p=pick, r=rest: ref.linear_residual_norm_modulate(h, p(), b, *r),
+                               "triton unfused": lambda h=hl, b=bl, p=pick, r=rest: dense_fused.residual_norm_modulate(
+                                   r[0], linear_mod.linear(h, p(), b), *r[1:])}))
     # top-k 900 / top-p 0.96 sampling of 4096-way logits: VAR-d30's last scale at batch 1 (256 rows)
     from ..sparse_ops import sample as sample_mod
     logits_s = torch.randn(256, 4096, device=dev, generator=g) * 3
