@@ -7,7 +7,10 @@
   map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
   sums per query group), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
   q/k normalisation + KV-cache write, with Infinity's RoPE in ``qk_norm_rope_store``, each one kernel),
-  ``linear.py`` (the dense path's GEMM for a few rows, deterministic split-K), ``sample.py`` (top-k /
+  ``cache_attention.py`` (VAR's q/k norm, KV-cache write and attention over the cache in one
+  launch), ``linear.py`` (the dense path's GEMM for a few rows, deterministic split-K),
+  ``linear_residual.py`` (an output projection whose split-K sums the gated residual + LayerNorm +
+  AdaLN launch adds), ``sample.py`` (top-k /
   top-p filtering and the categorical draw in one launch); their front ends are ``ops.linear`` and
   ``ops.sample_top_k_top_p`` (not re-exported here: the names are the modules');
 - ``ops.py``: the front ends, which pick the kernel or the reference per call

@@ -21,6 +21,16 @@ from .gather_modulate import _launch_shape, _norm_modulate_rows
 
 
 @triton.jit
+def _add_gated_store(x, branch, g_row_ptr, c, cm, m2, xo_ptrs):
+    """``x + branch · gate`` (float32; the gate is one row), stored through ``xo_ptrs``; returns it.
+    Shared with ``linear_residual``."""
+    g = tl.load(g_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    x = x + branch * g[None, :]
+    tl.store(xo_ptrs, x.to(xo_ptrs.dtype.element_ty), mask=m2)
+    return x
+
+
+@triton.jit
 def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, eps,
                               s_xr, s_xl, s_br, s_bl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
                               HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -32,9 +42,7 @@ def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
     if HAS_RES:
         b = tl.load(b_ptr + r * s_br + j[:, None] * s_bl + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + r * s_gr + c, mask=cm, other=0.0).to(tl.float32)
-        x = x + b * g[None, :]
-        tl.store(xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :], x.to(xo_ptr.dtype.element_ty), mask=m2)
+        x = _add_gated_store(x, b, g_ptr + r * s_gr, c, cm, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
     y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dense_fused import _add_gated_store
 from .gather_modulate import _launch_shape, _norm_modulate_rows
 from .linear import LinearConfig, choose_config, partial_products
 
@@ -45,9 +46,7 @@ def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr
         acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     branch = acc.to(b_ptr.dtype.element_ty).to(tl.float32)               # the product, rounded as unfused
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + r * s_gr + c, mask=cm, other=0.0).to(tl.float32)
-    x = x + branch * g[None, :]
-    tl.store(xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :], x.to(xo_ptr.dtype.element_ty), mask=m2)
+    x = _add_gated_store(x, branch, g_ptr + r * s_gr, c, cm, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
     y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
