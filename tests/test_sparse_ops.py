@@ -229,13 +229,14 @@ def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
         assert torch.equal(gx, ux) and torch.equal(gy, uy), f"linear_residual {cfg}: differs from the unfused path"
 
 
-def _sample_case(N, V, top_k, top_p, device, ties=False):
+def _sample_case(N, V, top_k, top_p, device, ties=False, dtype=torch.float32):
     """Fused top-k / top-p draw against the torch twin with the same exponential noise: the same
     codes (continuous random logits: no exact ties at the nucleus boundary; ``ties``: integer
-    logits, for top-k alone, where both paths keep every logit equal to the k-th largest)."""
+    logits, for top-k alone, where both paths keep every logit equal to the k-th largest; bf16
+    logits, which the kernel reads as they are, likewise for top-k alone: bf16 has ties)."""
     from sparsevar.sparse_ops import ref, sample
     g = _gen(11)
-    x = _rand((N, V), g, device, scale=3.0)
+    x = _rand((N, V), g, device, scale=3.0).to(dtype)
     if ties:
         x = x.round()
     q = torch.empty(N, V).exponential_(generator=g).to(device)
@@ -535,6 +536,11 @@ def _(device="cpu"):
 def _(device="cpu"):
     from sparsevar.sparse_ops.linear import LinearConfig
     _linear_residual_case(1, 20, 96, 33, False, torch.float32, device, [LinearConfig(16, 32, 32, 1, 4, 1)])
+
+
+@case("sample_top_k_top_p-N5-V300-k30-bf16-logits")
+def _(device="cpu"):
+    _sample_case(5, 300, 30, 0.0, device, dtype=torch.bfloat16)
 
 
 @case("sample_top_k_top_p-N3-V300-k30-p0.9")
