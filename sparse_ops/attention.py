@@ -238,6 +238,8 @@ def describe_backends() -> str:
                  f"memory-efficient {'on' if b.mem_efficient_sdp_enabled() else 'off'}, "
                  f"math {'on' if b.math_sdp_enabled() else 'off'}")
         lines.append(f"  dense scales: SDPA without a mask ({flags}); CUDA graphs for dense scales")
+        lines.append("  VAR with the fused kernels, no key mask: q/k norm, cache write and attention in one Triton launch "
+                     "(cuDNN where it measured faster: use_fused_cache_attention)")
         small = ("the memory-efficient kernel first" if _sdpa_priority_supported()
                  else "the default order (this torch's sdpa_kernel has no priority order)")
         lines.append(f"  scales with ≤ {SMALL_QUERY_TOKENS} queries per row: {small}")
@@ -256,8 +258,8 @@ def describe_backends() -> str:
     except ImportError:
         lines.append(f"  block-sparse patterns: unavailable (torch {torch.__version__} has no FlexAttention)")
     lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums, "
-                 "the dense path's fused residual + LayerNorm + AdaLN, q/k norm (+ RoPE) + cache write, few-row "
-                 "GEMM and top-k / top-p sampler):")
+                 "the dense path's fused residual + LayerNorm + AdaLN, q/k norm (+ RoPE) + cache write, VAR's "
+                 "attention step, few-row GEMM, projection into the residual stream and top-k / top-p sampler):")
     try:
         import triton
         lines.append(f"  triton {triton.__version__}: installed")
