@@ -107,7 +107,7 @@ class VARSelfAttention(nn.Module):
             k, v = ctx.kv.view(ctx.layer)                                          # (R, H, L, d), ending with them
             attn_mask = ctx.kv.key_mask(ctx.layer)
             if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.policies.active["attention"],
-                                         R, H, l, k.shape[2]):
+                                         R, H, l, k.shape[2], d):
                 out_RlC = ops.qk_norm_attend(qkv_Rl3Hd, mult, k, v).view(R, l, C)  # norm, cache write, attention
                 return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
             q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)

@@ -110,13 +110,14 @@ FUSED_CACHE_ATTENTION_GAP = (256, 64, 112)        # (row-heads at least, queries
 
 
 def use_fused_cache_attention(available: bool, attn_mask: Optional[torch.Tensor], policy_attends: bool,
-                              rows: int, heads: int, queries: int, keys: int) -> bool:
+                              rows: int, heads: int, queries: int, keys: int, head_dim: int = 64) -> bool:
     """Whether VAR's attention step runs as one fused launch (``sparse_ops.cache_attention``: q/k
     norm, cache write, attention) instead of the norm + cache write followed by :func:`attention`.
 
     It does when the fused kernels are in use (``available``), no key mask is needed (every row
-    attends to every cached key), no policy chooses the attention itself (sparse attention), and
-    the shape is not one where cuDNN measured faster (``FUSED_CACHE_ATTENTION_GAP``). Measured on an
+    attends to every cached key), no policy chooses the attention itself (sparse attention), the
+    head dim is a power of two from 16 to 256 (the kernel's tiles), and the shape is not one where
+    cuDNN measured faster (``FUSED_CACHE_ATTENTION_GAP``). Measured on an
     H100 at VAR-d30's scales, per layer: 2.6 against 6.9 µs at batch 1's first scale, 18 against
     19 µs at its last; 3.4 against 9.4 µs and 101 against 103 µs at batch 8's first and last."""
     min_rh, lo, hi = FUSED_CACHE_ATTENTION_GAP
@@ -126,6 +127,8 @@ def use_fused_cache_attention(available: bool, attn_mask: Optional[torch.Tensor]
         ok, why = False, "key-padding mask (rows kept different token counts): norm + cache write, then SDPA"
     elif policy_attends:
         ok, why = False, "a policy chooses the attention pattern: norm + cache write, then the policy"
+    elif head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        ok, why = False, f"head dim {head_dim} is not a power of two in [16, 256]: norm + cache write, then SDPA"
     elif rows * heads >= min_rh and lo < queries <= hi:
         ok, why = False, f"≥ {min_rh} row-heads and {lo + 1}–{hi} queries: cuDNN measured faster than the fused kernel"
     else:
