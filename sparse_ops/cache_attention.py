@@ -28,14 +28,9 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting
+from .dense_fused import _norm_rows
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _norm_rows(x, mult):
-    """Rows of ``x`` (n, D) float32 L2-normalised (norm clamped at 1e-12) and times ``mult``."""
-    return x * (mult / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12))[:, None]
 
 
 @triton.jit

@@ -21,6 +21,13 @@ from .gather_modulate import _launch_shape, _norm_modulate_rows
 
 
 @triton.jit
+def _norm_rows(x, mult):
+    """Rows of ``x`` (n, D) float32 L2-normalised (norm clamped at 1e-12) and times ``mult`` (a scalar
+    or one value per row). Shared with ``cache_attention``."""
+    return x * (mult / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12))[:, None]
+
+
+@triton.jit
 def _add_gated_store(x, branch, g_row_ptr, c, cm, m2, xo_ptrs):
     """``x + branch · gate`` (float32; the gate is one row), stored through ``xo_ptrs``; returns it.
     Shared with ``linear_residual``."""
@@ -93,8 +100,8 @@ def _qk_norm_store_kernel(qkv_ptr, mult_ptr, q_ptr, k_ptr, v_ptr, H, D,
     v = tl.load(src + 2 * H * D + hd, mask=m2, other=0.0)
     mq = tl.load(mult_ptr + h, mask=hm, other=0.0)
     mk = tl.load(mult_ptr + H + h, mask=hm, other=0.0)
-    q = q * (mq / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), 1e-12))[:, None]
-    k = k * (mk / tl.maximum(tl.sqrt(tl.sum(k * k, axis=1)), 1e-12))[:, None]
+    q = _norm_rows(q, mq)
+    k = _norm_rows(k, mk)
     tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
     hs = h[:, None].to(tl.int64)
     tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)

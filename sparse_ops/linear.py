@@ -155,25 +155,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if config is None:
         sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
         config = choose_config(M, N, K, sms)
-    bm, bn, bk, split, warps, stages = config
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    if triton.cdiv(K, k_per_split) == 1:
-        even_k = K % k_per_split == 0
-        upcast = interpreting() and x2.dtype not in (torch.float32, torch.float64)
-        precision = "ieee" if x2.dtype == torch.float32 else None         # float32: no TF32
-        b = bias if bias is not None else y                              # never read without HAS_BIAS
-        _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), 1)](
-            x2, w, b, y, M, N, K, k_per_split, x2.stride(0), w.stride(0), y.stride(0), 0,
-            HAS_BIAS=bias is not None, GELU=gelu, PARTIAL=False, EVEN_K=even_k, UPCAST=upcast, PRECISION=precision,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    k_per_split, split = _k_split(K, config)
+    if split == 1:
+        _launch(x2, w, bias, y, y.stride(0), 0, config, k_per_split, 1, gelu, partial=False)
         return y.view(*lead, N)
     ws = partial_products(x2, w, config)
-    split = ws.shape[0]
-    b = bias if bias is not None else y
+    b = bias if bias is not None else y                                  # never read without HAS_BIAS
     block = min(1024, triton.next_power_of_2(N))
     _splitk_reduce_kernel[(triton.cdiv(N, block), M)](ws, b, y, M, N, M * N, y.stride(0), SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, GELU=gelu, BLOCK=block)
     return y.view(*lead, N)
+
+
+def _k_split(K: int, config: LinearConfig) -> tuple[int, int]:
+    """(reduction length per split, number of splits) of ``config`` for a reduction of ``K``: each
+    split a whole number of ``block_k`` steps, so the last may be short and fewer splits result."""
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    return k_per_split, triton.cdiv(K, k_per_split)
+
+
+def _launch(x_MK, w_NK, bias, out, stride_o, stride_s, config, k_per_split, split, gelu, partial):
+    """One launch of ``_linear_kernel``: the finished product into ``out`` (M, N), or with ``partial``
+    the float32 sums of each split into ``out`` (splits, M, N)."""
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    bm, bn, bk, _, warps, stages = config
+    upcast = interpreting() and x_MK.dtype not in (torch.float32, torch.float64)
+    precision = "ieee" if x_MK.dtype == torch.float32 else None           # float32: no TF32
+    b = bias if bias is not None else out                                # never read without HAS_BIAS
+    _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+        x_MK, w_NK, b, out, M, N, K, k_per_split, x_MK.stride(0), w_NK.stride(0), stride_o, stride_s,
+        HAS_BIAS=bias is not None and not partial, GELU=gelu and not partial, PARTIAL=partial,
+        EVEN_K=K % k_per_split == 0, UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
 def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: LinearConfig) -> torch.Tensor:
@@ -182,14 +196,7 @@ def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: Linear
     rows must be contiguous in K."""
     M, K = x_MK.shape
     N = weight_NK.shape[0]
-    bm, bn, bk, split, warps, stages = config
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per_split)
+    k_per_split, split = _k_split(K, config)
     ws = torch.empty(split, M, N, device=x_MK.device, dtype=torch.float32)
-    upcast = interpreting() and x_MK.dtype not in (torch.float32, torch.float64)
-    precision = "ieee" if x_MK.dtype == torch.float32 else None
-    _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
-        x_MK, weight_NK, ws, ws, M, N, K, k_per_split, x_MK.stride(0), weight_NK.stride(0), N, M * N,
-        HAS_BIAS=False, GELU=False, PARTIAL=True, EVEN_K=K % k_per_split == 0, UPCAST=upcast, PRECISION=precision,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    _launch(x_MK, weight_NK, None, ws, N, M * N, config, k_per_split, split, False, partial=True)
     return ws

@@ -23,6 +23,9 @@ from .dense_fused import _add_gated_store
 from .gather_modulate import _launch_shape, _norm_modulate_rows
 from .linear import LinearConfig, choose_config, partial_products
 
+# the product's dtype (the unfused path rounds it to the input's dtype before the residual)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
 # each split keeps at least this much of the reduction dimension (the splits cost no launch here);
 # measured on an H100 at VAR-d30's output projections (K = 1920 and 7680, 2–32 rows)
 MIN_SPLIT_K = 512
@@ -31,8 +34,8 @@ MIN_SPLIT_K = 512
 @triton.jit
 def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, M, eps,
                                  s_xr, s_xl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
-                                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                                 BLOCK_C: tl.constexpr):
+                                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BRANCH_DTYPE: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -44,7 +47,7 @@ def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr
         acc += tl.load(ws_rows + s * M * C, mask=m2, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    branch = acc.to(b_ptr.dtype.element_ty).to(tl.float32)               # the product, rounded as unfused
+    branch = acc.to(BRANCH_DTYPE).to(tl.float32)                         # the product, rounded as unfused
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
     x = _add_gated_store(x, branch, g_ptr + r * s_gr, c, cm, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
     y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
@@ -67,14 +70,14 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
     w = weight_CK if weight_CK.stride(-1) == 1 else weight_CK.contiguous()
     if x_RlC.stride(-1) != 1:
         x_RlC = x_RlC.contiguous()
-    xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format)
-    y = torch.empty(R, l, C, device=x_RlC.device, dtype=out_dtype)
-    if R == 0 or l == 0 or C == 0:
-        return xo, y
     if K == 0:                                                           # an empty product: the bias alone
         from . import ref
         return ref.linear_residual_norm_modulate(h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps,
                                                  out_dtype)
+    xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format)
+    y = torch.empty(R, l, C, device=x_RlC.device, dtype=out_dtype)
+    if R == 0 or l == 0 or C == 0:
+        return xo, y
     if config is None:
         sms = 1 if h_RlK.device.type != "cuda" else torch.cuda.get_device_properties(h_RlK.device).multi_processor_count
         config = choose_config(R * l, C, K, sms, min_split_k=MIN_SPLIT_K)
@@ -88,5 +91,6 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
         ws, b, x_RlC, gate_R1C, mul_R1C, shift_R1C, xo, y, l, C, R * l, float(eps),
         x_RlC.stride(0), x_RlC.stride(1), gate_R1C.stride(0), mul_R1C.stride(0), shift_R1C.stride(0),
         xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
-        SPLIT_K=ws.shape[0], HAS_BIAS=bias_C is not None, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+        SPLIT_K=ws.shape[0], HAS_BIAS=bias_C is not None, BRANCH_DTYPE=_TL_DTYPES[h_RlK.dtype], ROWS=rows,
+        BLOCK_C=block_c, num_warps=warps)
     return xo, y
