@@ -261,6 +261,14 @@ def _cases(dev) -> list[dict]:
                       bytes=logits_s.numel() * 8, memory_bound=False, target=False,
                       run={"triton": lambda: sample_mod.sample_top_k_top_p(logits_s, noise_s, 900, 0.96),
                            "torch": lambda: ref.sample_top_k_top_p(logits_s, noise_s, 900, 0.96)}))
+    # classifier-free guidance of VAR-d30's last scale at batch 8 (16 rows of 256 × 4096 bf16 logits
+    # in, 8 of float32 out): one pass against torch's cast, two scalings and a subtraction
+    from ..sparse_ops import guidance as guidance_mod
+    logits_c = (torch.randn(16, 256, 4096, device=dev, generator=g) * 3).to(torch.bfloat16)
+    cases.append(dict(op="cfg_guide", shape="B8 l256 V4096", dtype="bf16 → fp32",
+                      bytes=logits_c.numel() * 2 + logits_c.numel() // 2 * 4, memory_bound=True, target=False,
+                      run={"triton": lambda: guidance_mod.cfg_guide(logits_c, 8, 4.0),
+                           "torch": lambda: ref.cfg_guide(logits_c, 8, 4.0)}))
     # the absorbed cross-attention's softmax: Infinity-2B's last scale with CFG, 16 heads × a 32-token
     # prompt bucket (float32 logits in, bf16 probabilities out); memory-bound
     from ..sparse_ops import softmax as softmax_mod

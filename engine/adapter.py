@@ -29,14 +29,15 @@ class ModelAdapter(Protocol):
 
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> Optional[torch.Tensor]:
         """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head.
-        Returns float32 logits of every row of the full map, (R, h·w, V). Reads its inputs only from
+        Returns the logits of every row of the full map, (R, h·w, V), in float32 or in a dtype the
+        family's :meth:`guide` takes (which returns float32). Reads its inputs only from
         the workspace and bakes in no per-call setting, so a dense scale can be captured as a CUDA
         graph and replayed by later calls. Given ``graphs`` (the engine's graph runner) for a scale
         with a static subset or with observe taps, the adapter replays just its layer stack from a
         graph and runs the hooks around it; it returns None when that is not possible."""
 
     def guide(self, si: int, logits: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Classifier-free guidance (the family's formula) → guided logits (B, h·w, V)."""
+        """Classifier-free guidance (the family's formula) → guided float32 logits (B, h·w, V)."""
 
     def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Draw this scale's codes from the guided logits with ``run.generator``."""

@@ -33,7 +33,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
-from ..sparse_ops.ops import gather_rows, scatter_rows
+from ..sparse_ops.ops import cfg_guide, gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .vqvae import bicubic_operator
 
@@ -278,15 +278,17 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return torch.stack((ada[:, 0] + 1, ada[:, 1]), dim=1)
 
     def logits(self, h_RlC: torch.Tensor, head_mod_R2C: torch.Tensor,
-               ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
-        """Codebook logits (R, l, V) float32 of hidden states; ``head_mod_R2C`` from :meth:`head_adaln`.
-        Fused ``ops`` run the LayerNorm + AdaLN in one kernel."""
+               ops: Optional[ElementwiseOps] = None, float32: bool = True) -> torch.Tensor:
+        """Codebook logits (R, l, V) of hidden states, float32 (or the head's dtype without
+        ``float32``); ``head_mod_R2C`` from :meth:`head_adaln`. Fused ``ops`` run the LayerNorm +
+        AdaLN in one kernel."""
         mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
         if ops is not None and ops.kind != "eager":
             y = ops.modulate(h_RlC, mul_R1C, shift_R1C, self.config.norm_eps, self.head.weight.dtype)
         else:
             y = (layer_norm_no_affine(h_RlC, self.config.norm_eps) * mul_R1C + shift_R1C).to(self.head.weight.dtype)
-        return self.head(y).float()
+        logits_RlV = self.head(y)
+        return logits_RlV.float() if float32 else logits_RlV
 
     def lvl_pos(self) -> torch.Tensor:
         """(1, L, C) level + position embedding of every token."""
@@ -458,7 +460,8 @@ class VARAdapter:
 
     @torch.no_grad()
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> torch.Tensor:
-        """Raw float32 logits of every row, (R, h·w, V); reads only workspace buffers.
+        """Raw logits of every row, (R, h·w, V); reads only workspace buffers. Float32, except under
+        fused ops: there they stay in the head's dtype and :meth:`guide` casts them in its pass.
 
         With ``graphs`` (the engine's CUDA-graph runner) the layer stack — stage input, gather,
         layers, scatter — is replayed from a graph keyed by scale and subset size; the policies'
@@ -474,7 +477,8 @@ class VARAdapter:
             valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
             x_RLC, _ = self._layers(si, idx, valid, run, taps=None)
         x_RLC = run.policies.post_hidden(si, x_RLC, run)
-        return self.transformer.logits(x_RLC, run.workspace.head_mod_R2C[:R], self.ops)
+        return self.transformer.logits(x_RLC, run.workspace.head_mod_R2C[:R], self.ops,
+                                       float32=self.ops.kind != "fused")
 
     def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor], run: RunState,
                 taps: Optional[set]):
@@ -526,12 +530,14 @@ class VARAdapter:
                                   lambda idx_Bn, taps: self._layers(si, idx_Bn, None, run, taps=taps))
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond."""
+        """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond, float32
+        (under fused ops in one Triton pass that also casts the head's logits; the same bits)."""
         if not run.cfg_active:
-            return logits_RlV
+            return logits_RlV.float()
         B = run.batch_size
         t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
-        return (1 + t) * logits_RlV[:B] - t * logits_RlV[B:]
+        backend = "triton" if self.ops.kind == "fused" and logits_RlV.is_cuda else "torch"
+        return cfg_guide(logits_RlV, B, t, backend=backend)
 
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings

@@ -262,7 +262,8 @@ def describe_backends() -> str:
         lines.append(f"  block-sparse patterns: unavailable (torch {torch.__version__} has no FlexAttention)")
     lines.append("sparse ops (gather + LayerNorm + AdaLN, restore, selection, anchor matching, attention column sums, "
                  "the dense path's fused residual + LayerNorm + AdaLN, q/k norm (+ RoPE) + cache write, VAR's "
-                 "attention step, few-row GEMM, projection into the residual stream and top-k / top-p sampler):")
+                 "attention step, few-row GEMM, projection into the residual stream, classifier-free guidance and "
+                 "top-k / top-p sampler):")
     try:
         import triton
         lines.append(f"  triton {triton.__version__}: installed")

@@ -23,7 +23,7 @@ _TRITON_MODULES = {
     "anchor_match": "anchor", "attention_colsum": "colsum",
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
-    "sample_top_k_top_p": "sample", "bias_softmax": "softmax",
+    "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
     "group_norm_silu": "group_norm",
 }
 
@@ -138,6 +138,11 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
                        backend: str = "auto") -> torch.Tensor:
     """(N,) draws from the top-k / top-p filtered softmax given Exp(1) noise (see ``ref.sample_top_k_top_p``)."""
     return implementation("sample_top_k_top_p", backend, logits_NV.device)(logits_NV, noise_NV, top_k, top_p)
+
+
+def cfg_guide(logits_RlV: torch.Tensor, batch: int, t: float, *, backend: str = "auto") -> torch.Tensor:
+    """(batch, l, V) float32 ``(1 + t)·cond − t·uncond`` of the [cond; uncond] rows (see ``ref.cfg_guide``)."""
+    return implementation("cfg_guide", backend, logits_RlV.device)(logits_RlV, batch, t)
 
 
 def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, out_dtype: torch.dtype, *,

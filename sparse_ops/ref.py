@@ -111,6 +111,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.gelu(y, approximate="tanh") if gelu else y
 
 
+def cfg_guide(logits_RlV: torch.Tensor, batch: int, t: float) -> torch.Tensor:
+    """Classifier-free guidance ``(1 + t)·cond − t·uncond`` over the [cond; uncond] halves of the rows
+    (``batch`` images each), in float32: (batch, l, V). Each product and the difference round on
+    their own (the scalars are float32)."""
+    return (1 + t) * logits_RlV[:batch].float() - t * logits_RlV[batch:].float()
+
+
 def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """One draw per row from softmax(top-k / top-p filtered logits), given exponential noise
     ``noise_NV`` (``Exp(1)``, same shape): ``argmax(p / noise)``, the identity ``torch.multinomial``

@@ -246,6 +246,20 @@ def _sample_case(N, V, top_k, top_p, device, ties=False, dtype=torch.float32):
     assert torch.equal(got, want), f"sample_top_k_top_p: {(got != want).sum().item()} of {N} draws differ"
 
 
+def _cfg_guide_case(B, l, V, t, dtype, device):
+    """Classifier-free guidance in one pass against the torch twin: the same bits (the cast to
+    float32 is exact and each product and the difference round on their own, no FMA)."""
+    from sparsevar.sparse_ops import guidance, ref
+    g = _gen(14)
+    x = _rand((2 * B, l, V), g, device, scale=8.0).to(dtype)
+    got = guidance.cfg_guide(x, B, t)
+    want = ref.cfg_guide(x, B, t)
+    assert got.dtype == torch.float32 and got.shape == (B, l, V)
+    assert torch.equal(got, want), f"cfg_guide: {(got != want).sum().item()} of {got.numel()} values differ"
+    assert torch.equal(want, (1 + t) * x[:B].float() - t * x[B:].float())      # VAR's guidance formula
+    assert guidance.cfg_guide(x[:, :0], B, t).shape == (B, 0, V)              # no tokens
+
+
 def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
     """Bias add + softmax per group + cast in one pass against the torch twin, float64 oracle; with
     -inf bias entries (masked keys) that leave at least one key per group."""
@@ -536,6 +550,16 @@ def _(device="cpu"):
 def _(device="cpu"):
     from sparsevar.sparse_ops.linear import LinearConfig
     _linear_residual_case(1, 20, 96, 33, False, torch.float32, device, [LinearConfig(16, 32, 32, 1, 4, 1)])
+
+
+@case("cfg_guide-B3-l13-V300-bf16")
+def _(device="cpu"):
+    _cfg_guide_case(3, 13, 300, 4.0 * 7 / 9, torch.bfloat16, device)
+
+
+@case("cfg_guide-B1-l5-V37-fp32")
+def _(device="cpu"):
+    _cfg_guide_case(1, 5, 37, 0.3, torch.float32, device)
 
 
 @case("sample_top_k_top_p-N5-V300-k30-bf16-logits")
@@ -834,6 +858,9 @@ GPU_CASES = {
     **{f"linear_residual-R{R}-l{l}-{n}-bf16": (lambda device, R=R, l=l, K=K: _linear_residual_case(
         R, l, K, 1920, True, torch.bfloat16, device)) for R, l in ((2, 1), (2, 16)) for n, K in
        {"proj1920": 1920, "fc2-1920": 7680}.items()},
+    # VAR-d30's guidance at batch 8's last scale (16 rows of 256 tokens × 4096 codes) and at batch 1's
+    "cfg_guide-B8-l256-V4096-bf16": lambda device: _cfg_guide_case(8, 256, 4096, 4.0, torch.bfloat16, device),
+    "cfg_guide-B1-l169-V4096-bf16": lambda device: _cfg_guide_case(1, 169, 4096, 4.0 * 8 / 9, torch.bfloat16, device),
     # VAR's 4096 codes with its defaults at the last scale's 512 rows; top-k only; greedy
     "sample_top_k_top_p-N512-V4096-k900-p0.96": lambda device: _sample_case(512, 4096, 900, 0.96, device),
     "sample_top_k_top_p-N7-V4096-k600": lambda device: _sample_case(7, 4096, 600, 0.0, device),
