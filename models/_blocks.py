@@ -216,6 +216,7 @@ class ElementwiseOps:
         from ..sparse_ops import ref as sparse_ref
 
         self.bias_softmax = sparse_ref.bias_softmax
+        self.cfg_guide = sparse_ref.cfg_guide      # (1 + t)·cond − t·uncond in float32 (one launch when fused)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate)
         for name, fn in fns.items():
@@ -230,6 +231,7 @@ class ElementwiseOps:
             self.qk_norm_attend = functools.partial(sparse_ops.qk_norm_attend, backend="triton")
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
+            self.cfg_guide = functools.partial(sparse_ops.cfg_guide, backend="triton")
         elif kind == "compile":
             # Compiling the cache write into the norm produced four kernels instead of one on an H100
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.

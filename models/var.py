@@ -33,7 +33,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
-from ..sparse_ops.ops import cfg_guide, gather_rows, scatter_rows
+from ..sparse_ops.ops import gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .vqvae import bicubic_operator
 
@@ -536,8 +536,7 @@ class VARAdapter:
             return logits_RlV.float()
         B = run.batch_size
         t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
-        backend = "triton" if self.ops.kind == "fused" and logits_RlV.is_cuda else "torch"
-        return cfg_guide(logits_RlV, B, t, backend=backend)
+        return self.ops.cfg_guide(logits_RlV, B, t)
 
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings
