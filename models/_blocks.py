@@ -194,7 +194,10 @@ class ElementwiseOps:
     attention in one launch; None under the other kinds).
 
     ``linear(x, weight, bias=None, gelu=False)`` is the layers' matrix product: cuBLAS, except
-    under ``"fused"`` at few rows.
+    under ``"fused"`` at few rows. Under ``"fused"`` with ``row_padding`` (default) a cuBLAS product
+    runs on the row count that this GPU's shipped table gives for its shape, where its input has the
+    spare rows (``sparse_ops.gemm_rows``): the table lists row counts at which cuBLAS picks a slow
+    kernel; no timing is taken at run time.
     """
 
     # Up to this many rows the Triton GEMM beats cuBLAS on an H100 (torch 2.11): a chain of VAR-d30's
@@ -204,12 +207,15 @@ class ElementwiseOps:
 
     KINDS = ("eager", "compile", "fused")
 
-    def __init__(self, compiled: bool = False, kind: Optional[str] = None):
+    def __init__(self, compiled: bool = False, kind: Optional[str] = None, row_padding: bool = True):
         kind = kind or ("compile" if compiled else "eager")
         if kind not in self.KINDS:
             raise ValueError(f"kind={kind!r}: choose one of {self.KINDS}")
         self.kind = kind
         self.compiled = kind != "eager"
+        # "fused" only: cuBLAS products on the row counts of this GPU's shipped table (sparse_ops.gemm_rows)
+        self.row_padding = row_padding
+        self._row_tables: dict = {}      # CUDA device index → its table or None, read at first use
         self._compiled_rope = None
         self.linear = dense_linear
         self.qk_norm_attend = None          # VAR's norm + cache write + attention in one launch ("fused" only)
@@ -229,7 +235,7 @@ class ElementwiseOps:
             self.qk_normalize_store = functools.partial(sparse_ops.qk_norm_store, backend="triton")
             self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
             self.qk_norm_attend = functools.partial(sparse_ops.qk_norm_attend, backend="triton")
-            self.linear = functools.partial(self._fused_linear, sparse_ops.linear)
+            self.linear = functools.partial(self._fused_linear, sparse_ops.linear)        # bound: reads the table
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
             self.cfg_guide = functools.partial(sparse_ops.cfg_guide, backend="triton")
         elif kind == "compile":
@@ -249,13 +255,32 @@ class ElementwiseOps:
     # 1024); the other three products gained nothing from it
     CHUNK_ROWS = 512
 
-    @staticmethod
-    def _fused_linear(kernel, x, weight, bias=None, gelu=False):
+    def row_table(self, device: torch.device):
+        """The GEMM row table of this CUDA device (None: no padding — not fused, switched off, not
+        CUDA, or no table shipped for this GPU and CUDA version)."""
+        if self.kind != "fused" or not self.row_padding or device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._row_tables:
+            from ..sparse_ops.gemm_rows import GemmRowTable
+
+            self._row_tables[index] = GemmRowTable.for_device(torch.device("cuda", index))
+        return self._row_tables[index]
+
+    def _fused_linear(self, kernel, x, weight, bias=None, gelu=False):
         K, N = x.shape[-1], weight.shape[0]
         rows = x.numel() // K if K else 0
         if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
             if rows <= ElementwiseOps.SMALL_GEMM_ROWS:
                 return kernel(x, weight, bias, gelu, backend="triton")
+            table = self.row_table(x.device)
+            epilogue = "gelu" if gelu else ("bias" if bias is not None else "none")
+            if table is not None and table.covers(N, K, epilogue) and not torch.is_grad_enabled() \
+                    and (bias is not None or not gelu):
+                # a shape this GPU's table measured: its row counts replace the row blocks below
+                from ..sparse_ops.gemm_rows import linear_rows, padded_rows
+
+                return linear_rows(x, weight, bias, gelu, padded_rows(table, x, N, epilogue))
             chunk = ElementwiseOps.CHUNK_ROWS
             if chunk < rows < 2 * chunk and K >= 2 * N and not gelu and not torch.is_grad_enabled():
                 x2 = x.reshape(rows, K)                                                 # (…, K) → (M, K)

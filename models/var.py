@@ -33,6 +33,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
+from ..sparse_ops.gemm_rows import empty_rows
 from ..sparse_ops.ops import gather_rows, scatter_rows
 from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .vqvae import bicubic_operator
@@ -115,7 +116,8 @@ class VARSelfAttention(nn.Module):
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
-        out_RlC = out.transpose(1, 2).reshape(R, l, C)                            # (R, H, l, d) → (R, l, C)
+        out_RlC = empty_rows((R, l, C), dtype=out.dtype, device=out.device)      # spare rows: proj may pad
+        out_RlC.view(R, l, H, d).copy_(out.transpose(1, 2))                      # (R, H, l, d) → (R, l, C)
         return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
 
 

@@ -15,7 +15,10 @@
   ``ops.sample_top_k_top_p`` (not re-exported here: the names are the modules');
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
-- ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention).
+- ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention);
+- ``gemm_rows.py``: cuBLAS row padding — buffers with spare rows, and per GPU a measured table of
+  the row counts at which cuBLAS picks a slow kernel (``gemm_rows/*.json``, written by
+  ``benchmarks/bench_gemm_rows.py``) together with the count to run them on instead.
 
 Importing this package never imports triton.
 """

@@ -273,4 +273,20 @@ def describe_backends() -> str:
     ok, why = triton_status(device[0], device[1], interpreting())
     where = "Triton kernels" if ok and cuda else "pure-torch references"
     lines.append(f"  backend='auto' on {device[0]}: {where} ({why})")
+    if cuda:
+        from .gemm_rows import TABLE_DIR, GemmRowTable, file_name
+
+        try:
+            table = GemmRowTable.for_device(torch.device("cuda", torch.cuda.current_device()))
+        except ValueError as e:
+            table, bad = None, str(e)
+        else:
+            bad = None
+        name = file_name(torch.cuda.get_device_name(), torch.version.cuda or "")
+        if table is not None:
+            lines.append(f"GEMM row padding (fused kernels): {len(table)} row counts of {len(table.entries)} product "
+                         f"shapes from {name}")
+        else:
+            lines.append(f"GEMM row padding: off ({bad or f'no {name} in {TABLE_DIR}'}; write one with "
+                         "python -m sparsevar.benchmarks.bench_gemm_rows)")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._backend import interpreting
 from .dense_fused import _norm_rows
+from .gemm_rows import empty_rows
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -129,7 +130,7 @@ def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torc
     assert k_RHLd.stride(-1) == 1 and v_RHLd.stride(-1) == 1, "cache views need a contiguous head dim"
     assert k_RHLd.dtype == v_RHLd.dtype == qkv_Rl3Hd.dtype, "qkv and the cache share one dtype"
     mult = mult_2H1.reshape(2 * H).to(torch.float32).contiguous()
-    out_RlHd = torch.empty(R, l, H, D, device=qkv_Rl3Hd.device, dtype=qkv_Rl3Hd.dtype)
+    out_RlHd = empty_rows((R, l, H, D), dtype=qkv_Rl3Hd.dtype, device=qkv_Rl3Hd.device, row_dims=2)  # proj may pad
     if R == 0 or l == 0:
         return out_RlHd
     block_q, block_k, warps, stages = launch_shape(R, H, l, L)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .gather_modulate import _launch_shape, _norm_modulate_rows
+from .gemm_rows import empty_rows
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
     if x_RlC.stride(-1) != 1:
         x_RlC = x_RlC.contiguous()
     has_res = branch_RlC is not None
-    y = torch.empty(R, n, C, device=x_RlC.device, dtype=out_dtype)
+    y = empty_rows((R, n, C), dtype=out_dtype, device=x_RlC.device)       # spare rows: the next product may pad
     xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format) if has_res else x_RlC
     mul_R1C, shift_R1C = mul_R1C.expand(R, 1, C), shift_R1C.expand(R, 1, C)
     if has_res:

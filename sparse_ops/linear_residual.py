@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .dense_fused import _add_gated_store
 from .gather_modulate import _launch_shape, _norm_modulate_rows
+from .gemm_rows import empty_rows
 from .linear import LinearConfig, choose_config, partial_products
 
 # the product's dtype (the unfused path rounds it to the input's dtype before the residual)
@@ -75,7 +76,7 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
         return ref.linear_residual_norm_modulate(h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps,
                                                  out_dtype)
     xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format)
-    y = torch.empty(R, l, C, device=x_RlC.device, dtype=out_dtype)
+    y = empty_rows((R, l, C), dtype=out_dtype, device=x_RlC.device)      # spare rows: the next product may pad
     if R == 0 or l == 0 or C == 0:
         return xo, y
     if config is None:

@@ -209,3 +209,40 @@ def test_fused_linear_row_blocks_match_one_product_in_bfloat16():
             assert got.shape == want.shape == (1, rows, 192) and got.dtype == torch.bfloat16
             err, err_one = (got.double() - ref64).abs().max().item(), (want.double() - ref64).abs().max().item()
             assert err <= 2 * err_one + torch.finfo(torch.bfloat16).eps * ref64.abs().max().item(), (rows, err, err_one)
+
+
+def test_fused_linear_pads_rows_from_the_gpus_table():
+    """Under the fused ops a cuBLAS product at a row count that this GPU's shipped table lists runs
+    on the padded count (``sparse_ops.gemm_rows``): its rows are bit for bit those of the padded
+    product, spare rows full of NaN never reach them, and against float64 it errs within 2× a plain
+    ``F.linear`` (+ GELU) plus one bf16 step — another cuBLAS kernel, the same precision."""
+    from sparsevar.models._blocks import ElementwiseOps
+    from sparsevar.sparse_ops.gemm_rows import GemmRowTable, empty_rows, linear_rows, spare_rows
+
+    table = GemmRowTable.for_device("cuda")
+    if table is None:
+        pytest.skip(f"no GEMM row table ships for {torch.cuda.get_device_name()} (bench_gemm_rows writes one)")
+    ops = ElementwiseOps(kind="fused")
+    g = torch.Generator("cuda").manual_seed(0)
+    for epilogue in ("bias", "gelu"):
+        key, entries = max(((k, t) for k, t in table.entries.items() if k.endswith(":" + epilogue) and t),
+                           key=lambda kt: len(kt[1]))
+        N, K = (int(v) for v in key.split(":")[0].split("x"))
+        M, M_pad = next((m, mp) for m, mp in sorted(entries.items()) if m > ElementwiseOps.SMALL_GEMM_ROWS)
+        w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
+        x = empty_rows((M, K), dtype=torch.bfloat16, device="cuda")
+        x.copy_(torch.randn(M, K, device="cuda", generator=g))
+        x.as_strided((M + spare_rows(x), K), (K, 1)).narrow(0, M, spare_rows(x)).fill_(float("nan"))
+        gelu = epilogue == "gelu"
+        with torch.no_grad():
+            got = ops.linear(x, w, b, gelu)
+            padded = linear_rows(x, w, b, gelu, rows=M_pad)
+        assert got.shape == (M, N) and torch.isfinite(got).all() and torch.equal(got, padded), (key, M, M_pad)
+        plain = torch.nn.functional.linear(x, w, b)
+        ref64 = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        if gelu:
+            plain = torch.nn.functional.gelu(plain, approximate="tanh")
+            ref64 = torch.nn.functional.gelu(ref64, approximate="tanh")
+        err, err_plain = (got.double() - ref64).abs().max().item(), (plain.double() - ref64).abs().max().item()
+        assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps * ref64.abs().max().item(), (key, err, err_plain)
