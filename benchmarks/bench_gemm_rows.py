@@ -1,7 +1,9 @@
-"""Sweep cuBLAS over row counts for the layer products of the VAR models and write the GPU's row
-padding table (``sparse_ops/gemm_rows.py``).
+"""Sweep cuBLAS over row counts for the layer products of the VAR and Infinity models and write the
+GPU's row padding table (``sparse_ops/gemm_rows.py``).
 
     python -m sparsevar.benchmarks.bench_gemm_rows --out benchmarks/results/gemm_rows_H100.csv
+    python -m sparsevar.benchmarks.bench_gemm_rows --models infinity-2b --max-rows 8200 \
+        --out benchmarks/results/gemm_rows_infinity_H100.csv
 
 For every model's four layer products (qkv + bias, proj + bias, fc1 + bias + tanh-GELU, fc2 + bias;
 bf16) and every row count from ``--min-rows`` to ``--max-rows`` in steps of 8, it times the product
@@ -11,7 +13,8 @@ row count M, the fastest count M' in [M, M + ROW_SLACK] becomes the table's entr
 least ``--min-gain`` faster than M itself.
 
 The table goes to ``sparse_ops/gemm_rows/<GPU>-cuda<version>.json`` (``--table`` to write it
-elsewhere); the CSV holds every timing, with the GPU name and versions. The sampler only reads the
+elsewhere); a table already there for the same GPU and CUDA version keeps the shapes this run did
+not sweep. The CSV holds every timing, with the GPU name and versions. The sampler only reads the
 shipped table: no choice depends on a timing taken at run time.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._results import atomic_write, write_csv
+from ..models.infinity import INFINITY_PRESETS, ffn_hidden
 from ..models.var import VAR_PRESETS
 from ..sparse_ops.gemm_rows import ROW_SLACK, TABLE_DIR, file_name, linear_rows, shape_key
 
@@ -34,11 +38,17 @@ STEP = 8
 
 
 def layer_products(preset: str) -> list[tuple[str, int, int, str]]:
-    """(name, N, K, epilogue) of a VAR block's four products."""
-    if preset not in VAR_PRESETS:
-        raise ValueError(f"--models: {preset!r} is not a VAR preset; choose from {sorted(VAR_PRESETS)}")
-    C = VAR_PRESETS[preset]["embed_dim"]
-    F = 4 * C                                                  # VAR's FFN: mlp_ratio 4
+    """(name, N, K, epilogue) of a VAR or Infinity block's four self-attention and FFN products."""
+    if preset in VAR_PRESETS:
+        C = VAR_PRESETS[preset]["embed_dim"]
+        F = 4 * C                                              # VAR's FFN: mlp_ratio 4
+    elif preset in INFINITY_PRESETS:
+        t = INFINITY_PRESETS[preset]["transformer"]
+        C = t["embed_dim"]
+        F = ffn_hidden(C, t.get("mlp_ratio", 4.0))
+    else:
+        raise ValueError(f"--models: {preset!r} is neither a VAR nor an Infinity preset; choose from "
+                         f"{sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS)}")
     return [("qkv", 3 * C, C, "bias"), ("proj", C, C, "bias"), ("fc1", F, C, "gelu"), ("fc2", C, F, "bias")]
 
 
@@ -113,9 +123,17 @@ def run_sweep(models: Sequence[str], min_rows: int, max_rows: int, runs: int, mi
 
 
 def write_table(path: Path, tables: dict[str, dict[int, int]], args_line: str, min_gain: float) -> None:
+    """The table file; the shapes of an existing table of the same GPU and CUDA version that this
+    sweep did not measure are kept (and the commands that measured them)."""
+    shapes, commands = {}, []
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if (old.get("device"), old.get("cuda")) == (torch.cuda.get_device_name(), torch.version.cuda):
+            shapes = {k: v for k, v in old["shapes"].items() if k not in tables}
+            commands = [c for c in old.get("commands", []) if c != args_line]
+    shapes.update({k: sorted([m, mp] for m, mp in t.items()) for k, t in tables.items()})
     data = dict(device=torch.cuda.get_device_name(), cuda=torch.version.cuda, torch=torch.__version__,
-                slack=ROW_SLACK, step=STEP, min_gain=min_gain, command=args_line,
-                shapes={k: sorted([m, mp] for m, mp in t.items()) for k, t in tables.items()})
+                slack=ROW_SLACK, step=STEP, min_gain=min_gain, commands=commands + [args_line], shapes=shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(table_json(data)))
 
@@ -130,7 +148,8 @@ def table_json(data: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_gemm_rows",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="VAR presets whose products to sweep")
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
+                   help="VAR or Infinity presets whose products to sweep")
     p.add_argument("--min-rows", type=int, default=40, help="first row count (the fused path's own GEMM "
                    "takes ≤ 32 rows)")
     p.add_argument("--max-rows", type=int, default=4200, help="last row count")
