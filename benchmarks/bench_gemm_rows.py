@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -29,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._results import atomic_write, write_csv
+from .bench_ops import time_graph_ms
 from ..models.infinity import INFINITY_PRESETS, ffn_hidden
 from ..models.var import VAR_PRESETS
 from ..sparse_ops.gemm_rows import ROW_SLACK, TABLE_DIR, file_name, linear_rows, shape_key
@@ -61,22 +61,7 @@ def time_rows_us(M: int, weights: list, x_flat: torch.Tensor, gelu: bool, runs: 
         for w, b in weights:
             linear_rows(x, w, b, gelu)
 
-    one_pass()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        one_pass()
-    g.replay()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    del g
-    return statistics.median(a.elapsed_time(b) for a, b in times) * 1e3 / len(weights)
+    return time_graph_ms(one_pass, runs=runs, calls=1) * 1e3 / len(weights)
 
 
 def padding_table(times: dict[int, float], min_gain: float, near: float = 0.03) -> dict[int, int]:

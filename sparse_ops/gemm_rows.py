@@ -3,7 +3,7 @@ kernel choice at M was measured to be slow.
 
 Why: cuBLAS picks its kernel from (M, N, K) by a heuristic, and at some row counts it picks a poor
 one. VAR-d30's fc2 (N = 1920, K = 7680) on an H100 (torch 2.11, CUDA 13.0, weights cold) takes
-57.5 µs at 800 rows and 34.8 µs at 808; its qkv 24.0 µs at 400 rows and 17.5 µs at 408. Rows of a
+58.7 µs at 800 rows and 34.6 µs at 808; its proj 14.4 and 11.4 µs (``gemm_rows_H100.csv``). Rows of a
 product are independent, so the first M rows of the M'-row product are the M-row product, rounded
 by the kernel chosen for M' (deterministic: the same M' always takes the same kernel).
 
