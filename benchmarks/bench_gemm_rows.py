@@ -12,9 +12,10 @@ its weights from HBM (a layer's 88 MB do not stay in L2), median of ``--runs`` r
 row count M, the fastest count M' in [M, M + ROW_SLACK] becomes the table's entry when it is at
 least ``--min-gain`` faster than M itself.
 
-The table goes to ``sparse_ops/gemm_rows/<GPU>-cuda<version>.json`` (``--table`` to write it
-elsewhere); a table already there for the same GPU and CUDA version keeps the shapes this run did
-not sweep. The CSV holds every timing, with the GPU name and versions. The sampler only reads the
+The table goes to the user's table folder (``~/.cache/sparsevar/gemm_rows/<GPU>-cuda<version>.json``,
+or ``$SPARSEVAR_GEMM_ROWS_DIR``), where the sampler finds it before the tables shipped in
+``sparse_ops/gemm_rows/`` (``--table`` writes elsewhere, e.g. there for a release); a table already
+at that path for the same GPU and CUDA version keeps the shapes this run did not sweep. The CSV holds every timing, with the GPU name and versions. The sampler only reads the
 shipped table: no choice depends on a timing taken at run time.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ._results import atomic_write, write_csv
 from .bench_ops import time_graph_ms
 from ..models.infinity import INFINITY_PRESETS, ffn_hidden
 from ..models.var import VAR_PRESETS
-from ..sparse_ops.gemm_rows import ROW_SLACK, TABLE_DIR, file_name, linear_rows, shape_key
+from ..sparse_ops.gemm_rows import ROW_SLACK, file_name, linear_rows, shape_key, user_table_dir
 
 DEFAULT_MODELS = ("var-d16", "var-d20", "var-d24", "var-d30", "var-d36")
 STEP = 8
@@ -141,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--runs", type=int, default=3, help="graph replays per row count (median)")
     p.add_argument("--min-gain", type=float, default=0.05, help="pad only when this much faster (fraction)")
     p.add_argument("--out", type=Path, default=None, help="CSV of every timing")
-    p.add_argument("--table", type=Path, default=None, help="table file (default: the shipped table of this GPU)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="table file (default: this GPU's file in ~/.cache/sparsevar/gemm_rows or $SPARSEVAR_GEMM_ROWS_DIR)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm_rows needs a CUDA GPU: it measures cuBLAS")
@@ -152,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows, tables = run_sweep(args.models, args.min_rows, args.max_rows, args.runs, args.min_gain)
     if args.out is not None:
         write_csv(rows, args.out, log=print)
-    table = args.table or TABLE_DIR / file_name(torch.cuda.get_device_name(), torch.version.cuda)
+    table = args.table or user_table_dir() / file_name(torch.cuda.get_device_name(), torch.version.cuda)
     line = "python -m sparsevar.benchmarks.bench_gemm_rows " + " ".join(sys.argv[1:] if argv is None else argv)
     write_table(table, tables, line.strip(), args.min_gain)
     print(f"wrote {table} ({sum(len(t) for t in tables.values())} padded row counts)")

@@ -274,7 +274,7 @@ def describe_backends() -> str:
     where = "Triton kernels" if ok and cuda else "pure-torch references"
     lines.append(f"  backend='auto' on {device[0]}: {where} ({why})")
     if cuda:
-        from .gemm_rows import TABLE_DIR, GemmRowTable, file_name
+        from .gemm_rows import GemmRowTable, file_name, table_dirs
 
         try:
             table = GemmRowTable.for_device(torch.device("cuda", torch.cuda.current_device()))
@@ -285,8 +285,9 @@ def describe_backends() -> str:
         name = file_name(torch.cuda.get_device_name(), torch.version.cuda or "")
         if table is not None:
             lines.append(f"GEMM row padding (fused kernels): {len(table)} row counts of {len(table.entries)} product "
-                         f"shapes from {name}")
+                         f"shapes from {table.source}")
         else:
-            lines.append(f"GEMM row padding: off ({bad or f'no {name} in {TABLE_DIR}'}; write one with "
+            where = " or ".join(str(d) for d in table_dirs())
+            lines.append(f"GEMM row padding: off ({bad or f'no {name} in {where}'}; write one with "
                          "python -m sparsevar.benchmarks.bench_gemm_rows)")
     return "\n".join(lines)

@@ -15,21 +15,25 @@ How:
 - a product whose input has the spare rows and whose row count the table of this GPU lists runs
   on the padded count (:func:`linear_rows`) and returns the first M rows.
 
-The table is measured offline (``python -m sparsevar.benchmarks.bench_gemm_rows``) and shipped per
-GPU model and CUDA version in ``gemm_rows/``. No choice depends on a timing taken at run time, so
-one seed still gives one image; a GPU or CUDA version without a table pads nothing.
+The table is measured offline (``python -m sparsevar.benchmarks.bench_gemm_rows``), one file per GPU
+model and CUDA version. It is looked up in ``$SPARSEVAR_GEMM_ROWS_DIR`` (when set), then in the
+user's cache folder (``~/.cache/sparsevar/gemm_rows``, where the benchmark writes by default), then
+among the tables shipped in ``gemm_rows/`` beside this file. No choice depends on a timing taken at
+run time, so one seed still gives one image; a GPU or CUDA version without a table pads nothing.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 ROW_SLACK = 64            # spare rows after a padded-capable buffer; the table pads by at most this
-TABLE_DIR = Path(__file__).resolve().parent / "gemm_rows"
+TABLE_DIR = Path(__file__).resolve().parent / "gemm_rows"      # the tables shipped with the package
+DIR_ENV = "SPARSEVAR_GEMM_ROWS_DIR"
 EPILOGUES = ("none", "bias", "gelu")      # the product's epilogue: plain, + bias, + bias then tanh-GELU
 
 
@@ -145,13 +149,33 @@ class GemmRowTable:
         return cls(entries, data.get("device", ""), data.get("cuda", ""), str(path))
 
     @classmethod
+    def find(cls, device_name: str, cuda: str) -> Optional["GemmRowTable"]:
+        """The first table of this GPU model and CUDA version in :func:`table_dirs`, or None."""
+        name = file_name(device_name, cuda)
+        path = next((d / name for d in table_dirs() if (d / name).is_file()), None)
+        return cls.load(path) if path is not None else None
+
+    @classmethod
     def for_device(cls, device) -> Optional["GemmRowTable"]:
-        """The shipped table of this CUDA device's model and this torch's CUDA version, or None."""
+        """The table of this CUDA device's model and this torch's CUDA version, or None."""
         device = torch.device(device)
         if device.type != "cuda" or torch.version.cuda is None:
             return None
-        path = TABLE_DIR / file_name(torch.cuda.get_device_name(device), torch.version.cuda)
-        return cls.load(path) if path.is_file() else None
+        return cls.find(torch.cuda.get_device_name(device), torch.version.cuda)
+
+
+def user_table_dir() -> Path:
+    """Where ``bench_gemm_rows`` writes by default: ``$SPARSEVAR_GEMM_ROWS_DIR``, else
+    ``$XDG_CACHE_HOME/sparsevar/gemm_rows`` (``~/.cache/sparsevar/gemm_rows``)."""
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "sparsevar" / "gemm_rows"
+
+
+def table_dirs() -> list[Path]:
+    """Where tables are looked up, first match first: the user's folder, then the shipped tables."""
+    return [user_table_dir(), TABLE_DIR]
 
 
 def file_name(device_name: str, cuda: str) -> str:

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from sparsevar.benchmarks.bench_gemm_rows import padding_table, table_json
 from sparsevar.models._blocks import ElementwiseOps
-from sparsevar.sparse_ops.gemm_rows import (ROW_SLACK, TABLE_DIR, GemmRowTable, empty_rows, file_name, linear_rows,
-                                            padded_rows, shape_key, spare_rows)
+from sparsevar.sparse_ops.gemm_rows import (DIR_ENV, ROW_SLACK, TABLE_DIR, GemmRowTable, empty_rows, file_name,
+                                            linear_rows, padded_rows, shape_key, spare_rows, table_dirs,
+                                            user_table_dir)
 
 
 def _rand_rows(shape, seed=0, row_dims=1):
@@ -118,3 +119,19 @@ def test_row_table_only_under_fused_cuda_ops():
     assert ElementwiseOps(kind="eager").row_table(torch.device("cpu")) is None
     assert ElementwiseOps(kind="fused").row_table(torch.device("cpu")) is None
     assert ElementwiseOps(kind="fused", row_padding=False).row_table(torch.device("cuda", 0)) is None
+
+
+def test_tables_are_found_in_the_users_folder_before_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    assert user_table_dir() == tmp_path and table_dirs() == [tmp_path, TABLE_DIR]
+    assert GemmRowTable.find("Some GPU", "12.8") is None
+    data = dict(device="Some GPU", cuda="12.8", slack=ROW_SLACK, step=8, shapes={"40x24:bias": [[96, 104]]})
+    (tmp_path / file_name("Some GPU", "12.8")).write_text(table_json(data))
+    t = GemmRowTable.find("Some GPU", "12.8")
+    assert t is not None and t.rows(96, 40, 24, "bias") == 104 and t.source.startswith(str(tmp_path))
+    shipped = sorted(TABLE_DIR.glob("*.json"))[0]                   # none of the user's: the shipped one
+    d = json.loads(shipped.read_text())
+    assert GemmRowTable.find(d["device"], d["cuda"]).source == str(shipped)
+    monkeypatch.delenv(DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert user_table_dir() == tmp_path / "cache" / "sparsevar" / "gemm_rows"
