@@ -119,7 +119,7 @@ def write_table(path: Path, tables: dict[str, dict[int, int]], args_line: str, m
             commands = [c for c in old.get("commands", []) if c != args_line]
     shapes.update({k: sorted([m, mp] for m, mp in t.items()) for k, t in tables.items()})
     data = dict(device=torch.cuda.get_device_name(), cuda=torch.version.cuda, torch=torch.__version__,
-                slack=ROW_SLACK, step=STEP, min_gain=min_gain, commands=commands + [args_line], shapes=shapes)
+                dtype="bfloat16", slack=ROW_SLACK, step=STEP, min_gain=min_gain, commands=commands + [args_line], shapes=shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(table_json(data)))
 

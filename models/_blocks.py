@@ -275,7 +275,7 @@ class ElementwiseOps:
                 return kernel(x, weight, bias, gelu, backend="triton")
             table = self.row_table(x.device)
             epilogue = "gelu" if gelu else ("bias" if bias is not None else "none")
-            if table is not None and table.covers(N, K, epilogue) and not torch.is_grad_enabled() \
+            if table is not None and table.covers(N, K, epilogue, x.dtype) and not torch.is_grad_enabled() \
                     and (bias is not None or not gelu):
                 # a shape this GPU's table measured: its row counts replace the row blocks below
                 from ..sparse_ops.gemm_rows import linear_rows, padded_rows

@@ -92,7 +92,7 @@ def padded_rows(table: Optional["GemmRowTable"], x: torch.Tensor, N: int, epilog
     after ``x`` cover it, else x's own M."""
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if table is None or M == 0 or not table.covers(N, K, epilogue):
+    if table is None or M == 0 or not table.covers(N, K, epilogue, x.dtype):
         return M
     rows = table.rows(M, N, K, epilogue)
     return rows if rows == M or spare_rows(x) >= rows - M else M
@@ -106,22 +106,27 @@ def shape_key(N: int, K: int, epilogue: str) -> str:
 
 
 class GemmRowTable:
-    """Padded row counts per product shape, for one GPU model and CUDA version.
+    """Padded row counts per product shape, for one GPU model, CUDA version and operand dtype (the
+    sweep's: bfloat16 — another dtype takes other kernels, so it is not covered).
 
     ``rows(M, N, K, epilogue)`` is the count to run an M-row product on: the table's entry for M,
     or for M rounded up to a multiple of 8 (the sweep's step), else M itself."""
 
     def __init__(self, entries: dict[str, dict[int, int]], device_name: str = "", cuda: str = "",
-                 source: str = ""):
+                 source: str = "", dtype: str = "bfloat16"):
         for key, table in entries.items():
             for m, mp in table.items():
                 if not m <= mp <= m + ROW_SLACK:
                     raise ValueError(f"{source or 'table'}: {key} pads {m} rows to {mp}; "
                                      f"entries must pad by 0–{ROW_SLACK} rows")
         self.entries, self.device_name, self.cuda, self.source = entries, device_name, cuda, source
+        self.dtype = dtype
 
-    def covers(self, N: int, K: int, epilogue: str) -> bool:
-        """Whether the sweep measured this product shape (then the table alone decides its rows)."""
+    def covers(self, N: int, K: int, epilogue: str, dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether the sweep measured this product shape (and operand dtype, when given): then the
+        table alone decides its rows."""
+        if dtype is not None and str(dtype).removeprefix("torch.") != self.dtype:
+            return False
         return shape_key(N, K, epilogue) in self.entries
 
     def rows(self, M: int, N: int, K: int, epilogue: str) -> int:
@@ -146,7 +151,7 @@ class GemmRowTable:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a GEMM row table ({e}); write one with "
                              "python -m sparsevar.benchmarks.bench_gemm_rows") from e
-        return cls(entries, data.get("device", ""), data.get("cuda", ""), str(path))
+        return cls(entries, data.get("device", ""), data.get("cuda", ""), str(path), data.get("dtype", "bfloat16"))
 
     @classmethod
     def find(cls, device_name: str, cuda: str) -> Optional["GemmRowTable"]:

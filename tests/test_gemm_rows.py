@@ -66,6 +66,7 @@ def test_linear_rows_errors_name_the_fix():
 def test_table_rows_exact_rounded_and_unlisted():
     t = GemmRowTable({shape_key(40, 24, "bias"): {800: 808, 96: 104}}, source="test")
     assert t.covers(40, 24, "bias") and not t.covers(40, 24, "gelu") and len(t) == 2
+    assert t.covers(40, 24, "bias", torch.bfloat16) and not t.covers(40, 24, "bias", torch.float16)
     assert t.rows(800, 40, 24, "bias") == 808
     assert t.rows(795, 40, 24, "bias") == 808                                       # up to the sweep's step of 8
     assert t.rows(801, 40, 24, "bias") == 801                                       # 808 itself is not listed
@@ -77,11 +78,13 @@ def test_table_rows_exact_rounded_and_unlisted():
 
 
 def test_padded_rows_needs_the_spare_rows_and_a_measured_shape():
-    t = GemmRowTable({shape_key(40, 24, "bias"): {96: 104}})
+    t = GemmRowTable({shape_key(40, 24, "bias"): {96: 104}}, dtype="float32")
     x = _rand_rows((96, 24))
     assert padded_rows(t, x, 40, "bias") == 104
     assert padded_rows(t, torch.randn(96, 24), 40, "bias") == 96                    # no spare rows: unpadded
     assert padded_rows(t, x, 40, "gelu") == 96 and padded_rows(None, x, 40, "bias") == 96
+    x16 = empty_rows((96, 24), dtype=torch.bfloat16, device="cpu")                 # spare rows, another dtype:
+    assert spare_rows(x16) == ROW_SLACK and padded_rows(t, x16, 40, "bias") == 96     # not measured, not padded
 
 
 def test_table_files_load_and_keep_their_promises(tmp_path):
