@@ -253,6 +253,15 @@ def cmd_bench_ops(args) -> int:
     return 0
 
 
+def cmd_bench_gemm_rows(args) -> int:
+    from .benchmarks.bench_gemm_rows import run_from_args
+    try:
+        run_from_args(args, "sparsevar bench gemm-rows")
+    except (ValueError, RuntimeError) as e:
+        raise CLIError(str(e)) from None
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.what == "speed":
         from .benchmarks.bench_speed import run_speed
@@ -385,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--runs", type=int, default=50)
     o.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
     o.set_defaults(func=cmd_bench_ops)
+    g = bsub.add_parser("gemm-rows", help="sweep cuBLAS over row counts for the layer products and write this GPU's "
+                                          "row padding table (GPU; a few minutes)")
+    from .benchmarks.bench_gemm_rows import add_arguments as add_gemm_rows_arguments
+    add_gemm_rows_arguments(g)
+    g.set_defaults(func=cmd_bench_gemm_rows)
     b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
     b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"],
                    help="VAR_PRESETS (var-tiny, var-d16 … var-d36) or INFINITY_PRESETS (infinity-tiny, infinity-2b, "

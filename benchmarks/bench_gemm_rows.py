@@ -1,9 +1,10 @@
 """Sweep cuBLAS over row counts for the layer products of the VAR and Infinity models and write the
 GPU's row padding table (``sparse_ops/gemm_rows.py``).
 
-    python -m sparsevar.benchmarks.bench_gemm_rows --out benchmarks/results/gemm_rows_H100.csv
-    python -m sparsevar.benchmarks.bench_gemm_rows --models infinity-2b --max-rows 8200 \
-        --out benchmarks/results/gemm_rows_infinity_H100.csv
+    sparsevar bench gemm-rows --out benchmarks/results/gemm_rows_H100.csv
+    sparsevar bench gemm-rows --models infinity-2b --max-rows 8200 --out benchmarks/results/gemm_rows_infinity_H100.csv
+
+(``python -m sparsevar.benchmarks.bench_gemm_rows`` takes the same options.)
 
 For every model's four layer products (qkv + bias, proj + bias, fc1 + bias + tanh-GELU, fc2 + bias;
 bf16) and every row count from ``--min-rows`` to ``--max-rows`` in steps of 8, it times the product
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -119,7 +119,8 @@ def write_table(path: Path, tables: dict[str, dict[int, int]], args_line: str, m
             commands = [c for c in old.get("commands", []) if c != args_line]
     shapes.update({k: sorted([m, mp] for m, mp in t.items()) for k, t in tables.items()})
     data = dict(device=torch.cuda.get_device_name(), cuda=torch.version.cuda, torch=torch.__version__,
-                dtype="bfloat16", slack=ROW_SLACK, step=STEP, min_gain=min_gain, commands=commands + [args_line], shapes=shapes)
+                dtype="bfloat16", slack=ROW_SLACK, step=STEP, min_gain=min_gain, commands=commands + [args_line],
+                shapes=shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(table_json(data)))
 
@@ -131,9 +132,8 @@ def table_json(data: dict) -> str:
     return json.dumps(head, indent=1)[:-2] + ',\n "shapes": {\n' + shapes + "\n }\n}\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_gemm_rows",
-                                description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's options (shared by ``python -m`` and ``sparsevar bench gemm-rows``)."""
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
                    help="VAR or Infinity presets whose products to sweep")
     p.add_argument("--min-rows", type=int, default=40, help="first row count (the fused path's own GEMM "
@@ -144,20 +144,51 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="CSV of every timing")
     p.add_argument("--table", type=Path, default=None,
                    help="table file (default: this GPU's file in ~/.cache/sparsevar/gemm_rows or $SPARSEVAR_GEMM_ROWS_DIR)")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemm_rows needs a CUDA GPU: it measures cuBLAS")
+
+
+def command_line(program: str, args) -> str:
+    """The sweep's command with every option spelled out (recorded in the table)."""
+    line = (f"{program} --models {' '.join(args.models)} --min-rows {args.min_rows} --max-rows {args.max_rows} "
+            f"--runs {args.runs} --min-gain {args.min_gain}")
+    for flag, value in (("--out", args.out), ("--table", args.table)):
+        if value is not None:
+            line += f" {flag} {value}"
+    return line
+
+
+def run_from_args(args, program: str) -> Path:
+    """Check the options, sweep, write the CSV (``--out``) and the table (its ``commands`` name this
+    run as ``program`` + the options); returns the table's path. ValueError names a bad option;
+    RuntimeError says that a CUDA GPU is needed."""
+    for preset in args.models:
+        layer_products(preset)                                 # an unknown preset fails before any timing
     if not 0 < args.min_rows <= args.max_rows:
-        raise SystemExit(f"--min-rows {args.min_rows} / --max-rows {args.max_rows}: need 0 < min ≤ max")
+        raise ValueError(f"--min-rows {args.min_rows} / --max-rows {args.max_rows}: need 0 < min ≤ max")
     if not 0.0 <= args.min_gain < 1.0:
-        raise SystemExit(f"--min-gain {args.min_gain}: a fraction in [0, 1)")
+        raise ValueError(f"--min-gain {args.min_gain}: give a fraction in [0, 1), e.g. 0.05")
+    if args.runs < 1:
+        raise ValueError(f"--runs {args.runs}: need at least 1 replay per row count")
+    if not torch.cuda.is_available():
+        raise RuntimeError("the GEMM row sweep times cuBLAS on a CUDA GPU, and none is available here; run it on "
+                           "the GPU whose table you want")
     rows, tables = run_sweep(args.models, args.min_rows, args.max_rows, args.runs, args.min_gain)
     if args.out is not None:
         write_csv(rows, args.out, log=print)
     table = args.table or user_table_dir() / file_name(torch.cuda.get_device_name(), torch.version.cuda)
-    line = "python -m sparsevar.benchmarks.bench_gemm_rows " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_table(table, tables, line.strip(), args.min_gain)
+    write_table(table, tables, command_line(program, args), args.min_gain)
     print(f"wrote {table} ({sum(len(t) for t in tables.values())} padded row counts)")
+    return table
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_gemm_rows",
+                                description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        run_from_args(args, "python -m sparsevar.benchmarks.bench_gemm_rows")
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"bench_gemm_rows: {e}") from None
 
 
 if __name__ == "__main__":

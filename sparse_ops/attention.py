@@ -289,5 +289,5 @@ def describe_backends() -> str:
         else:
             where = " or ".join(str(d) for d in table_dirs())
             lines.append(f"GEMM row padding: off ({bad or f'no {name} in {where}'}; write one with "
-                         "python -m sparsevar.benchmarks.bench_gemm_rows)")
+                         "sparsevar bench gemm-rows)")
     return "\n".join(lines)

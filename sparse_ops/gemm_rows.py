@@ -15,7 +15,7 @@ How:
 - a product whose input has the spare rows and whose row count the table of this GPU lists runs
   on the padded count (:func:`linear_rows`) and returns the first M rows.
 
-The table is measured offline (``python -m sparsevar.benchmarks.bench_gemm_rows``), one file per GPU
+The table is measured offline (``sparsevar bench gemm-rows``), one file per GPU
 model and CUDA version. It is looked up in ``$SPARSEVAR_GEMM_ROWS_DIR`` (when set), then in the
 user's cache folder (``~/.cache/sparsevar/gemm_rows``, where the benchmark writes by default), then
 among the tables shipped in ``gemm_rows/`` beside this file. No choice depends on a timing taken at
@@ -150,7 +150,7 @@ class GemmRowTable:
             entries = {key: {int(m): int(mp) for m, mp in pairs} for key, pairs in data["shapes"].items()}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a GEMM row table ({e}); write one with "
-                             "python -m sparsevar.benchmarks.bench_gemm_rows") from e
+                             "sparsevar bench gemm-rows") from e
         return cls(entries, data.get("device", ""), data.get("cuda", ""), str(path), data.get("dtype", "bfloat16"))
 
     @classmethod

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 
 from sparsevar.cli import main
 
@@ -240,3 +242,18 @@ def test_roofline_floor_counts_the_tokens_a_method_computed():
     assert 0 < dense - floor(toks[:3] + [n // 2 for n in toks[3:4]] + toks[4:]) < 0.05
     assert floor(toks[:-1] + [0]) < floor(toks[:-1] + [1])                                  # a skipped scale is free
     assert var_floor_ms(cfg, 8, 2, "cpu") != var_floor_ms(cfg, 8, 2, "cpu")                # nan off the known GPUs
+
+
+def test_bench_gemm_rows_checks_its_options_before_needing_a_gpu(capsys, monkeypatch):
+    """`sparsevar bench gemm-rows` names a bad preset or gain, and on a machine without CUDA says
+    that the sweep needs the GPU whose table it writes — without writing anything."""
+    monkeypatch.setenv("SPARSEVAR_GEMM_ROWS_DIR", "/nonexistent/should-not-be-created")
+    assert main(["bench", "gemm-rows", "--models", "var-d99"]) == 2
+    assert "'var-d99' is neither a VAR nor an Infinity preset" in capsys.readouterr().err
+    assert main(["bench", "gemm-rows", "--min-gain", "1.5"]) == 2
+    assert "--min-gain 1.5: give a fraction in [0, 1)" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "gemm-rows"]) == 2
+        err = capsys.readouterr().err
+        assert "on a CUDA GPU, and none is available here" in err and "Traceback" not in err
+    assert not os.path.exists("/nonexistent/should-not-be-created")

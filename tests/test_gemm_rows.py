@@ -103,7 +103,7 @@ def test_table_files_load_and_keep_their_promises(tmp_path):
                 assert m < mp <= m + ROW_SLACK and m % data["step"] == 0 and mp % data["step"] == 0, (key, m, mp)
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="bench_gemm_rows"):
+    with pytest.raises(ValueError, match="sparsevar bench gemm-rows"):
         GemmRowTable.load(bad)
     assert GemmRowTable.for_device("cpu") is None
 
