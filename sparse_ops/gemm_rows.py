@@ -16,9 +16,9 @@ How:
   on the padded count (:func:`linear_rows`) and returns the first M rows.
 
 The table is measured offline (``sparsevar bench gemm-rows``), one file per GPU
-model and CUDA version. It is looked up in ``$SPARSEVAR_GEMM_ROWS_DIR`` (when set), then in the
-user's cache folder (``~/.cache/sparsevar/gemm_rows``, where the benchmark writes by default), then
-among the tables shipped in ``gemm_rows/`` beside this file. No choice depends on a timing taken at
+model and CUDA version, in the user's folder (``$SPARSEVAR_GEMM_ROWS_DIR`` when set, else
+``~/.cache/sparsevar/gemm_rows``, where the benchmark writes by default) and among the tables shipped
+in ``gemm_rows/`` beside this file; for a shape in both, the user's entries win. No choice depends on a timing taken at
 run time, so one seed still gives one image; a GPU or CUDA version without a table pads nothing.
 """
 from __future__ import annotations
@@ -155,10 +155,21 @@ class GemmRowTable:
 
     @classmethod
     def find(cls, device_name: str, cuda: str) -> Optional["GemmRowTable"]:
-        """The first table of this GPU model and CUDA version in :func:`table_dirs`, or None."""
+        """The tables of this GPU model and CUDA version in :func:`table_dirs`, merged shape by shape
+        (the first folder's entries for a shape win: a user's sweep of some shapes keeps the shipped
+        entries of the others), or None."""
         name = file_name(device_name, cuda)
-        path = next((d / name for d in table_dirs() if (d / name).is_file()), None)
-        return cls.load(path) if path is not None else None
+        found = [cls.load(d / name) for d in table_dirs() if (d / name).is_file()]
+        if not found:
+            return None
+        entries: dict[str, dict[int, int]] = {}
+        for t in reversed(found):
+            entries.update(t.entries)
+        dtypes = {t.dtype for t in found}
+        if len(dtypes) > 1:
+            raise ValueError(f"GEMM row tables for {device_name} disagree on the dtype ({sorted(dtypes)}): "
+                             + ", ".join(t.source for t in found))
+        return cls(entries, device_name, cuda, " + ".join(t.source for t in found), found[0].dtype)
 
     @classmethod
     def for_device(cls, device) -> Optional["GemmRowTable"]:

@@ -135,6 +135,14 @@ def test_tables_are_found_in_the_users_folder_before_the_shipped_ones(tmp_path, 
     shipped = sorted(TABLE_DIR.glob("*.json"))[0]                   # none of the user's: the shipped one
     d = json.loads(shipped.read_text())
     assert GemmRowTable.find(d["device"], d["cuda"]).source == str(shipped)
+    key = next(iter(d["shapes"]))                                    # the user re-swept one shipped shape
+    mine = dict(d, shapes={key: [], "40x24:bias": [[96, 104]]})
+    (tmp_path / shipped.name).write_text(table_json(mine))
+    merged = GemmRowTable.find(d["device"], d["cuda"])
+    assert merged.source == f"{tmp_path / shipped.name} + {shipped}"
+    assert merged.entries[key] == {} and merged.entries["40x24:bias"] == {96: 104}     # the user's shapes win
+    other = next(k for k in d["shapes"] if k != key)
+    assert merged.entries[other] == {m: mp for m, mp in d["shapes"][other]}           # the rest: shipped
     monkeypatch.delenv(DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert user_table_dir() == tmp_path / "cache" / "sparsevar" / "gemm_rows"
