@@ -190,8 +190,12 @@ def user_table_dir() -> Path:
 
 
 def table_dirs() -> list[Path]:
-    """Where tables are looked up, first match first: the user's folder, then the shipped tables."""
-    return [user_table_dir(), TABLE_DIR]
+    """Where tables are looked up, first match first: the user's folder, then the shipped tables
+    (only the shipped ones where no home folder can be determined, e.g. a service account)."""
+    try:
+        return [user_table_dir(), TABLE_DIR]
+    except (RuntimeError, KeyError):                     # Path.home(): no $HOME and no passwd entry
+        return [TABLE_DIR]
 
 
 def file_name(device_name: str, cuda: str) -> str:

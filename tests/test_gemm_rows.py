@@ -146,3 +146,9 @@ def test_tables_are_found_in_the_users_folder_before_the_shipped_ones(tmp_path, 
     monkeypatch.delenv(DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert user_table_dir() == tmp_path / "cache" / "sparsevar" / "gemm_rows"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr("pathlib.Path.home", staticmethod(no_home))
+    assert table_dirs() == [TABLE_DIR]                              # no home folder: the shipped tables only
