@@ -40,7 +40,14 @@ class ModelAdapter(Protocol):
         """Classifier-free guidance (the family's formula) → guided float32 logits (B, h·w, V)."""
 
     def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Draw this scale's codes from the guided logits with ``run.generator``."""
+        """Draw this scale's codes from the guided logits with ``run.generator``.
+
+        Optional, for whole-scale CUDA graphs (``supports_scale_graphs = True``):
+        ``sample_noise_shape(si, run)`` gives the shape of the one float32 ``exponential_`` tensor
+        sample draws (None when it cannot take it pre-drawn), and ``sample(si, guided, run,
+        noise_NV=…)`` uses that noise instead of drawing; ``accumulate`` must then change nothing
+        but :meth:`latent`, so that the engine can capture compute → guide → sample → residual →
+        accumulate as one graph."""
 
     def residual(self, si: int, codes: torch.Tensor, run: RunState) -> torch.Tensor:
         """Per-token residual of the sampled codes, (B, h·w, c) (what ``post_residual`` may edit)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -76,19 +76,31 @@ class _GraphRunner:
             adapter.capture_stream = torch.cuda.Stream()
         self.ws, self.stream = workspace, adapter.capture_stream
 
-    def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None) -> Any:
+    def usable(self, key, kv) -> bool:
+        """Whether :meth:`run` would replay (or capture) ``key`` now rather than return None."""
+        entry = self.ws.graphs.get(key)
+        if kv.masked:
+            return False
+        return entry is None or kv.host_state() == entry[2]
+
+    def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None,
+            preserve: Sequence[torch.Tensor] = ()) -> Any:
         """Replay (capturing at the first call) the graph of ``key``; None when the KV cache is not in
-        the captured state, so the caller runs eagerly."""
+        the captured state, so the caller runs eagerly. ``preserve``: tensors ``fn`` updates in place
+        (a latent), restored after the warm-up run that precedes a capture."""
         entry = self.ws.graphs.get(key)
         if entry is None and kv.masked:
             return None
         if entry is None:
             before = kv.host_state()
+            saved = [t.clone() for t in preserve]
             stream = self.stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 fn()                                   # warm-up (allocations, cuBLAS handles, compiles)
             torch.cuda.current_stream().wait_stream(stream)
+            for t, old in zip(preserve, saved):
+                t.copy_(old)
             kv.set_host_state(before)
             graph = torch.cuda.CUDAGraph()
             if run is not None:
@@ -108,6 +120,39 @@ class _GraphRunner:
             run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out
 
+
+    def whole_scale(self, si: int, wrapped: bool, plan, run: RunState, adapter) -> Optional[tuple]:
+        """Replay scale ``si`` whole — compute, guidance, sampling, residual and latent update — from
+        one graph, with the sampler's Exp(1) noise drawn just before into a static buffer by the same
+        ``exponential_`` call the sampler would make (so the same codes as the eager path). Returns
+        (guided logits, codes), or None (nothing drawn, nothing run) when the adapter cannot take
+        pre-drawn noise or the KV cache is not in the captured state.
+
+        The graph bakes in the sampling settings (guidance, top-k, top-p): graphs captured under
+        other settings are dropped, so a sweep over settings keeps one set of graphs in memory."""
+        shape = adapter.sample_noise_shape(si, run)
+        key = ("scale", si, wrapped)
+        if shape is None or not self.usable(key, run.workspace.kv):
+            return None
+        ws = self.ws
+        if getattr(ws, "scale_graph_settings", None) != run.settings:
+            for k in [k for k in ws.graphs if k[0] == "scale"]:
+                del ws.graphs[k]
+            ws.scale_graph_settings = run.settings
+            ws.scale_noise = {}
+        noise_NV = ws.scale_noise.get(si)
+        if noise_NV is None or tuple(noise_NV.shape) != tuple(shape):
+            noise_NV = ws.scale_noise[si] = torch.empty(shape, dtype=torch.float32, device=run.device)
+        noise_NV.exponential_(generator=run.generator)
+
+        def scale():
+            logits = adapter.compute_scale(si, plan, run)
+            guided = adapter.guide(si, logits, run)
+            codes = adapter.sample(si, guided, run, noise_NV=noise_NV)
+            adapter.accumulate(si, adapter.residual(si, codes, run), run)
+            return guided, codes
+
+        return self.run(key, scale, run.workspace.kv, run, preserve=(adapter.latent(run),))
 
     def layer_stack(self, si: int, plan, run: RunState, num_layers: int, layers_fn: Callable) -> Any:
         """Replay the layer stack of scale ``si`` (stage input → gather → layers → scatter) from a
@@ -148,7 +193,10 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     """Run every scale of one generation and decode the result.
 
     cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
-        given batch size). Scales a policy changes always run eagerly.
+        given batch size). Scales a policy changes always run eagerly. Where the adapter supports
+        it (``supports_scale_graphs``), a dense scale at which no policy acts after the head
+        replays whole — compute, guidance, sampling and latent update — with the sampler's noise
+        drawn just before the replay by the same call, so the codes equal the eager path's.
     graph_max_tokens: with graphs, scales whose map has more tokens run eagerly (their kernels are
         long enough not to wait on the host, and a graph pool holding their activations would be
         large); None: no limit.
@@ -168,6 +216,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     run = RunState(schedule=info.schedule, batch_size=batch_size, settings=settings, info=info,
                    generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
     use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
+    scale_graphs = use_graphs and getattr(adapter, "supports_scale_graphs", False)
     run.cuda_graphs = use_graphs
     ok = False
     try:
@@ -197,31 +246,40 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 adapter.drop_uncond(run)
                 run.cfg_active = False
             timer.start(si)
-            logits = None
+            logits = whole = None
             if graphs is not None and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens):
                 if plan.dense and not policies.uses_model_hooks(si, run):
                     # keyed also by whether sub-layers go through a (neutral) wrapper: other kernels
-                    key = (("dense", si, bool(policies.active["wrap_sublayer"])))
-                    logits = graphs.run(key, lambda: adapter.compute_scale(si, plan, run), run.workspace.kv, run)
+                    wrapped = bool(policies.active["wrap_sublayer"])
+                    if scale_graphs and policies.tail_idle(si, run):
+                        # no policy acts after the head here: guidance, sampling and the latent update
+                        # replay with the scale's compute from one graph
+                        whole = graphs.whole_scale(si, wrapped, plan, run, adapter)
+                    if whole is None:
+                        logits = graphs.run(("dense", si, wrapped), lambda: adapter.compute_scale(si, plan, run),
+                                            run.workspace.kv, run)
                 elif (plan.dense or plan.static) and plan.token_valid is None and policies.graph_safe_at(si, run):
                     # the layer stack replays from a graph; the policies' observe / post_hidden run around it
                     logits = adapter.compute_scale(si, plan, run, graphs=graphs)
-            if logits is None:
-                logits = adapter.compute_scale(si, plan, run)
-            guided = adapter.guide(si, logits, run)
-            codes = adapter.sample(si, guided, run)
-            residual = adapter.residual(si, codes, run)
-            if len(policies):
-                hook_timer.start(("post", si))
-            residual = policies.post_residual(si, residual, run)
-            if len(policies):
-                hook_timer.stop(("post", si))
-            adapter.accumulate(si, residual, run)
-            if len(policies):
-                hook_timer.start(("after", si))
-            policies.after_scale(si, guided, run)
-            if len(policies):
-                hook_timer.stop(("after", si))
+            if whole is not None:
+                guided, codes = whole
+            else:
+                if logits is None:
+                    logits = adapter.compute_scale(si, plan, run)
+                guided = adapter.guide(si, logits, run)
+                codes = adapter.sample(si, guided, run)
+                residual = adapter.residual(si, codes, run)
+                if len(policies):
+                    hook_timer.start(("post", si))
+                residual = policies.post_residual(si, residual, run)
+                if len(policies):
+                    hook_timer.stop(("post", si))
+                adapter.accumulate(si, residual, run)
+                if len(policies):
+                    hook_timer.start(("after", si))
+                policies.after_scale(si, guided, run)
+                if len(policies):
+                    hook_timer.stop(("after", si))
             timer.stop(si)
             if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
                 n = run.tokens_computed

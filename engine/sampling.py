@@ -87,17 +87,32 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 FUSED_MIN_VOCAB = 16
 
 
-def draw_one(probs_NV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_one(probs_NV: torch.Tensor, generator: torch.Generator | None,
+             noise_NV: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row, (N,) int64: what ``torch.multinomial(probs, 1, generator=generator)`` returns
     (for one sample it draws Exp(1) noise q with ``exponential_`` and takes ``argmax(p / q)``; the same
     calls here give the same codes), without its input checks, which are a handful of reductions
-    and device asserts per call on a GPU."""
-    noise_NV = torch.empty_like(probs_NV).exponential_(generator=generator)
+    and device asserts per call on a GPU. ``noise_NV``: that noise, already drawn (see
+    :func:`takes_drawn_noise`)."""
+    if noise_NV is None:
+        noise_NV = torch.empty_like(probs_NV).exponential_(generator=generator)
     return (probs_NV / noise_NV).argmax(dim=-1)
 
 
+def takes_drawn_noise(generators, device: torch.device) -> bool:
+    """Whether :func:`sample_codes_per_image` with these generators draws exactly one float32
+    ``exponential_`` tensor of shape (B·l, V) per call, which a caller may then draw beforehand into
+    a buffer of its own (``noise_NV``) and get the same codes: one generator (or None, the default
+    one) on the logits' device. Not with a list of generators, nor with a generator on another
+    device (those draw uniforms instead)."""
+    if isinstance(generators, (list, tuple)):
+        return False
+    return generators is None or _same_device(generators.device, device)
+
+
 def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
-                 generator: torch.Generator | None, fused: bool = False) -> torch.Tensor:
+                 generator: torch.Generator | None, fused: bool = False,
+                 noise_NV: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one code per token: (B, l, V) float logits -> (B, l) int64 codes.
 
     fused: on CUDA with a generator on the logits' device, filter and draw in one Triton launch
@@ -110,12 +125,13 @@ def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
         from ..sparse_ops import ops as sparse_ops
 
         logits_NV = logits_BlV.reshape(B * l, V).float()                      # (B, l, V) → (B·l, V)
-        noise_NV = torch.empty_like(logits_NV).exponential_(generator=generator)
+        if noise_NV is None:
+            noise_NV = torch.empty_like(logits_NV).exponential_(generator=generator)
         return sparse_ops.sample_top_k_top_p(logits_NV, noise_NV, top_k, top_p, backend="triton").view(B, l)
     masked_NV = filter_top_k_top_p(logits_BlV.reshape(B * l, V), top_k, top_p)  # (B·l, V)
     probs_NV = masked_NV.softmax(dim=-1)
     if generator is None or _same_device(generator.device, probs_NV.device):
-        idx_N = draw_one(probs_NV, generator)
+        idx_N = draw_one(probs_NV, generator, noise_NV)
     else:
         u_N = torch.rand(B * l, generator=generator, device=generator.device, dtype=torch.float64)
         u_N = u_N.to(probs_NV.device, non_blocking=True)
@@ -127,7 +143,7 @@ def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
 
 def sample_codes_per_image(logits_BlV: torch.Tensor, top_k: int, top_p: float,
                            generators: list[torch.Generator] | torch.Generator | None,
-                           fused: bool = False) -> torch.Tensor:
+                           fused: bool = False, noise_NV: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`sample_codes`, with one generator per image when a list is given.
 
     With a list, image b draws only from ``generators[b]``, so a batch draws the same codes as its
@@ -135,6 +151,8 @@ def sample_codes_per_image(logits_BlV: torch.Tensor, top_k: int, top_p: float,
     batched convolutions and matmuls round slightly differently).
     """
     if isinstance(generators, (list, tuple)):
+        if noise_NV is not None:
+            raise ValueError("noise_NV: pre-drawn noise needs one generator, not a list; pass noise_NV=None")
         return torch.cat([sample_codes(logits_BlV[b:b + 1], top_k, top_p, g, fused)
                           for b, g in enumerate(generators)], dim=0)
-    return sample_codes(logits_BlV, top_k, top_p, generators, fused)
+    return sample_codes(logits_BlV, top_k, top_p, generators, fused, noise_NV)

@@ -28,7 +28,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
-from ..engine.sampling import sample_codes_per_image
+from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..policies.base import ScalePlan, SubLayer, SubLayerContext
@@ -378,6 +378,9 @@ class VARAdapter:
 
     family = "var"
     supports_cuda_graphs = True
+    # guide, sample (with its noise drawn beforehand), residual and accumulate capture with the
+    # scale's compute into one CUDA graph; accumulate changes only the latent (engine/adapter.py)
+    supports_scale_graphs = True
     capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
 
     def __init__(self, transformer: VARTransformer, vqvae):
@@ -540,9 +543,19 @@ class VARAdapter:
         t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
         return self.ops.cfg_guide(logits_RlV, B, t)
 
-    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
+    def sample_noise_shape(self, si: int, run: RunState) -> Optional[tuple[int, int]]:
+        """(B·h·w, V): the float32 Exp(1) noise :meth:`sample` draws at ``si``, when it can take it
+        drawn beforehand (one generator on the model's device); None otherwise."""
+        if not takes_drawn_noise(run.generator, self.device):
+            return None
+        h, w = self.schedule.hw[si]
+        return run.batch_size * h * w, self.transformer.config.vocab_size
+
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState,
+               noise_NV: Optional[torch.Tensor] = None) -> torch.Tensor:
         s = run.settings
-        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "fused")
+        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "fused",
+                                      noise_NV=noise_NV)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         return self.vqvae.quantize.embedding(codes_Bl).float()                       # (B, l, Cvae)

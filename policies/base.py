@@ -179,6 +179,12 @@ class Policy:
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run: "RunState") -> None:
         """Store what the next scale needs (maps, logits)."""
 
+    def tail_idle(self, si: int, run: "RunState") -> bool:
+        """For a policy overriding ``post_residual`` or ``after_scale``: True when both do nothing
+        at ``si`` (return the residual as it is, store nothing), so the engine may skip them and
+        run the scale's guidance, sampling and latent update inside its CUDA graph. Default False."""
+        return False
+
 
 _MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
 _HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
@@ -264,6 +270,11 @@ class PolicyStack:
             if in_layer and not (p.graph_capturable and p.graph_ready(si, run)):
                 return False
         return True
+
+    def tail_idle(self, si: int, run) -> bool:
+        """True when no policy acts after the head at ``si`` (see :meth:`Policy.tail_idle`)."""
+        return all(p.tail_idle(si, run) for p in self.policies
+                   if _overrides(p, "post_residual") or _overrides(p, "after_scale"))
 
     def graph_key(self, si: int, run) -> tuple:
         """The settings a captured layer stack at ``si`` depends on: those of the policies working

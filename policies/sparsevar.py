@@ -257,6 +257,8 @@ class SparseVARPolicy(Policy):
 
     def observed_layers(self, si: int, run) -> set:
         st = run.policy_state[self.name]
+        if si >= run.schedule.num_scales - 1:            # no scale after the last one reads its map
+            return set()
         return {st["first"], st["last"]}
 
     # ---- hooks ------------------------------------------------------------------------------------
@@ -326,7 +328,7 @@ class SparseVARPolicy(Policy):
 
     def observe(self, si: int, unit, x_in, x_out, run) -> None:
         st = run.policy_state[self.name]
-        if si < st["P"] - 1 or unit[0] != "layer":
+        if si < st["P"] - 1 or si >= run.schedule.num_scales - 1 or unit[0] != "layer":
             return
         if unit[1] == st["first"]:
             st["x_in"] = x_in
@@ -354,6 +356,10 @@ class SparseVARPolicy(Policy):
         if zero_BL is None:
             return residual_BLc
         return residual_BLc.masked_fill(zero_BL.unsqueeze(-1), 0.0)
+
+    def tail_idle(self, si: int, run) -> bool:
+        # before the scale whose logits the first pruned scale reads, nothing is zeroed or stored
+        return si < run.policy_state[self.name]["P"] - 1
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         st = run.policy_state[self.name]

@@ -543,6 +543,22 @@ def test_sample_codes_per_image_uses_one_generator_per_image():
     assert torch.equal(sample_codes_per_image(logits, 10, 0.9, _g(7)), sample_codes(logits, 10, 0.9, _g(7)))
 
 
+def test_noise_drawn_beforehand_gives_the_same_codes_and_is_refused_where_it_cannot():
+    """The whole-scale CUDA graphs draw the sampler's Exp(1) noise before the replay into a buffer:
+    one ``exponential_`` of the sampler's shape from the same generator must give the same codes."""
+    from sparsevar.engine.sampling import takes_drawn_noise
+
+    logits = torch.randn(2, 50, 40, generator=_g(0))
+    noise = torch.empty(100, 40).exponential_(generator=_g(3))
+    for top_k, top_p in ((0, 0.0), (10, 0.9), (1, 0.0)):
+        want = sample_codes_per_image(logits, top_k, top_p, _g(3))
+        assert torch.equal(sample_codes_per_image(logits, top_k, top_p, _g(3), noise_NV=noise), want)
+    assert takes_drawn_noise(_g(3), torch.device("cpu")) and takes_drawn_noise(None, torch.device("cpu"))
+    assert not takes_drawn_noise([_g(1), _g(2)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="noise_NV.*one generator, not a list"):
+        sample_codes_per_image(logits, 10, 0.9, [_g(1), _g(2)], noise_NV=noise)
+
+
 # The inverse-CDF branch of sample_codes (generator on another device than the logits) needs a
 # second device; it cannot be reached on a CPU-only machine, so it is not tested here.
 

@@ -132,6 +132,32 @@ def test_policies_with_cuda_graphs_match_eager(enable):
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("policy", [None, "sparsevar"])
+def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy):
+    """With fused ops, a dense scale no policy acts on replays compute, guidance, sampling (its
+    Exp(1) noise drawn just before) and the latent update as one graph: same codes and images as
+    eager, under top-k / top-p sampling; a change of the baked-in settings recaptures."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_compiled_elementwise(kernels="fused")
+    if policy == "sparsevar":
+        pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3)
+    for cfg in (4.0, 1.5):
+        kw = dict(guidance_scale=cfg, top_k=50, top_p=0.9)
+        eager_codes, eager = _codes(pipe, [1, 2], 11, use_cuda_graphs=False, **kw)
+        for _ in range(2):                           # capture, replay
+            codes, images = _codes(pipe, [1, 2], 11, use_cuda_graphs=True, **kw)
+            assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+            torch.testing.assert_close(images, eager, atol=0, rtol=0)
+        ws = next(iter(pipe.adapter()._workspaces.values()))
+        whole = sorted(k[1] for k in ws.graphs if k[0] == "scale")
+        S = pipe.adapter().schedule.num_scales
+        # SparseVAR's last three scales are pruned and the one before them feeds its maps
+        assert whole == (list(range(S)) if policy is None else list(range(S - 4)))
+        assert ws.scale_graph_settings.guidance_scale == cfg
+    pipe.release_memory()
+
+
 def test_fastvar_after_a_replayed_cache_scale_runs_later_scales_eagerly():
     """Call 1 captures FastVAR's graphs; call 2 makes the last scale cond-only (eager): it must read
     the cache refreshed by the replayed cache scale (review finding G1), and match an all-eager run."""
