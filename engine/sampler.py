@@ -18,7 +18,8 @@ from .adapter import ModelAdapter
 from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
 
-# callback(si, tensors) with tensors = {"codes": (B, l), "logits": guided (B, l, V), "latent": ...}
+# callback(si, tensors) with tensors = {"codes": (B, l), "logits": guided (B, l, V), "latent": ...}: the
+# engine's own buffers (graph outputs, the workspace latent), valid during the call; clone to keep
 ScaleCallback = Callable[[int, dict], None]
 
 
