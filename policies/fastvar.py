@@ -173,6 +173,12 @@ class FastVARPolicy(Policy):
         return sparse_ops.restore_residual(x_RLC, idx_Rn, branch_RnC, sub.gate, cached_RlC, cache_hw,
                                            run.schedule.hw[si], backend=backend)
 
+    def tail_idle(self, si: int, run) -> bool:
+        # after_scale counts tokens only at pruned scales and clears the cache only at the last one
+        r = self._ratio(si, run)
+        pruned = r is not None and 0.0 < r < 1.0 and not self.config.neutral
+        return not pruned and si < run.schedule.num_scales - 1
+
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         r = self._ratio(si, run)
         if r is not None and 0.0 < r < 1.0 and not self.config.neutral:

@@ -132,7 +132,7 @@ def test_policies_with_cuda_graphs_match_eager(enable):
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("policy", [None, "sparsevar"])
+@pytest.mark.parametrize("policy", [None, "sparsevar", "fastvar"])
 def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy):
     """With fused ops, a dense scale no policy acts on replays compute, guidance, sampling (its
     Exp(1) noise drawn just before) and the latent update as one graph: same codes and images as
@@ -142,6 +142,8 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
     pipe.enable_compiled_elementwise(kernels="fused")
     if policy == "sparsevar":
         pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3)
+    elif policy == "fastvar":
+        pipe.enable_fastvar()                        # published schedule: the last two scales pruned
     for cfg in (4.0, 1.5):
         kw = dict(guidance_scale=cfg, top_k=50, top_p=0.9)
         eager_codes, eager = _codes(pipe, [1, 2], 11, use_cuda_graphs=False, **kw)
@@ -152,8 +154,10 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
         ws = next(iter(pipe.adapter()._workspaces.values()))
         whole = sorted(k[1] for k in ws.graphs if k[0] == "scale")
         S = pipe.adapter().schedule.num_scales
-        # SparseVAR's last three scales are pruned and the one before them feeds its maps
-        assert whole == (list(range(S)) if policy is None else list(range(S - 4)))
+        # SparseVAR's last three scales are pruned and the one before them feeds its maps; FastVAR
+        # prunes the last two and caches the one before them
+        want = {None: list(range(S)), "sparsevar": list(range(S - 4)), "fastvar": list(range(S - 3))}[policy]
+        assert whole == want
         assert ws.scale_graph_settings.guidance_scale == cfg
     pipe.release_memory()
 
