@@ -137,7 +137,7 @@ class _GraphRunner:
             return None
         ws = self.ws
         if getattr(ws, "scale_graph_settings", None) != run.settings:
-            for k in [k for k in ws.graphs if k[0] == "scale"]:
+            for k in [k for k in ws.graphs if isinstance(k, tuple) and k[0] == "scale"]:
                 del ws.graphs[k]
             ws.scale_graph_settings = run.settings
             ws.scale_noise = {}
