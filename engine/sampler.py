@@ -78,20 +78,20 @@ class _GraphRunner:
         self.ws, self.stream = workspace, adapter.capture_stream
 
     def usable(self, key, kv) -> bool:
-        """Whether :meth:`run` would replay (or capture) ``key`` now rather than return None."""
+        """Whether :meth:`run` replays (or captures) ``key`` now rather than return None: the KV cache
+        is unmasked and, for a captured graph, in the state it was captured in (no policy changed it
+        earlier in this generation)."""
         entry = self.ws.graphs.get(key)
-        if kv.masked:
-            return False
-        return entry is None or kv.host_state() == entry[2]
+        return not kv.masked and (entry is None or kv.host_state() == entry[2])
 
     def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None,
             preserve: Sequence[torch.Tensor] = ()) -> Any:
         """Replay (capturing at the first call) the graph of ``key``; None when the KV cache is not in
         the captured state, so the caller runs eagerly. ``preserve``: tensors ``fn`` updates in place
         (a latent), restored after the warm-up run that precedes a capture."""
+        if not self.usable(key, kv):
+            return None                                # run eagerly
         entry = self.ws.graphs.get(key)
-        if entry is None and kv.masked:
-            return None
         if entry is None:
             before = kv.host_state()
             saved = [t.clone() for t in preserve]
@@ -113,14 +113,11 @@ class _GraphRunner:
             self.ws.graphs[key] = entry
             kv.set_host_state(before)                  # capture recorded work but ran none of it
         graph, out, before, after, exports = entry
-        if kv.host_state() != before or kv.masked:
-            return None                                # a policy changed the cache earlier: run eagerly
         graph.replay()
         kv.set_host_state(after)
         if run is not None and exports:
             run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out
-
 
     def whole_scale(self, si: int, wrapped: bool, plan, run: RunState, adapter) -> Optional[tuple]:
         """Replay scale ``si`` whole — compute, guidance, sampling, residual and latent update — from

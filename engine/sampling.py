@@ -118,8 +118,18 @@ def sample_codes(logits_BlV: torch.Tensor, top_k: int, top_p: float,
     fused: on CUDA with a generator on the logits' device, filter and draw in one Triton launch
     (``sparse_ops.sample``) from exponential noise drawn here, the same noise ``torch.multinomial``
     draws for one sample; the draws then equal the torch path's except at exact ties of the
-    nucleus boundary (``sparse_ops/sample.py``)."""
+    nucleus boundary (``sparse_ops/sample.py``).
+    noise_NV: the (B·l, V) float32 Exp(1) noise this call would draw, drawn beforehand from the same
+    generator (only where :func:`takes_drawn_noise` holds): the same codes, and no draw inside the
+    call, so the call can sit in a CUDA graph."""
     B, l, V = logits_BlV.shape
+    if noise_NV is not None:
+        if not takes_drawn_noise(generator, logits_BlV.device):
+            raise ValueError("noise_NV: pre-drawn noise needs one generator on the logits' device "
+                             f"(got {generator!r}); pass noise_NV=None to draw here")
+        if tuple(noise_NV.shape) != (B * l, V):
+            raise ValueError(f"noise_NV has shape {tuple(noise_NV.shape)}; it must be (B·l, V) = ({B * l}, {V}) "
+                             f"for logits of shape {(B, l, V)}: one Exp(1) draw per token and code")
     if fused and logits_BlV.is_cuda and V >= FUSED_MIN_VOCAB \
             and (generator is None or _same_device(generator.device, logits_BlV.device)):
         from ..sparse_ops import ops as sparse_ops

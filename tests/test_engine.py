@@ -557,6 +557,8 @@ def test_noise_drawn_beforehand_gives_the_same_codes_and_is_refused_where_it_can
     assert not takes_drawn_noise([_g(1), _g(2)], torch.device("cpu"))
     with pytest.raises(ValueError, match="noise_NV.*one generator, not a list"):
         sample_codes_per_image(logits, 10, 0.9, [_g(1), _g(2)], noise_NV=noise)
+    with pytest.raises(ValueError, match=r"noise_NV has shape \(1, 40\); it must be \(B·l, V\) = \(100, 40\)"):
+        sample_codes(logits, 10, 0.9, _g(3), noise_NV=noise[:1])    # would broadcast silently
 
 
 # The inverse-CDF branch of sample_codes (generator on another device than the logits) needs a
