@@ -131,6 +131,16 @@ def _cases(dev) -> list[dict]:
                                    x, idx, branch, gate, cache, hw, (64, 64)),
                                "torch": lambda cache=cache, hw=cache_hw: ref.restore_residual(
                                    x, idx, branch, gate, cache, hw, (64, 64))}))
+    # FastVAR's selection before each pruned sub-layer: Infinity-2B's 40 × 40 scale and VAR-d30's
+    # 13 × 13 at batch 1 and 8 with CFG (two reads of the float32 residual stream)
+    from ..sparse_ops import pivotal
+    for Rp, hp_, Cp in ((2, 40, 2048), (2, 13, 1920), (16, 13, 1920)):
+        xp = torch.randn(Rp, hp_ * hp_, Cp, device=dev, generator=g)
+        kp = hp_ * hp_ - (hp_ * hp_) // 2
+        cases.append(dict(op="pivotal_tokens", shape=f"R{Rp} {hp_}x{hp_} keep {kp} C{Cp}", dtype="fp32",
+                          bytes=2 * xp.numel() * 4 + Rp * kp * 8, memory_bound=True, target=False,
+                          run={"triton": lambda xp=xp, kp=kp: pivotal.pivotal_tokens(xp, kp),
+                               "torch": lambda xp=xp, kp=kp: ref.pivotal_tokens(xp, kp)}))
     # the dense path's fused steps (sparse_ops.dense_fused): at 4096 tokens for the HBM target, and
     # at VAR-d30's first scale (2 rows, one token each), where a launch costs more than the bytes
     for Rd, Ld, Cd in ((R, L, C), (2, 1, 1920)):

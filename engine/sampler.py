@@ -119,7 +119,7 @@ class _GraphRunner:
             run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out
 
-    def whole_scale(self, si: int, wrapped: bool, plan, run: RunState, adapter) -> Optional[tuple]:
+    def whole_scale(self, si: int, plan, run: RunState, adapter) -> Optional[tuple]:
         """Replay scale ``si`` whole — compute, guidance, sampling, residual and latent update — from
         one graph, with the sampler's Exp(1) noise drawn just before into a static buffer by the same
         ``exponential_`` call the sampler would make (so the same codes as the eager path). Returns
@@ -129,7 +129,7 @@ class _GraphRunner:
         The graph bakes in the sampling settings (guidance, top-k, top-p): graphs captured under
         other settings are dropped, so a sweep over settings keeps one set of graphs in memory."""
         shape = adapter.sample_noise_shape(si, run)
-        key = ("scale", si, wrapped)
+        key = ("scale", si)
         if shape is None or not self.usable(key, run.workspace.kv):
             return None
         ws = self.ws
@@ -247,14 +247,12 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             logits = whole = None
             if graphs is not None and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens):
                 if plan.dense and not policies.uses_model_hooks(si, run):
-                    # keyed also by whether sub-layers go through a (neutral) wrapper: other kernels
-                    wrapped = bool(policies.active["wrap_sublayer"])
                     if scale_graphs and policies.tail_idle(si, run):
                         # no policy acts after the head here: guidance, sampling and the latent update
                         # replay with the scale's compute from one graph
-                        whole = graphs.whole_scale(si, wrapped, plan, run, adapter)
+                        whole = graphs.whole_scale(si, plan, run, adapter)
                     if whole is None:
-                        logits = graphs.run(("dense", si, wrapped), lambda: adapter.compute_scale(si, plan, run),
+                        logits = graphs.run(("dense", si), lambda: adapter.compute_scale(si, plan, run),
                                             run.workspace.kv, run)
                 elif (plan.dense or plan.static) and plan.token_valid is None and policies.graph_safe_at(si, run):
                     # the layer stack replays from a graph; the policies' observe / post_hidden run around it

@@ -1049,7 +1049,7 @@ class InfinityAdapter:
                        sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca=None).rope(pos)
         blocks = self.transformer.blocks
         # fused elementwise kernels and no sub-layer wrapper: chain each residual add with the next norm
-        chained = self.ops.kind != "eager" and not stack.active["wrap_sublayer"]
+        chained = self.ops.kind != "eager" and not stack.wraps_sublayers(si, run)
         if chained:
             y_RlC = self.ops.modulate(x_RlC, ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5], blocks[0].norm_eps,
                                       blocks[0].ffn.fc1.weight.dtype)

@@ -510,7 +510,7 @@ class VARAdapter:
         observe = stack.active["observe"] and taps is None
         collected = []
         blocks = self.transformer.blocks
-        chained = not stack.active["wrap_sublayer"]      # no sub-layer wrapper: fuse across block borders
+        chained = not stack.wraps_sublayers(si, run)     # no sub-layer wrapper here: fuse across block borders
         if chained:
             m1_R1C, b1_R1C = ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5]
             y_RlC = self.ops.modulate(x_RlC, m1_R1C, b1_R1C, blocks[0].norm_eps, blocks[0].ffn.fc1.weight.dtype)

@@ -260,6 +260,12 @@ class PolicyStack:
     def uses_model_hooks(self, si: int, run) -> bool:
         return any(p.uses_model_hooks(si, run) for p in self.policies)
 
+    def wraps_sublayers(self, si: int, run) -> bool:
+        """True when a policy wraps the sub-layers at ``si`` (one that overrides ``wrap_sublayer``
+        and works inside the layers there). Elsewhere the adapters run their chained dense path,
+        whose fused steps span the sub-layer borders."""
+        return any(p.uses_model_hooks(si, run) for p in self.active["wrap_sublayer"])
+
     def graph_safe_at(self, si: int, run) -> bool:
         """True when the policies need no hook inside the layers at ``si`` other than ``observe``
         (which a graphed layer stack delivers after replay)."""

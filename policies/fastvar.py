@@ -19,6 +19,7 @@ import torch
 
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops._backend import check_backend, resolve_backend
+from ..sparse_ops.ref import pivotal_tokens  # noqa: F401  (the rule, re-exported where FastVAR lives)
 from .base import Policy, ScalePlan, SubLayer
 
 
@@ -33,8 +34,8 @@ class FastVARConfig:
         (0.5, 0.75). Higher ratios: more speed, blurrier detail.
     layer_range: (first, last) layer indices, inclusive, that prune; None = every layer. The
         official Infinity-2B setting prunes layers 3..27 of 32 and runs the rest dense.
-    backend: kernels for the per-sub-layer gather + LayerNorm + AdaLN and the restore with the
-        gated residual: "auto" (Triton on a CUDA GPU where it can run, else pure torch; the
+    backend: kernels for the per-sub-layer pivotal-token selection, gather + LayerNorm + AdaLN and
+        the restore with the gated residual: "auto" (Triton on a CUDA GPU where it can run, else pure torch; the
         default), "triton" (require the kernels: a ValueError at generation if they cannot run on
         the model's device) or "torch" (the pure-torch references, bit-identical to earlier
         releases). The kernels change only float rounding.
@@ -79,12 +80,6 @@ FASTVAR_PRESETS: dict[str, FastVARConfig] = {
     # and 16×16 at 75 % at 256 px) — the same positions from the end at every resolution.
     "var": FastVARConfig(ratios=(0.5, 0.75)),
 }
-
-
-def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
-    """(R, keep) positions, ascending, of the tokens farthest (squared L2) from their row's mean."""
-    score_RL = (x_RLC.float() - x_RLC.float().mean(dim=1, keepdim=True)).pow(2).sum(dim=-1)
-    return score_RL.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 class FastVARPolicy(Policy):
@@ -165,8 +160,8 @@ class FastVARPolicy(Policy):
         if r is None or r == 0.0:
             return sub(x_RLC)
         keep = L - math.floor(L * r)
-        idx_Rn = pivotal_tokens(x_RLC, keep)
         backend = st["backend"]
+        idx_Rn = sparse_ops.pivotal_tokens(x_RLC, keep, backend=backend)
         branch_RnC = sub.branch(sub.gather_modulate(x_RLC, idx_Rn, backend), idx_Rn)
         cached_RlC, cache_hw = st["cache"][key]
         # x + (pivotal ? gate · branch : area-upsampled cache) in one pass over the L tokens

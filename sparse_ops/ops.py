@@ -19,7 +19,7 @@ from ._backend import resolve_backend
 # op → the module holding its Triton twin
 _TRITON_MODULES = {
     "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
-    "restore_residual": "restore", "change_map": "select", "select_kept": "select",
+    "restore_residual": "restore", "pivotal_tokens": "pivotal", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum",
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
@@ -61,6 +61,11 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
     """(R, L, C) ``x + (kept ? gate·branch : area(cache))`` (see ``ref.restore_residual``)."""
     return implementation("restore_residual", backend, x_RLC.device)(x_RLC, idx_Rn, branch_RnC, gate_R1C, cache_RlC,
                                                                      cache_hw, hw)
+
+
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int, *, backend: str = "auto") -> torch.Tensor:
+    """(R, keep) FastVAR pivotal positions, ascending (see ``ref.pivotal_tokens``)."""
+    return implementation("pivotal_tokens", backend, x_RLC.device)(x_RLC, keep)
 
 
 def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_Bn: Optional[torch.Tensor], L: int,

@@ -2,7 +2,7 @@
 and the oracle the Triton kernels are tested against (tests/test_sparse_ops.py).
 
 Each function here has a Triton twin of the same name and signature in its op's file
-(``gather_modulate.py``, ``restore.py``, ``select.py``, ``anchor.py``, ``colsum.py``); the
+(``gather_modulate.py``, ``restore.py``, ``pivotal.py``, ``select.py``, ``anchor.py``, ``colsum.py``, …); the
 dispatching front ends are in ``ops.py``. None of them reads a tensor's value on the host, so
 they are safe inside the scale loop and under CUDA-graph capture.
 
@@ -185,6 +185,18 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
     fresh_RnC = branch_RnC.float() * gate_R1C
     update_RLC = update_RLC.scatter(1, idx_Rn.long().unsqueeze(-1).expand(R, idx_Rn.shape[1], C), fresh_RnC)
     return x_RLC + update_RLC
+
+
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
+    """FastVAR's pivotal tokens: (R, keep) int64 positions, ascending, of the ``keep`` tokens of
+    each row farthest from the row's spatial mean, by ``Σ_c (x − mean_L x)²`` in float32 (ties:
+    the earlier position first)."""
+    if not 0 <= keep <= x_RLC.shape[1]:
+        raise ValueError(f"keep={keep}: choose between 0 and the {x_RLC.shape[1]} tokens of the map")
+    x_RLC = x_RLC.float()
+    score_RL = (x_RLC - x_RLC.mean(dim=1, keepdim=True)).pow(2).sum(dim=-1)
+    order_Rk = torch.sort(score_RL, dim=1, descending=True, stable=True).indices[:, :keep]
+    return order_Rk.sort(dim=1).values
 
 
 # ---- (b) SparseVAR: change map, then threshold / budget selection and compaction --------------------

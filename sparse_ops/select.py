@@ -21,7 +21,12 @@ from ._backend import interpreting
 
 # one program holds a whole map; beyond this the torch path runs (a 128×128 map)
 MAX_TOKENS = 16384
-_POS_BITS = 24            # positions < 2**24 in the sort keys
+
+
+def pos_bits(block_l: int) -> int:
+    """Bits of a position in the sort keys of a program holding ``block_l`` (a power of two) tokens:
+    each is one step of the radix select."""
+    return max(1, (block_l - 1).bit_length())
 
 
 def _change_launch(C: int) -> tuple[int, int, int]:
@@ -85,6 +90,23 @@ def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_
 
 
 @triton.jit
+def _top_keys(score, i, im, budget, POS_BITS: tl.constexpr):
+    """Mask of the ``budget`` largest of the non-negative float32 ``score`` (positions ``i`` <
+    2**POS_BITS, valid where ``im``); ties: the earlier position first. Shared with ``pivotal``."""
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64)                # >= 0 for non-negative floats
+    key = (bits << POS_BITS) | ((1 << POS_BITS) - 1 - i).to(tl.int64)  # ties: earlier position first
+    key = tl.where(im, key, -1)
+    # the budget-th largest key, bit by bit from the top (radix select; keys are unique and
+    # < 2**(31 + POS_BITS)): 31 + POS_BITS masked counts instead of a sort of the whole map
+    kth = tl.full((), 0, dtype=tl.int64)
+    for step in range(0, 31 + POS_BITS):
+        bit = tl.full((), 30 + POS_BITS, dtype=tl.int64) - step
+        cand = kth | (tl.full((), 1, dtype=tl.int64) << bit)
+        kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= budget, cand, kth)
+    return key >= kth
+
+
+@triton.jit
 def _select_kernel(change_ptr, src_ptr, anchor_ptr, idx_ptr, count_ptr, keep_ptr,
                    L, tau, budget, stride_cb,
                    USE_BUDGET: tl.constexpr, POS_BITS: tl.constexpr, BLOCK_L: tl.constexpr):
@@ -95,18 +117,7 @@ def _select_kernel(change_ptr, src_ptr, anchor_ptr, idx_ptr, count_ptr, keep_ptr
     score = tl.load(change_ptr + b * stride_cb + src, mask=im, other=0.0).to(tl.float32)
     anchor = tl.load(anchor_ptr + i, mask=im, other=0) != 0
     if USE_BUDGET:
-        s = tl.where(anchor, float("inf"), score)
-        bits = s.to(tl.int32, bitcast=True).to(tl.int64)            # >= 0 for non-negative floats
-        key = (bits << POS_BITS) | ((1 << POS_BITS) - 1 - i).to(tl.int64)  # ties: earlier position first
-        key = tl.where(im, key, -1)
-        # the budget-th largest key, bit by bit from the top (radix select; keys are unique and
-        # < 2**(31 + POS_BITS)): 55 masked counts instead of a sort of the whole map
-        kth = tl.full((), 0, dtype=tl.int64)
-        for step in range(0, 31 + POS_BITS):
-            bit = tl.full((), 30 + POS_BITS, dtype=tl.int64) - step
-            cand = kth | (tl.full((), 1, dtype=tl.int64) << bit)
-            kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= budget, cand, kth)
-        keep = im & (key >= kth)
+        keep = im & _top_keys(tl.where(anchor, float("inf"), score), i, im, budget, POS_BITS)
     else:
         top = tl.max(tl.where(im, score, float("-inf")), axis=0)
         keep = im & ((score > tau * top) | anchor)
@@ -138,6 +149,6 @@ def select_kept(change_BM: torch.Tensor, src_L: torch.Tensor, anchors_L: torch.T
         change_BM, src_L.contiguous(), anchors_L.contiguous().view(torch.uint8) if anchors_L.dtype == torch.bool
         else anchors_L.contiguous(), idx_BL, count_B, keep_BL,
         L, float(tau), int(budget) if budget is not None else 0, change_BM.stride(0),
-        USE_BUDGET=budget is not None, POS_BITS=_POS_BITS, BLOCK_L=block_l,
+        USE_BUDGET=budget is not None, POS_BITS=pos_bits(block_l), BLOCK_L=block_l,
         num_warps=4 if block_l <= 2048 else (8 if block_l <= 8192 else 16))
     return idx_BL, count_B, keep_BL.view(torch.bool)

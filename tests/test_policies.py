@@ -168,6 +168,26 @@ def test_fastvar_prunes_kv_per_layer_and_keeps_the_layer_range(pipe):
     assert s[-1].tokens_computed == pytest.approx((last + last - int(last * 0.75)) / 2)
 
 
+def test_fastvar_wraps_the_sub_layers_only_where_it_works(pipe):
+    """Before the cache scale the layers run the dense path, chained across sub-layer borders."""
+    class WrapProbe(Policy):
+        name = "wrap-probe"
+
+        def __init__(self):
+            self.wraps = {}
+
+        def after_scale(self, si, logits, run):
+            self.wraps[si] = run.policies.wraps_sublayers(si, run)
+
+    probe = WrapProbe()
+    out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 0.75)).add_policy(probe))
+    S = pipe.transformer.schedule.num_scales
+    assert probe.wraps == {si: si >= S - 3 for si in range(S)}           # cache scale, then the two pruned ones
+    pipe.disable_fastvar().remove_policy("wrap-probe")
+    _, dense_codes = _run(pipe)
+    assert all(torch.equal(a, b) for a, b in zip(codes[:S - 2], dense_codes[:S - 2]))
+
+
 def test_fastvar_ratio_one_skips_the_final_scales(pipe):
     out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 1.0)))
     assert [s.skipped for s in out.stats[0].scales][-2:] == [False, True] and len(codes) == 9

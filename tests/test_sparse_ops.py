@@ -374,6 +374,39 @@ def _select_case(shape, prev_hw, device):
             assert a.dtype == b.dtype and torch.equal(a, b), f"select_kept budget={budget}: {what} differs"
 
 
+def _pivotal_case(shape, C, dtype, device):
+    """FastVAR's selection: the kernel keeps the reference's tokens except where float32 rounding
+    decides — a token kept by one and not the other scores within 1e-5 (relative, float64 oracle)
+    of the cut (the kernel and torch sum the C squares in different orders; at production sizes
+    neighbouring scores can lie that close) — and exactly on ties of exact scores."""
+    from sparsevar.sparse_ops import pivotal, ref
+    R, h, w = shape
+    L = h * w
+    g = _gen(9)
+    x = _rand((R, L, C), g, device, dtype=dtype, scale=2.0, offset=0.7)
+    score64 = (x.double() - x.double().mean(1, keepdim=True)).pow(2).sum(-1)
+    srt = score64.sort(dim=1, descending=True).values
+    for keep in (1, L // 3, L - L // 2, L - 1, L, 0):
+        got = pivotal.pivotal_tokens(x, keep)
+        want = ref.pivotal_tokens(x, keep)
+        assert got.shape == (R, keep) and got.dtype == torch.long, (got.shape, got.dtype)
+        assert bool((got[:, 1:] > got[:, :-1]).all()), "positions must ascend"
+        if torch.equal(got, want):
+            continue
+        cut = srt[:, keep - 1:keep]                                             # (R, 1) the keep-th score
+        in_got = torch.zeros(R, L, dtype=torch.bool, device=device).scatter(1, got, True)
+        in_want = torch.zeros(R, L, dtype=torch.bool, device=device).scatter(1, want, True)
+        differ = in_got ^ in_want
+        near = (score64 - cut).abs() <= 1e-5 * srt[:, :1]
+        assert bool((near | ~differ).all()), f"pivotal_tokens keep={keep}: a token away from the cut differs"
+    # ties: integer-valued rows whose scores are exact in float32; the earlier position wins
+    xt = torch.zeros(R, L, C, device=device, dtype=dtype)
+    xt[:, ::3] = 2.0
+    xt[:, 1::7] = -2.0
+    for keep in (1, L // 4, L // 2):
+        assert torch.equal(pivotal.pivotal_tokens(xt, keep), ref.pivotal_tokens(xt, keep)), f"ties, keep={keep}"
+
+
 def _anchor_case(shape, prev_hw, V, device):
     ref, _, _, _, an, _ = _ops()
     from sparsevar.policies.sparsevar import anchor_candidates, anchor_mask, nearest_source
@@ -461,6 +494,16 @@ def _(device="cpu"):
 @case("select_kept-2x37x53-from-29x41")
 def _(device="cpu"):
     _select_case(SHAPES["2x37x53"], (29, 41), device)
+
+
+@case("pivotal_tokens-1x13x13-C40-fp32")
+def _(device="cpu"):
+    _pivotal_case(SHAPES["1x13x13"], 40, torch.float32, device)
+
+
+@case("pivotal_tokens-3x11x19-C33-bf16")
+def _(device="cpu"):
+    _pivotal_case(SHAPES["3x11x19"], 33, torch.bfloat16, device)
 
 
 @case("anchor_match-3x11x19-V64")
@@ -836,6 +879,10 @@ GPU_CASES = {
     "select_kept-2x64x64-from-48x48": lambda device: _select_case((2, 64, 64), (48, 48), device),
     "select_kept-1x90x120-from-60x80": lambda device: _select_case((1, 90, 120), (60, 80), device),
     "anchor_match-1x64x64-V4096": lambda device: _anchor_case((1, 64, 64), (48, 48), 4096, device),
+    # FastVAR's selection: VAR-d30 batch 1 with CFG at 13 × 13, Infinity-2B at 40 × 40 and a 48 × 64 map
+    "pivotal_tokens-2x13x13-C1920-fp32": lambda device: _pivotal_case((2, 13, 13), 1920, torch.float32, device),
+    "pivotal_tokens-2x40x40-C2048-fp32": lambda device: _pivotal_case((2, 40, 40), 2048, torch.float32, device),
+    "pivotal_tokens-4x48x64-C2048-bf16": lambda device: _pivotal_case((4, 48, 64), 2048, torch.bfloat16, device),
     "anchor_match-2x64x64-V64": lambda device: _anchor_case((2, 64, 64), (48, 48), 64, device),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
