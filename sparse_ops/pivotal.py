@@ -21,6 +21,8 @@ equal scores).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -83,21 +85,22 @@ def _pick_kernel(score_ptr, idx_ptr, L, keep, POS_BITS: tl.constexpr, BLOCK_L: t
 
 def launch_shape(R: int, L: int, C: int) -> tuple[int, int, int, int, int]:
     """(token chunks of the column sums, their BLOCK_C, score rows per program, score BLOCK_C,
-    selection warps), for R rows of L tokens × C channels. Column sums in 64-wide column blocks and up to four token chunks keep every
-    SM busy from VAR's 2 × 169 tokens to Infinity's 2 × 4096 while the score step re-reads at
-    most 4 × C partial sums per program."""
+    selection warps), for R rows of L tokens × C channels. Measured on an H100 in CUDA graphs
+    (VAR-d30's 13 × 13 and 16 × 16 scales at batch 1 and 8 with CFG, Infinity-2B's 32 × 32 and
+    40 × 40): chunks of ~128 tokens, 64-wide column blocks while they do not fill the SMs once and
+    256-wide beyond, 8 tokens per score program, four warps for the selection up to 2048 tokens."""
     if interpreting():
         return 2 if L > 64 else 1, min(triton.next_power_of_2(C), 128), 64, min(triton.next_power_of_2(C), 128), 4
-    split = max(1, min(4, triton.cdiv(L, 256)))
+    split = max(1, min(16, triton.cdiv(L, 128)))
+    block_c = 64 if R * triton.cdiv(C, 256) * split < 132 else 256
     block_l = triton.next_power_of_2(L)
-    # the selection's 31 + log2(BLOCK_L) counts are each a reduction over the whole map: within
-    # one warp (no shared-memory round trip) up to 512 tokens
-    warps = 1 if block_l <= 512 else 2 if block_l <= 1024 else 4 if block_l <= 2048 else 8 if block_l <= 8192 else 16
-    return split, 64, 16, 256, warps
+    warps = 4 if block_l <= 2048 else 8 if block_l <= 8192 else 16
+    return split, block_c, 8, 512, warps
 
 
-def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
-    """Triton twin of ``ref.pivotal_tokens``: (R, keep) int64 positions, ascending."""
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int, shape: Optional[tuple] = None) -> torch.Tensor:
+    """Triton twin of ``ref.pivotal_tokens``: (R, keep) int64 positions, ascending. ``shape``
+    overrides :func:`launch_shape` (benchmarks)."""
     R, L, C = x_RLC.shape
     keep = int(keep)
     if not 0 <= keep <= L:
@@ -109,7 +112,7 @@ def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
         return ref.pivotal_tokens(x_RLC, keep)
     if x_RLC.stride(-1) != 1:
         x_RLC = x_RLC.contiguous()
-    split, block_c, rows, block_c2, warps = launch_shape(R, L, C)
+    split, block_c, rows, block_c2, warps = shape or launch_shape(R, L, C)
     chunk = triton.cdiv(L, split)
     ws = torch.empty(R, split, C, device=dev, dtype=torch.float32)
     _column_sums_kernel[(triton.cdiv(C, block_c), split, R)](
