@@ -37,8 +37,9 @@ class FastVARConfig:
     backend: kernels for the per-sub-layer pivotal-token selection, gather + LayerNorm + AdaLN and
         the restore with the gated residual: "auto" (Triton on a CUDA GPU where it can run, else pure torch; the
         default), "triton" (require the kernels: a ValueError at generation if they cannot run on
-        the model's device) or "torch" (the pure-torch references, bit-identical to earlier
-        releases). The kernels change only float rounding.
+        the model's device) or "torch" (the pure-torch references; since the selection's ties go
+        to the earlier position, they differ from earlier releases only on exactly equal scores).
+        The kernels change only float rounding (and so, rarely, a near-tie at the selection's cut).
     """
 
     ratios: tuple = (0.5, 0.75)

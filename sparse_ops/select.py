@@ -29,6 +29,12 @@ def pos_bits(block_l: int) -> int:
     return max(1, (block_l - 1).bit_length())
 
 
+def map_warps(block_l: int) -> int:
+    """Warps of a program holding a whole map of ``block_l`` tokens (the selections here and in
+    ``pivotal``)."""
+    return 4 if block_l <= 2048 else 8 if block_l <= 8192 else 16
+
+
 def _change_launch(C: int) -> tuple[int, int, int]:
     """(BLOCK_C, ROWS, num_warps) of the change-map kernel: ROWS tokens per program, C in chunks.
     One token per program in 1024-wide chunks measured best on an H100 (3.0 TB/s at C=2048)."""
@@ -150,5 +156,5 @@ def select_kept(change_BM: torch.Tensor, src_L: torch.Tensor, anchors_L: torch.T
         else anchors_L.contiguous(), idx_BL, count_B, keep_BL,
         L, float(tau), int(budget) if budget is not None else 0, change_BM.stride(0),
         USE_BUDGET=budget is not None, POS_BITS=pos_bits(block_l), BLOCK_L=block_l,
-        num_warps=4 if block_l <= 2048 else (8 if block_l <= 8192 else 16))
+        num_warps=map_warps(block_l))
     return idx_BL, count_B, keep_BL.view(torch.bool)
