@@ -229,12 +229,16 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         for si in range(schedule.num_scales):
             h, w = schedule.hw[si]
             run.si = si
-            if not skipping and len(policies):
-                hook_timer.start(("plan", si))
+            if not skipping:
+                timer.start(si)                        # the scale's time includes the policies' plan
+                if len(policies):
+                    hook_timer.start(("plan", si))
             plan = policies.plan_scale(si, run) if not skipping else None
             if not skipping and len(policies):
                 hook_timer.stop(("plan", si))
             if skipping or plan.skip:
+                timer.marks.pop(si, None)
+                hook_timer.marks.pop(("plan", si), None)
                 skipping = True
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
                 continue
@@ -243,7 +247,6 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             if plan.cond_only and run.cfg_active:
                 adapter.drop_uncond(run)
                 run.cfg_active = False
-            timer.start(si)
             logits = whole = None
             if graphs is not None and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens):
                 if plan.dense and not policies.uses_model_hooks(si, run):

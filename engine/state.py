@@ -59,9 +59,9 @@ class ScaleStats:
     w: int
     tokens: int
     tokens_computed: float
-    ms: float = float("nan")
+    ms: float = float("nan")        # the whole scale: the policies' plan, compute, head, sampling, latent update
     skipped: bool = False
-    policy_ms: float = 0.0          # time in the policies' own scale-level work (plan, post hooks)
+    policy_ms: float = 0.0          # the part of ``ms`` in the policies' own scale-level work (plan, post hooks)
     rows: int = 2
 
     @property

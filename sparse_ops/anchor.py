@@ -10,6 +10,8 @@ max(|c|, 1e-12)), as ``F.normalize`` defines it. Works for any vocabulary: 4096 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -98,10 +100,26 @@ def _anchor_match_kernel(lg_ptr, src_ptr, cand_ptr, keep_ptr, anchor_ptr,
     tl.store(sim_ptr + out, tl.where(work, best, 0.0), mask=tm)
 
 
+def launch_shape(V: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_V, warps). Codebook logits (V ≥ 1024): 4 tokens per program over 1024-wide
+    chunks with two warps — on an H100, 16–18 µs against 39–44 µs for 8 tokens × 256 with four warps at
+    VAR-d30 batch 8's pruned scales (10², 13², 16²), 15 against 37 µs at batch 1, 34 against 83 µs at
+    64² from 48² (what costs is each program's chain of dependent V chunks; the sweep is in
+    benchmarks/results/README.md). Bit logits (V = 64): 32 tokens × 64, four warps (fastest there)."""
+    if interpreting():
+        block_v = min(triton.next_power_of_2(V), 1024)
+        return max(1, min(64, 8192 // block_v)), block_v, 4
+    if V >= 1024:
+        return 4, 1024, 2
+    block_v = min(triton.next_power_of_2(V), 256)
+    return max(1, min(64, 2048 // block_v)), block_v, 4
+
+
 def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.Tensor, keep_BL: torch.Tensor,
-                 anchors_L: torch.Tensor, beta: float
+                 anchors_L: torch.Tensor, beta: float, shape: Optional[tuple] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of ``ref.anchor_match``: (copy_src_BL, zero_BL, roles_BL, best_sim_BL)."""
+    """Triton twin of ``ref.anchor_match``: (copy_src_BL, zero_BL, roles_BL, best_sim_BL). ``shape``
+    = (BLOCK_T, BLOCK_V, warps) overrides the launch shape (benchmarks)."""
     B, L = keep_BL.shape
     V = logits_BMV.shape[-1]
     if L == 0 or B == 0:
@@ -116,11 +134,10 @@ def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.T
     zero = torch.empty(B, L, device=dev, dtype=torch.int8)
     roles = torch.empty(B, L, device=dev, dtype=torch.uint8)
     sim = torch.empty(B, L, device=dev, dtype=torch.float32)
-    block_v = min(triton.next_power_of_2(V), 1024 if interpreting() else 256)
-    block_t = max(1, min(64, (8192 if interpreting() else 2048) // block_v))
+    block_t, block_v, warps = shape or launch_shape(V)
     _anchor_match_kernel[(triton.cdiv(L, block_t), B)](
         lg, src_L.contiguous(), cand_L4.contiguous(), keep, anchors, copy_src, zero, roles, sim,
         L, V, float(beta), lg.stride(0), lg.stride(1), keep.stride(0),
         EXCLUDED=ref.TOKEN_EXCLUDED, COPIED=ref.TOKEN_COPIED, KEPT=ref.TOKEN_KEPT, ANCHOR=ref.TOKEN_ANCHOR,
-        BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
+        BLOCK_T=block_t, BLOCK_V=block_v, num_warps=warps)
     return copy_src, zero.view(torch.bool), roles, sim

@@ -2,6 +2,7 @@
 plus the engine's building blocks: ScaleSchedule, KVCache, top-k/top-p sampling, GenerationStats."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -577,6 +578,31 @@ def test_generation_stats_arithmetic():
     d = st.as_dict()
     assert d["tokens_computed"] == sum(s["tokens_computed"] for s in d["scales"]) == 3
     assert d["tokens"] == 21 and d["transformer_ms"] == 3.5 and d["decode_ms"] == 4.0
+
+
+class SlowPlan(Policy):
+    """Spends ``sec`` in its plan at scale ``si`` (host time: the CPU timer measures it)."""
+    name = "slow_plan"
+
+    def __init__(self, si, sec):
+        self.si, self.sec = si, sec
+
+    def plan_scale(self, si, run):
+        if si == self.si:
+            time.sleep(self.sec)
+        return None
+
+
+def test_a_scale_time_includes_the_policies_plan(pipe):
+    """The plan's work (e.g. SparseVAR's selection and anchor matching) belongs to its scale: a
+    speed-up must not leave it out of the scale loop's time."""
+    pipe.add_policy(SlowPlan(3, 0.05)).add_policy(SkipFrom(8))
+    st = pipe([2], generator=_g(0), output_type="latent").stats[0]
+    s3 = st.scales[3]
+    assert s3.policy_ms >= 50 and s3.ms >= s3.policy_ms
+    assert all(s.ms < 50 for s in st.scales[:8] if s.si != 3)
+    assert all(s.ms != s.ms for s in st.scales[8:])            # skipped: no time (NaN)
+    assert st.transformer_ms == pytest.approx(sum(s.ms for s in st.scales[:8]))
 
 
 def test_generation_stats_of_a_real_run_add_up(pipe):

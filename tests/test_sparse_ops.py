@@ -879,6 +879,9 @@ GPU_CASES = {
     "select_kept-2x64x64-from-48x48": lambda device: _select_case((2, 64, 64), (48, 48), device),
     "select_kept-1x90x120-from-60x80": lambda device: _select_case((1, 90, 120), (60, 80), device),
     "anchor_match-1x64x64-V4096": lambda device: _anchor_case((1, 64, 64), (48, 48), 4096, device),
+    # VAR-d30 batch 8's last scale; a vocabulary that leaves a partial 1024-wide chunk, non-square
+    "anchor_match-8x16x16-V4096": lambda device: _anchor_case((8, 16, 16), (13, 13), 4096, device),
+    "anchor_match-3x13x17-V1500": lambda device: _anchor_case((3, 13, 17), (10, 13), 1500, device),
     # FastVAR's selection: VAR-d30 batch 1 with CFG at 13 × 13, Infinity-2B at 40 × 40 and a 48 × 64 map
     "pivotal_tokens-2x13x13-C1920-fp32": lambda device: _pivotal_case((2, 13, 13), 1920, torch.float32, device),
     "pivotal_tokens-2x40x40-C2048-fp32": lambda device: _pivotal_case((2, 40, 40), 2048, torch.float32, device),
