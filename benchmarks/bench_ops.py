@@ -131,16 +131,26 @@ def _cases(dev) -> list[dict]:
                                    x, idx, branch, gate, cache, hw, (64, 64)),
                                "torch": lambda cache=cache, hw=cache_hw: ref.restore_residual(
                                    x, idx, branch, gate, cache, hw, (64, 64))}))
+    # as FastVAR runs it: the inverse map comes from the selection, so the restore is one launch
+    slot = ref.slot_map(idx, L)
+    cases.append(dict(op="restore_residual", shape=f"R{R} 64x64 from 24x24 n{n} C{C} slot map given",
+                      dtype="fp32 + bf16 branch", bytes=by + slot.numel() * 4, memory_bound=True, target=False,
+                      run={"triton": lambda: restore.restore_residual(x, idx, branch, gate, cache, (24, 24), (64, 64),
+                                                                      slot),
+                           "torch": lambda: ref.restore_residual(x, idx, branch, gate, cache, (24, 24), (64, 64),
+                                                                 slot)}))
     # FastVAR's selection before each pruned sub-layer: Infinity-2B's 40 × 40 scale and VAR-d30's
-    # 13 × 13 at batch 1 and 8 with CFG (two reads of the float32 residual stream)
+    # 13 × 13 at batch 1 and 8 with CFG (two reads of the float32 residual stream), with the inverse
+    # map for the restore, as the policy calls it
     from ..sparse_ops import pivotal
     for Rp, hp_, Cp in ((2, 40, 2048), (2, 13, 1920), (16, 13, 1920)):
         xp = torch.randn(Rp, hp_ * hp_, Cp, device=dev, generator=g)
         kp = hp_ * hp_ - (hp_ * hp_) // 2
         cases.append(dict(op="pivotal_tokens", shape=f"R{Rp} {hp_}x{hp_} keep {kp} C{Cp}", dtype="fp32",
-                          bytes=2 * xp.numel() * 4 + Rp * kp * 8, memory_bound=True, target=False,
-                          run={"triton": lambda xp=xp, kp=kp: pivotal.pivotal_tokens(xp, kp),
-                               "torch": lambda xp=xp, kp=kp: ref.pivotal_tokens(xp, kp)}))
+                          bytes=2 * xp.numel() * 4 + Rp * kp * 8 + Rp * hp_ * hp_ * 4, memory_bound=True,
+                          target=False,
+                          run={"triton": lambda xp=xp, kp=kp: pivotal.pivotal_tokens(xp, kp, slots=True),
+                               "torch": lambda xp=xp, kp=kp: ref.pivotal_tokens(xp, kp, slots=True)}))
     # the dense path's fused steps (sparse_ops.dense_fused): at 4096 tokens for the HBM target, and
     # at VAR-d30's first scale (2 rows, one token each), where a launch costs more than the bytes
     for Rd, Ld, Cd in ((R, L, C), (2, 1, 1920)):

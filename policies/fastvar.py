@@ -162,12 +162,12 @@ class FastVARPolicy(Policy):
             return sub(x_RLC)
         keep = L - math.floor(L * r)
         backend = st["backend"]
-        idx_Rn = sparse_ops.pivotal_tokens(x_RLC, keep, backend=backend)
+        idx_Rn, slot_RL = sparse_ops.pivotal_tokens(x_RLC, keep, slots=True, backend=backend)
         branch_RnC = sub.branch(sub.gather_modulate(x_RLC, idx_Rn, backend), idx_Rn)
         cached_RlC, cache_hw = st["cache"][key]
         # x + (pivotal ? gate · branch : area-upsampled cache) in one pass over the L tokens
         return sparse_ops.restore_residual(x_RLC, idx_Rn, branch_RnC, sub.gate, cached_RlC, cache_hw,
-                                           run.schedule.hw[si], backend=backend)
+                                           run.schedule.hw[si], slot_RL, backend=backend)
 
     def tail_idle(self, si: int, run) -> bool:
         # after_scale counts tokens only at pruned scales and clears the cache only at the last one

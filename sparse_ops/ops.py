@@ -56,16 +56,18 @@ def gather_norm_modulate(x_RLC: torch.Tensor, idx_Rn: Optional[torch.Tensor], mu
 
 
 def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torch.Tensor, gate_R1C: torch.Tensor,
-                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int], *,
-                     backend: str = "auto") -> torch.Tensor:
-    """(R, L, C) ``x + (kept ? gate·branch : area(cache))`` (see ``ref.restore_residual``)."""
+                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int],
+                     slot_RL: Optional[torch.Tensor] = None, *, backend: str = "auto") -> torch.Tensor:
+    """(R, L, C) ``x + (kept ? gate·branch : area(cache))`` (see ``ref.restore_residual``);
+    ``slot_RL``: the subset's inverse map when the caller has it."""
     return implementation("restore_residual", backend, x_RLC.device)(x_RLC, idx_Rn, branch_RnC, gate_R1C, cache_RlC,
-                                                                     cache_hw, hw)
+                                                                     cache_hw, hw, slot_RL)
 
 
-def pivotal_tokens(x_RLC: torch.Tensor, keep: int, *, backend: str = "auto") -> torch.Tensor:
-    """(R, keep) FastVAR pivotal positions, ascending (see ``ref.pivotal_tokens``)."""
-    return implementation("pivotal_tokens", backend, x_RLC.device)(x_RLC, keep)
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int, slots: bool = False, *, backend: str = "auto"):
+    """(R, keep) FastVAR pivotal positions, ascending; with ``slots`` also their (R, L) int32
+    inverse map (see ``ref.pivotal_tokens``)."""
+    return implementation("pivotal_tokens", backend, x_RLC.device)(x_RLC, keep, slots)
 
 
 def change_map(x_in_RnC: torch.Tensor, x_out_RnC: torch.Tensor, batch: int, idx_Bn: Optional[torch.Tensor], L: int,

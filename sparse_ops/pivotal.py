@@ -73,7 +73,8 @@ def _score_kernel(x_ptr, ws_ptr, score_ptr, L, C, s_xr, s_xl, SPLIT: tl.constexp
 
 
 @triton.jit
-def _pick_kernel(score_ptr, idx_ptr, L, keep, POS_BITS: tl.constexpr, BLOCK_L: tl.constexpr):
+def _pick_kernel(score_ptr, idx_ptr, slot_ptr, L, keep, POS_BITS: tl.constexpr, BLOCK_L: tl.constexpr,
+                 SLOTS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_L)
     im = i < L
@@ -81,6 +82,8 @@ def _pick_kernel(score_ptr, idx_ptr, L, keep, POS_BITS: tl.constexpr, BLOCK_L: t
     sel = im & _top_keys(score, i, im, keep, POS_BITS)
     slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1                      # ascending positions
     tl.store(idx_ptr + r * keep + slot, i.to(tl.int64), mask=sel)
+    if SLOTS:                                                            # the inverse map, for the restore
+        tl.store(slot_ptr + r * L + i, tl.where(sel, slot, -1), mask=im)
 
 
 def launch_shape(R: int, L: int, C: int) -> tuple[int, int, int, int, int]:
@@ -96,18 +99,20 @@ def launch_shape(R: int, L: int, C: int) -> tuple[int, int, int, int, int]:
     return split, block_c, 8, 512, map_warps(triton.next_power_of_2(L))
 
 
-def pivotal_tokens(x_RLC: torch.Tensor, keep: int, shape: Optional[tuple] = None) -> torch.Tensor:
-    """Triton twin of ``ref.pivotal_tokens``: (R, keep) int64 positions, ascending. ``shape``
-    overrides :func:`launch_shape` (benchmarks)."""
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int, slots: bool = False, shape: Optional[tuple] = None):
+    """Triton twin of ``ref.pivotal_tokens``: (R, keep) int64 positions, ascending; with ``slots``
+    also their inverse map (R, L) int32 (``ref.slot_map``), written by the selection's last launch.
+    ``shape`` overrides :func:`launch_shape` (benchmarks)."""
     R, L, C = x_RLC.shape
     keep = int(keep)
     if not 0 <= keep <= L:
         raise ValueError(f"keep={keep}: choose between 0 and the {L} tokens of the map")
     dev = x_RLC.device
     if keep == L:
-        return torch.arange(L, device=dev).expand(R, L).contiguous()
+        idx_RL = torch.arange(L, device=dev).expand(R, L).contiguous()
+        return (idx_RL, idx_RL.to(torch.int32)) if slots else idx_RL
     if L > MAX_TOKENS or R == 0 or keep == 0 or C == 0:
-        return ref.pivotal_tokens(x_RLC, keep)
+        return ref.pivotal_tokens(x_RLC, keep, slots)
     if x_RLC.stride(-1) != 1:
         x_RLC = x_RLC.contiguous()
     split, block_c, rows, block_c2, warps = shape or launch_shape(R, L, C)
@@ -120,6 +125,8 @@ def pivotal_tokens(x_RLC: torch.Tensor, keep: int, shape: Optional[tuple] = None
     _score_kernel[(triton.cdiv(L, rows), R)](x_RLC, ws, score_RL, L, C, x_RLC.stride(0), x_RLC.stride(1),
                                              SPLIT=split, ROWS=rows, BLOCK_C=block_c2, num_warps=4)
     idx_Rk = torch.empty(R, keep, device=dev, dtype=torch.long)
+    slot_RL = torch.empty(R, L, device=dev, dtype=torch.int32) if slots else idx_Rk      # never written without
     block_l = triton.next_power_of_2(L)
-    _pick_kernel[(R,)](score_RL, idx_Rk, L, keep, POS_BITS=pos_bits(block_l), BLOCK_L=block_l, num_warps=warps)
-    return idx_Rk
+    _pick_kernel[(R,)](score_RL, idx_Rk, slot_RL, L, keep, POS_BITS=pos_bits(block_l), BLOCK_L=block_l,
+                       SLOTS=slots, num_warps=warps)
+    return (idx_Rk, slot_RL) if slots else idx_Rk

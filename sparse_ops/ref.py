@@ -172,12 +172,23 @@ def gather_norm_modulate(x_RLC: torch.Tensor, idx_Rn: Optional[torch.Tensor], mu
     return torch.addcmul(shift_R1C, y_RnC, mul_R1C).to(out_dtype)
 
 
+def slot_map(idx_Rn: torch.Tensor, L: int) -> torch.Tensor:
+    """(R, L) int32 inverse of a token subset: which of the ``n`` entries of ``idx_Rn`` holds token
+    i, or -1 for a token not in the subset."""
+    R, n = idx_Rn.shape
+    slot_RL = torch.full((R, L), -1, device=idx_Rn.device, dtype=torch.int32)
+    return slot_RL.scatter_(1, idx_Rn.long(), torch.arange(n, device=idx_Rn.device, dtype=torch.int32).expand(R, n))
+
+
 def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torch.Tensor, gate_R1C: torch.Tensor,
-                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int]) -> torch.Tensor:
+                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int],
+                     slot_RL: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FastVAR's restore: ``x + (kept ? gate · branch[slot] : area_upsample(cache))`` over all L
     tokens, in float32. ``branch_RnC`` is the sub-layer's output for tokens ``idx_Rn``; the cache
     (gated branch output of the same sub-layer at the cache scale, (≥R, hc·wc, C)) is upsampled
-    from ``cache_hw`` to ``hw`` with area interpolation."""
+    from ``cache_hw`` to ``hw`` with area interpolation. ``slot_RL``: ``slot_map(idx_Rn, L)`` when
+    the caller already has it (``pivotal_tokens(..., slots=True)``), so the Triton twin need not
+    build it; the result is defined by ``idx_Rn`` alone."""
     R, L, C = x_RLC.shape
     (hc, wc), (h, w) = cache_hw, hw
     cached_RChw = cache_RlC[:R].transpose(1, 2).reshape(R, C, hc, wc)                # (R, hw, C) → (R, C, h, w)
@@ -187,16 +198,17 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
     return x_RLC + update_RLC
 
 
-def pivotal_tokens(x_RLC: torch.Tensor, keep: int) -> torch.Tensor:
+def pivotal_tokens(x_RLC: torch.Tensor, keep: int, slots: bool = False):
     """FastVAR's pivotal tokens: (R, keep) int64 positions, ascending, of the ``keep`` tokens of
     each row farthest from the row's spatial mean, by ``Σ_c (x − mean_L x)²`` in float32 (ties:
-    the earlier position first)."""
+    the earlier position first). ``slots``: return (positions, ``slot_map(positions, L)``)."""
     if not 0 <= keep <= x_RLC.shape[1]:
         raise ValueError(f"keep={keep}: choose between 0 and the {x_RLC.shape[1]} tokens of the map")
     x_RLC = x_RLC.float()
     score_RL = (x_RLC - x_RLC.mean(dim=1, keepdim=True)).pow(2).sum(dim=-1)
     order_Rk = torch.sort(score_RL, dim=1, descending=True, stable=True).indices[:, :keep]
-    return order_Rk.sort(dim=1).values
+    idx_Rk = order_Rk.sort(dim=1).values
+    return (idx_Rk, slot_map(idx_Rk, x_RLC.shape[1])) if slots else idx_Rk
 
 
 # ---- (b) SparseVAR: change map, then threshold / budget selection and compaction --------------------

@@ -5,14 +5,18 @@ The area upsampling of the cached map (hc·wc tokens, small and L2-resident) is 
 from each token's source window, so neither the upsampled map nor an expanded index is ever
 written: bytes = read x + write out (fp32) + read the kept rows of ``branch`` (research/kernels.md
 §2, "fused restore of all rows"). The inverse map slot[r, i] (which packed row holds token i, or
--1) is built with one small int32 scatter first.
+-1) comes from the selection (``pivotal_tokens(..., slots=True)``) or is built with one small
+int32 scatter first.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import ref
 from .gather_modulate import _launch_shape as _restore_launch
 from .gather_modulate import _rows_contiguous
 
@@ -70,20 +74,24 @@ def _restore_kernel(x_ptr, slot_ptr, br_ptr, gate_ptr, cache_ptr, out_ptr,
 
 
 def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torch.Tensor, gate_R1C: torch.Tensor,
-                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int]) -> torch.Tensor:
+                     cache_RlC: torch.Tensor, cache_hw: tuple[int, int], hw: tuple[int, int],
+                     slot_RL: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton twin of ``ref.restore_residual``: (R, L, C) float32
-    ``x + (kept ? gate · branch[slot] : area_upsample(cache))``."""
+    ``x + (kept ? gate · branch[slot] : area_upsample(cache))``. Without ``slot_RL`` the inverse
+    map is built first (``ref.slot_map``: three small torch launches)."""
     x_RLC = _rows_contiguous(x_RLC)
     R, L, C = x_RLC.shape
-    n = idx_Rn.shape[1]
     (hc, wc), (h, w) = cache_hw, hw
     assert h * w == L and cache_RlC.shape[1] == hc * wc, "restore_residual: map sizes do not match the tensors"
     dev = x_RLC.device
     out = torch.empty(R, L, C, device=dev, dtype=torch.promote_types(x_RLC.dtype, torch.float32))
     if R == 0:
         return out
-    slot_RL = torch.full((R, L), -1, device=dev, dtype=torch.int32)
-    slot_RL.scatter_(1, idx_Rn.long(), torch.arange(n, device=dev, dtype=torch.int32).expand(R, n))
+    if slot_RL is None:
+        slot_RL = ref.slot_map(idx_Rn, L)
+    else:
+        assert slot_RL.shape == (R, L) and slot_RL.dtype == torch.int32, "slot_RL: ref.slot_map(idx_Rn, L)"
+        slot_RL = slot_RL if slot_RL.stride(-1) == 1 else slot_RL.contiguous()
     branch_RnC = _rows_contiguous(branch_RnC)
     gate_R1C = _rows_contiguous(gate_R1C.expand(R, 1, C))
     cache_RlC = _rows_contiguous(cache_RlC[:R])

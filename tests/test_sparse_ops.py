@@ -338,6 +338,11 @@ def _restore_case(shape, cache_hw, C, device):
     want = ref.restore_residual(x, idx, branch, gate, cache, cache_hw, (h, w))
     oracle = ref.restore_residual(x.double(), idx, branch.double(), gate.double(), cache.double(), cache_hw, (h, w))
     assert_close_to_oracle("restore_residual", got, want, oracle)
+    # the inverse map handed in (as FastVAR gets it from the selection): the same kernel, the same bits
+    slot = ref.slot_map(idx, L)
+    assert slot.dtype == torch.int32 and bool((slot.gather(1, idx) == torch.arange(n, device=device)).all())
+    assert int((slot >= 0).sum()) == R * n
+    assert torch.equal(rs.restore_residual(x, idx, branch, gate, cache, cache_hw, (h, w), slot), got)
 
 
 def _change_case(shape, C, device, halves=2):
@@ -391,6 +396,11 @@ def _pivotal_case(shape, C, dtype, device):
         want = ref.pivotal_tokens(x, keep)
         assert got.shape == (R, keep) and got.dtype == torch.long, (got.shape, got.dtype)
         assert bool((got[:, 1:] > got[:, :-1]).all()), "positions must ascend"
+        # with the inverse map the selection is the same, and the map is the selection's inverse
+        got2, slot = pivotal.pivotal_tokens(x, keep, slots=True)
+        assert torch.equal(got2, got) and torch.equal(slot, ref.slot_map(got, L)), f"slots, keep={keep}"
+        want2, slot_ref = ref.pivotal_tokens(x, keep, slots=True)
+        assert torch.equal(want2, want) and torch.equal(slot_ref, ref.slot_map(want, L))
         if torch.equal(got, want):
             continue
         cut = srt[:, keep - 1:keep]                                             # (R, 1) the keep-th score
