@@ -119,17 +119,26 @@ class _GraphRunner:
             run.policies.graph_replayed(key[1] if isinstance(key, tuple) else key, exports, run)
         return out
 
-    def whole_scale(self, si: int, plan, run: RunState, adapter) -> Optional[tuple]:
+    def whole_scale(self, si: int, plan, run: RunState, adapter, hooks: bool = False) -> Optional[tuple]:
         """Replay scale ``si`` whole — compute, guidance, sampling, residual and latent update — from
         one graph, with the sampler's Exp(1) noise drawn just before into a static buffer by the same
         ``exponential_`` call the sampler would make (so the same codes as the eager path). Returns
         (guided logits, codes), or None (nothing drawn, nothing run) when the adapter cannot take
         pre-drawn noise or the KV cache is not in the captured state.
 
+        ``hooks``: the policies act at this scale and can be captured with it
+        (``PolicyStack.scale_capturable``): their model hooks and ``post_residual`` run inside the
+        graph, a token subset is read from a static copy of the plan's index, and the graph is
+        keyed by the subset size and the policies' settings too; the caller runs ``after_scale``.
+
         The graph bakes in the sampling settings (guidance, top-k, top-p): graphs captured under
         other settings are dropped, so a sweep over settings keeps one set of graphs in memory."""
         shape = adapter.sample_noise_shape(si, run)
-        key = ("scale", si)
+        stack = run.policies
+        n = plan.token_index.shape[1] if plan.token_index is not None else None
+        # with hooks the graph bakes in what the policies do inside it (e.g. which layer SparseVAR
+        # observes): keyed by every policy's settings as well as the subset size
+        key = ("scale", si) if not hooks else ("scale", si, n, tuple(p.graph_key() for p in stack))
         if shape is None or not self.usable(key, run.workspace.kv):
             return None
         ws = self.ws
@@ -142,12 +151,22 @@ class _GraphRunner:
         if noise_NV is None or tuple(noise_NV.shape) != tuple(shape):
             noise_NV = ws.scale_noise[si] = torch.empty(shape, dtype=torch.float32, device=run.device)
         noise_NV.exponential_(generator=run.generator)
+        if n is not None:                              # the subset from a buffer the graph reads
+            idx_buf = run.workspace.static_index.get(key)
+            if idx_buf is None:
+                idx_buf = run.workspace.static_index[key] = torch.zeros_like(plan.token_index)
+            idx_buf.copy_(plan.token_index)
+            plan = dataclasses.replace(plan, token_index=idx_buf)
+            run.plan = plan                            # what the policies' hooks read
 
         def scale():
             logits = adapter.compute_scale(si, plan, run)
             guided = adapter.guide(si, logits, run)
             codes = adapter.sample(si, guided, run, noise_NV=noise_NV)
-            adapter.accumulate(si, adapter.residual(si, codes, run), run)
+            residual = adapter.residual(si, codes, run)
+            if hooks:
+                residual = stack.post_residual(si, residual, run)
+            adapter.accumulate(si, residual, run)
             return guided, codes
 
         return self.run(key, scale, run.workspace.kv, run, preserve=(adapter.latent(run),))
@@ -248,6 +267,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 adapter.drop_uncond(run)
                 run.cfg_active = False
             logits = whole = None
+            hooked = False                             # policies' hooks captured in the whole-scale graph
             if graphs is not None and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens):
                 if plan.dense and not policies.uses_model_hooks(si, run):
                     if scale_graphs and policies.tail_idle(si, run):
@@ -258,10 +278,21 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                         logits = graphs.run(("dense", si), lambda: adapter.compute_scale(si, plan, run),
                                             run.workspace.kv, run)
                 elif (plan.dense or plan.static) and plan.token_valid is None and policies.graph_safe_at(si, run):
-                    # the layer stack replays from a graph; the policies' observe / post_hidden run around it
-                    logits = adapter.compute_scale(si, plan, run, graphs=graphs)
+                    if scale_graphs and policies.scale_capturable(si, run):
+                        # the policies' hooks here can be captured too: the whole scale from one graph
+                        whole = graphs.whole_scale(si, plan, run, adapter, hooks=True)
+                        hooked = whole is not None
+                    if whole is None:
+                        # the layer stack replays from a graph; the policies' observe / post_hidden run around it
+                        logits = adapter.compute_scale(si, plan, run, graphs=graphs)
             if whole is not None:
                 guided, codes = whole
+                if hooked:
+                    if len(policies):
+                        hook_timer.start(("after", si))
+                    policies.after_scale(si, guided, run)
+                    if len(policies):
+                        hook_timer.stop(("after", si))
             else:
                 if logits is None:
                     logits = adapter.compute_scale(si, plan, run)

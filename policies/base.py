@@ -185,6 +185,16 @@ class Policy:
         run the scale's guidance, sampling and latent update inside its CUDA graph. Default False."""
         return False
 
+    def scale_capturable(self, si: int, run: "RunState") -> bool:
+        """True when everything this policy does at ``si`` after its plan — the model hooks,
+        ``post_residual`` — may be captured into one CUDA graph with the whole scale (compute,
+        guidance, sampling, latent update), replayed in later generations of the same settings:
+        the tensors those hooks read are in buffers whose addresses do not change between
+        generations (e.g. the plan's outputs copied into workspace buffers), and what they store
+        for later scales is registered in ``run.graph_exports`` during the capture and taken back
+        in :meth:`graph_replayed`. ``after_scale`` still runs after the replay. Default False."""
+        return False
+
 
 _MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
 _HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
@@ -281,6 +291,15 @@ class PolicyStack:
         """True when no policy acts after the head at ``si`` (see :meth:`Policy.tail_idle`)."""
         return all(p.tail_idle(si, run) for p in self.policies
                    if _overrides(p, "post_residual") or _overrides(p, "after_scale"))
+
+    def scale_capturable(self, si: int, run) -> bool:
+        """True when every policy acting at ``si`` (inside the model or after the head) can be
+        captured with the whole scale (see :meth:`Policy.scale_capturable`)."""
+        for p in self.policies:
+            acts_after = (_overrides(p, "post_residual") or _overrides(p, "after_scale")) and not p.tail_idle(si, run)
+            if (p.uses_model_hooks(si, run) or acts_after) and not p.scale_capturable(si, run):
+                return False
+        return True
 
     def graph_key(self, si: int, run) -> tuple:
         """The settings a captured layer stack at ``si`` depends on: those of the policies working

@@ -321,10 +321,33 @@ class SparseVARPolicy(Policy):
             logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)  # (B, h, w, V) → (B, L, V)
         copy_src_BL, zero_BL, roles_BL, _ = sparse_ops.anchor_match(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
                                                                     c.beta, backend=backend)
-        st["copy_src"], st["zero"] = copy_src_BL, zero_BL
+        st["copy_src"], st["zero"] = self._static(run, si, "copy_src", copy_src_BL), self._static(run, si, "zero", zero_BL)
         st["roles"] = roles_BL.view(B, h, w)           # (B, L) → (B, h, w); recorded once the scale has run
         return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
                          static=c.keep_ratio is not None and valid_Bn is None)
+
+    @staticmethod
+    def _static(run, si: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied into a workspace buffer that keeps its address across generations (the
+        hooks of a captured whole scale read it); ``t`` itself without a workspace cache."""
+        cache = getattr(run.workspace, "policy_cache", None)
+        if cache is None or not t.is_cuda:
+            return t
+        key = ("sparsevar-static", si, name, tuple(t.shape), t.dtype)
+        buf = cache.get(key)
+        if buf is None:
+            buf = cache[key] = torch.empty_like(t)
+        return buf.copy_(t)
+
+    def scale_capturable(self, si: int, run) -> bool:
+        # post_hidden / post_residual read the plan's anchor copies and zero mask from workspace
+        # buffers (_static); the change map observe stores is exported from the capture
+        return True
+
+    def graph_replayed(self, si: int, exports: dict, run) -> None:
+        got = exports.get(self.name)
+        if got is not None and "change" in got:      # the map of a replayed whole scale, refreshed
+            run.policy_state[self.name]["change"] = got["change"]
 
     def observe(self, si: int, unit, x_in, x_out, run) -> None:
         st = run.policy_state[self.name]
@@ -342,6 +365,8 @@ class SparseVARPolicy(Policy):
         full_BL = sparse_ops.change_map(st["x_in"], x_out, B, idx_Bn, h * w, backend=st["backend"])
         st["change"] = full_BL.view(B, h, w)                                             # (B, hw) → (B, h, w)
         st["x_in"] = None
+        if x_out.is_cuda and torch.cuda.is_current_stream_capturing():
+            run.graph_exports.setdefault(self.name, {})["change"] = st["change"]     # replays refresh it
 
     def post_hidden(self, si: int, h_RLC: torch.Tensor, run) -> torch.Tensor:
         src_BL = run.policy_state[self.name]["copy_src"]

@@ -132,6 +132,32 @@ def test_policies_with_cuda_graphs_match_eager(enable):
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
 
 
+def test_sparsevar_whole_scale_replays_read_this_generations_plan():
+    """SparseVAR's pruned scales replay whole (selection and anchor matching run before, the kept
+    set, anchor copies and zero mask reach the graph through workspace buffers, the change map
+    comes back from it): a replay for other classes and seeds must give that generation's eager
+    codes, not the captured one's, and a changed setting must recapture."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_compiled_elementwise(kernels="fused")
+    pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3)
+    _codes(pipe, [1, 2], 11, use_cuda_graphs=True)                       # capture
+    for labels, seed in (([5, 7], 3), ([0, 9], 4)):
+        codes, images = _codes(pipe, labels, seed, use_cuda_graphs=True)  # replay
+        eager_codes, eager = _codes(pipe, labels, seed, use_cuda_graphs=False)
+        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        torch.testing.assert_close(images, eager, atol=0, rtol=0)
+    ws = next(iter(pipe.adapter()._workspaces.values()))
+    before = {k for k in ws.graphs if k[0] == "scale" and len(k) > 2}
+    assert before, "SparseVAR's scales were not captured whole"
+    pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0)       # another observed layer
+    codes, _ = _codes(pipe, [5, 7], 3, use_cuda_graphs=True)
+    eager_codes, _ = _codes(pipe, [5, 7], 3, use_cuda_graphs=False)
+    assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+    assert {k for k in ws.graphs if k[0] == "scale" and len(k) > 2} - before, "the new setting was not recaptured"
+    pipe.release_memory()
+
+
 @pytest.mark.parametrize("policy", [None, "sparsevar", "fastvar"])
 def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy):
     """With fused ops, a dense scale no policy acts on replays compute, guidance, sampling (its
@@ -154,9 +180,10 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
         ws = next(iter(pipe.adapter()._workspaces.values()))
         whole = sorted(k[1] for k in ws.graphs if k[0] == "scale")
         S = pipe.adapter().schedule.num_scales
-        # SparseVAR's last three scales are pruned and the one before them feeds its maps; FastVAR
-        # prunes the last two and caches the one before them
-        want = {None: list(range(S)), "sparsevar": list(range(S - 4)), "fastvar": list(range(S - 3))}[policy]
+        # SparseVAR's hooks are captured with their scales (the feeding one and the three pruned
+        # ones, keep ratio: fixed subset sizes); FastVAR prunes the last two and caches the one
+        # before them inside the layers, whose stacks replay on their own
+        want = {None: list(range(S)), "sparsevar": list(range(S)), "fastvar": list(range(S - 3))}[policy]
         assert whole == want
         assert ws.scale_graph_settings.guidance_scale == cfg
     pipe.release_memory()
