@@ -210,10 +210,13 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     """Run every scale of one generation and decode the result.
 
     cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
-        given batch size). Scales a policy changes always run eagerly. Where the adapter supports
-        it (``supports_scale_graphs``), a dense scale at which no policy acts after the head
-        replays whole — compute, guidance, sampling and latent update — with the sampler's noise
-        drawn just before the replay by the same call, so the codes equal the eager path's.
+        given batch size). A scale a policy changes replays its layer stack from a graph when the
+        subset size is fixed by the settings and the policy's in-layer hooks are capturable, else
+        runs eagerly. Where the adapter supports it (``supports_scale_graphs``), a scale at which
+        no policy acts after the head — or whose policies can be captured with it
+        (``PolicyStack.scale_capturable``; their plan runs before) — replays whole: compute,
+        guidance, sampling and latent update, with the sampler's noise drawn just before the
+        replay by the same call, so the codes equal the eager path's.
     graph_max_tokens: with graphs, scales whose map has more tokens run eagerly (their kernels are
         long enough not to wait on the host, and a graph pool holding their activations would be
         large); None: no limit.
