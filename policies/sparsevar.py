@@ -341,8 +341,9 @@ class SparseVARPolicy(Policy):
 
     def scale_capturable(self, si: int, run) -> bool:
         # post_hidden / post_residual read the plan's anchor copies and zero mask from workspace
-        # buffers (_static); the change map observe stores is exported from the capture
-        return True
+        # buffers (_static: only where the workspace keeps a policy cache); the change map observe
+        # stores is exported from the capture
+        return getattr(run.workspace, "policy_cache", None) is not None
 
     def graph_replayed(self, si: int, exports: dict, run) -> None:
         got = exports.get(self.name)
