@@ -188,6 +188,30 @@ def test_fastvar_wraps_the_sub_layers_only_where_it_works(pipe):
     assert all(torch.equal(a, b) for a, b in zip(codes[:S - 2], dense_codes[:S - 2]))
 
 
+def test_which_scales_can_replay_whole_with_their_policies(pipe):
+    """PolicyStack.scale_capturable (the engine's whole-scale CUDA graphs, tested on the GPU): every
+    SparseVAR scale (its hooks read workspace buffers), but not FastVAR's cache and pruned scales
+    (their work is inside the layers), nor a scale where a policy without the claim acts."""
+    class CaptureProbe(Policy):
+        name = "capture-probe"
+
+        def __init__(self):
+            self.ok = {}
+
+        def plan_scale(self, si, run):                # a plan only: no claim needed
+            self.ok[si] = run.policies.scale_capturable(si, run)
+            return None
+
+    S = pipe.transformer.schedule.num_scales
+    probe = CaptureProbe()
+    _run(pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3).add_policy(probe))
+    assert probe.ok == {si: True for si in range(S)}
+    _run(pipe.disable_sparsevar().enable_fastvar(ratios=(0.5, 0.75)))
+    assert probe.ok == {si: si < S - 3 for si in range(S)}
+    _run(pipe.disable_fastvar().add_policy(Probe()))          # acts after every head, claims nothing
+    assert probe.ok == {si: False for si in range(S)}
+
+
 def test_fastvar_ratio_one_skips_the_final_scales(pipe):
     out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 1.0)))
     assert [s.skipped for s in out.stats[0].scales][-2:] == [False, True] and len(codes) == 9
