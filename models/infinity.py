@@ -1048,21 +1048,25 @@ class InfinityAdapter:
         rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,
                        sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca=None).rope(pos)
         blocks = self.transformer.blocks
-        # fused elementwise kernels and no sub-layer wrapper: chain each residual add with the next norm
-        chained = self.ops.kind != "eager" and not stack.wraps_sublayers(si, run)
-        if chained:
-            y_RlC = self.ops.modulate(x_RlC, ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5], blocks[0].norm_eps,
-                                      blocks[0].ffn.fc1.weight.dtype)
+        # fused elementwise kernels, and layers no sub-layer wrapper changes: chain each residual add
+        # with the next norm
+        wrapped = stack.wraps_sublayers(si, run)
+        chained = [self.ops.kind != "eager" and not (wrapped and stack.wraps_sublayers(si, run, i))
+                   for i in range(len(blocks))]
+        y_RlC = None                                   # a chained layer's modulated self-attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC
             call = _Call(kv=kv, si=si, layer=i, run=run, qkv_bias=ws.qkv_bias_N3C[i], q_mult=ws.q_mult_NH1[i],
                          cos_LD=ws.cos_LD, sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=valid_Rn, record=record,
                          ca=ws.text_memory(i), rope_l=rope_l, ops=self.ops)
-            if chained:
-                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) else None
+            if chained[i]:
+                if y_RlC is None:
+                    y_RlC = self.ops.modulate(x_RlC, ws.ada_NR6C[i, :R, 2:3], ws.ada_NR6C[i, :R, 4:5], blk.norm_eps,
+                                              blk.ffn.fc1.weight.dtype)
+                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) and chained[i + 1] else None
                 x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call, ws.ones_R1C)
             else:
-                x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
+                x_RlC, y_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call), None
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
             elif taps is not None and i in taps:

@@ -510,18 +510,21 @@ class VARAdapter:
         observe = stack.active["observe"] and taps is None
         collected = []
         blocks = self.transformer.blocks
-        chained = not stack.wraps_sublayers(si, run)     # no sub-layer wrapper here: fuse across block borders
-        if chained:
-            m1_R1C, b1_R1C = ws.ada_NR6C[0, :R, 2:3], ws.ada_NR6C[0, :R, 4:5]
-            y_RlC = self.ops.modulate(x_RlC, m1_R1C, b1_R1C, blocks[0].norm_eps, blocks[0].ffn.fc1.weight.dtype)
+        # layers no sub-layer wrapper changes run the dense path, fused across block borders
+        wrapped = stack.wraps_sublayers(si, run)
+        chained = [not (wrapped and stack.wraps_sublayers(si, run, i)) for i in range(len(blocks))]
+        y_RlC = None                                   # a chained layer's modulated attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC
             call = _LayerCall(kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
-            if chained:
-                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) else None
+            if chained[i]:
+                if y_RlC is None:
+                    m1_R1C, b1_R1C = ws.ada_NR6C[i, :R, 2:3], ws.ada_NR6C[i, :R, 4:5]
+                    y_RlC = self.ops.modulate(x_RlC, m1_R1C, b1_R1C, blk.norm_eps, blk.ffn.fc1.weight.dtype)
+                next_mod = ws.ada_NR6C[i + 1, :R] if i + 1 < len(blocks) and chained[i + 1] else None
                 x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call)
             else:
-                x_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call)
+                x_RlC, y_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call), None
             if observe:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
             elif taps is not None and i in taps:

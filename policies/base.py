@@ -152,6 +152,12 @@ class Policy:
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run: "RunState") -> torch.Tensor:
         return sub(x_RlC)
 
+    def wraps_layer(self, si: int, layer: int, run: "RunState") -> bool:
+        """For a policy overriding ``wrap_sublayer`` and working inside the layers at ``si``: False
+        when its wrapper leaves ``layer``'s sub-layers as they are (e.g. outside FastVAR's layer
+        range), so the adapter may run that layer on its chained dense path. Default True."""
+        return True
+
     def observe(self, si: int, unit: tuple[str, int], x_in: torch.Tensor, x_out: torch.Tensor,
                 run: "RunState") -> None:
         """Read-only tap after a layer (``("layer", i)``): its input and output for the tokens it ran.
@@ -270,11 +276,13 @@ class PolicyStack:
     def uses_model_hooks(self, si: int, run) -> bool:
         return any(p.uses_model_hooks(si, run) for p in self.policies)
 
-    def wraps_sublayers(self, si: int, run) -> bool:
+    def wraps_sublayers(self, si: int, run, layer: Optional[int] = None) -> bool:
         """True when a policy wraps the sub-layers at ``si`` (one that overrides ``wrap_sublayer``
-        and works inside the layers there). Elsewhere the adapters run their chained dense path,
-        whose fused steps span the sub-layer borders."""
-        return any(p.uses_model_hooks(si, run) for p in self.active["wrap_sublayer"])
+        and works inside the layers there) — of layer ``layer`` only, when given
+        (:meth:`Policy.wraps_layer`). Elsewhere the adapters run their chained dense path, whose
+        fused steps span the sub-layer borders."""
+        return any(p.uses_model_hooks(si, run) and (layer is None or p.wraps_layer(si, layer, run))
+                   for p in self.active["wrap_sublayer"])
 
     def graph_safe_at(self, si: int, run) -> bool:
         """True when the policies need no hook inside the layers at ``si`` other than ``observe``

@@ -141,6 +141,9 @@ class FastVARPolicy(Policy):
         lr = self.config.layer_range
         return lr is None or lr[0] <= layer <= lr[1]
 
+    def wraps_layer(self, si: int, layer: int, run) -> bool:
+        return self._in_range(layer)                   # outside the range its wrapper runs the layer as is
+
     def wrap_sublayer(self, sub: SubLayer, x_RLC: torch.Tensor, run) -> torch.Tensor:
         c = self.config
         if c.neutral or not self._in_range(sub.ctx.layer):

@@ -212,6 +212,31 @@ def test_which_scales_can_replay_whole_with_their_policies(pipe):
     assert probe.ok == {si: False for si in range(S)}
 
 
+def test_fastvar_layers_outside_its_range_run_chained(pipe, monkeypatch):
+    """With a layer range, the layers FastVAR leaves alone run the chained dense path at its scales
+    too; on the eager ops that is the same arithmetic as running them through the wrapper."""
+    from sparsevar.policies.fastvar import FastVARPolicy
+
+    class LayerProbe(Policy):
+        name = "layer-probe"
+
+        def __init__(self):
+            self.wraps = {}
+
+        def after_scale(self, si, logits, run):
+            self.wraps[si] = [run.policies.wraps_sublayers(si, run, i) for i in range(run.info.num_layers)]
+
+    probe = LayerProbe()
+    pipe.enable_fastvar(ratios=(0.5, 0.75), layer_range=(1, 1)).add_policy(probe)
+    out, codes = _run(pipe)
+    S, N = pipe.transformer.schedule.num_scales, pipe.transformer.config.depth
+    assert N >= 2 and all(probe.wraps[si] == [si >= S - 3 and i == 1 for i in range(N)] for si in range(S))
+    monkeypatch.setattr(FastVARPolicy, "wraps_layer", lambda self, si, layer, run: True)   # every layer wrapped
+    out_all, codes_all = _run(pipe)
+    assert all(torch.equal(a, b) for a, b in zip(codes, codes_all))
+    torch.testing.assert_close(out.images, out_all.images, atol=0, rtol=0)
+
+
 def test_fastvar_ratio_one_skips_the_final_scales(pipe):
     out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 1.0)))
     assert [s.skipped for s in out.stats[0].scales][-2:] == [False, True] and len(codes) == 9
