@@ -97,8 +97,8 @@ class SubLayer:
     def residual(self, x_RlC: torch.Tensor, idx_Rn: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gated branch output (float32, without the skip connection). For a token subset pass
         its indices ``idx_Rn`` into the layer's current tokens (attention records their positions)."""
-        out = self.branch(self.modulate(x_RlC), idx_Rn).float()
-        return out * self.gate
+        out = self.branch(self.modulate(x_RlC), idx_Rn)
+        return out * self.gate.float()          # bf16 · float32 → float32 in one pass: out.float() · gate, same bits
 
     def __call__(self, x_RlC: torch.Tensor) -> torch.Tensor:
         return self._add(x_RlC, self.branch(self.modulate(x_RlC), None), self.gate)
