@@ -47,6 +47,10 @@ class _ScaleTimer:
     def start(self, key: int):
         self.marks[key] = (self._now(), None)
 
+    def cancel(self, key):
+        """Forget a started mark (a scale that turned out skipped)."""
+        self.marks.pop(key, None)
+
     def stop(self, key: int):
         self.marks[key] = (self.marks[key][0], self._now())
 
@@ -83,6 +87,13 @@ class _GraphRunner:
         earlier in this generation)."""
         entry = self.ws.graphs.get(key)
         return not kv.masked and (entry is None or kv.host_state() == entry[2])
+
+    def index_buffer(self, key, index: torch.Tensor) -> torch.Tensor:
+        """``index`` copied into the buffer the graph of ``key`` reads (same address every generation)."""
+        buf = self.ws.static_index.get(key)
+        if buf is None:
+            buf = self.ws.static_index[key] = torch.zeros_like(index)
+        return buf.copy_(index)
 
     def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None,
             preserve: Sequence[torch.Tensor] = ()) -> Any:
@@ -145,6 +156,7 @@ class _GraphRunner:
         if getattr(ws, "scale_graph_settings", None) != run.settings:
             for k in [k for k in ws.graphs if isinstance(k, tuple) and k[0] == "scale"]:
                 del ws.graphs[k]
+                ws.static_index.pop(k, None)           # its subset buffer, if it had one
             ws.scale_graph_settings = run.settings
             ws.scale_noise = {}
         noise_NV = ws.scale_noise.get(si)
@@ -152,11 +164,7 @@ class _GraphRunner:
             noise_NV = ws.scale_noise[si] = torch.empty(shape, dtype=torch.float32, device=run.device)
         noise_NV.exponential_(generator=run.generator)
         if n is not None:                              # the subset from a buffer the graph reads
-            idx_buf = run.workspace.static_index.get(key)
-            if idx_buf is None:
-                idx_buf = run.workspace.static_index[key] = torch.zeros_like(plan.token_index)
-            idx_buf.copy_(plan.token_index)
-            plan = dataclasses.replace(plan, token_index=idx_buf)
+            plan = dataclasses.replace(plan, token_index=self.index_buffer(key, plan.token_index))
             run.plan = plan                            # what the policies' hooks read
 
         def scale():
@@ -183,10 +191,7 @@ class _GraphRunner:
         n = plan.token_index.shape[1] if plan.token_index is not None else None
         key = ("layers", si, n, frozenset(taps), stack.graph_key(si, run))
         if n is not None:
-            idx_buf = ws.static_index.get(key)
-            if idx_buf is None:
-                idx_buf = ws.static_index[key] = torch.zeros(run.batch_size, n, dtype=torch.long, device=run.device)
-            idx_buf.copy_(plan.token_index)
+            idx_buf = self.index_buffer(key, plan.token_index.to(run.device, torch.long))
         out = self.run(key, lambda: layers_fn(idx_buf, taps), ws.kv, run)
         if out is None:
             return None
@@ -259,8 +264,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             if not skipping and len(policies):
                 hook_timer.stop(("plan", si))
             if skipping or plan.skip:
-                timer.marks.pop(si, None)
-                hook_timer.marks.pop(("plan", si), None)
+                timer.cancel(si)
+                hook_timer.cancel(("plan", si))
                 skipping = True
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
                 continue

@@ -1050,9 +1050,7 @@ class InfinityAdapter:
         blocks = self.transformer.blocks
         # fused elementwise kernels, and layers no sub-layer wrapper changes: chain each residual add
         # with the next norm
-        wrapped = stack.wraps_sublayers(si, run)
-        chained = [self.ops.kind != "eager" and not (wrapped and stack.wraps_sublayers(si, run, i))
-                   for i in range(len(blocks))]
+        chained = [self.ops.kind != "eager" and c for c in stack.unwrapped_layers(si, run, len(blocks))]
         y_RlC = None                                   # a chained layer's modulated self-attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC

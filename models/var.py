@@ -511,8 +511,7 @@ class VARAdapter:
         collected = []
         blocks = self.transformer.blocks
         # layers no sub-layer wrapper changes run the dense path, fused across block borders
-        wrapped = stack.wraps_sublayers(si, run)
-        chained = [not (wrapped and stack.wraps_sublayers(si, run, i)) for i in range(len(blocks))]
+        chained = stack.unwrapped_layers(si, run, len(blocks))
         y_RlC = None                                   # a chained layer's modulated attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC

@@ -284,6 +284,13 @@ class PolicyStack:
         return any(p.uses_model_hooks(si, run) and (layer is None or p.wraps_layer(si, layer, run))
                    for p in self.active["wrap_sublayer"])
 
+    def unwrapped_layers(self, si: int, run, num_layers: int) -> list[bool]:
+        """Per layer at ``si``: True where no policy's sub-layer wrapper changes anything, so the
+        adapter may run that layer on its chained dense path (fused across sub-layer borders)."""
+        if not self.wraps_sublayers(si, run):
+            return [True] * num_layers
+        return [not self.wraps_sublayers(si, run, i) for i in range(num_layers)]
+
     def graph_safe_at(self, si: int, run) -> bool:
         """True when the policies need no hook inside the layers at ``si`` other than ``observe``
         (which a graphed layer stack delivers after replay)."""
