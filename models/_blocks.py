@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..sparse_ops._backend import CHAIN_ROWS
+
 
 class TanhGeluFFN(nn.Module):
     """fc1 → GELU (tanh approximation) → fc2; keys ``fc1``, ``fc2``."""
@@ -202,8 +204,11 @@ class ElementwiseOps:
 
     # Up to this many rows the Triton GEMM beats cuBLAS on an H100 (torch 2.11): a chain of VAR-d30's
     # four per-layer GEMMs ran 44.9 against 47.6 µs at 2 rows and 54.3 against 55.7 µs at 32 rows,
-    # with the norms between them; from 50 rows on cuBLAS is as fast or faster (72 against 51 µs at 128)
-    SMALL_GEMM_ROWS = 32
+    # with the norms between them. At 50 rows the two were level until the layer's kernels, all this
+    # package's then, were chained by programmatic dependent launch (sparse_ops._gdc, up to
+    # _backend.CHAIN_ROWS rows): VAR-d30's 5 × 5 scale at batch 1 then took 1.80 against 1.94 ms with
+    # cuBLAS; at 72 rows cuBLAS stays faster (1.97 against 2.28–2.37 ms with 128-row tiles)
+    SMALL_GEMM_ROWS = CHAIN_ROWS
 
     KINDS = ("eager", "compile", "fused")
 

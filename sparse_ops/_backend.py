@@ -90,3 +90,34 @@ def resolve_backend(backend: str, device: torch.device | str, name: str = "backe
         raise ValueError(f"{name}='triton' but the Triton kernels cannot run on {device}: {why}. "
                          f"Use {name}='auto' (Triton where it can run, else pure torch) or 'torch'")
     return "torch"
+
+
+# Products of at most this many rows run on this package's GEMM under the fused kernels
+# (ElementwiseOps.SMALL_GEMM_ROWS), so a layer there is a chain of this package's kernels only, and
+# only there do they use programmatic dependent launch (``_gdc``). Above it cuBLAS's products sit
+# between them, and dependent launches of the short kernels measured ~1.5 µs per layer slower.
+CHAIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def dependent_launch(device: torch.device, rows: int, pdl: bool | None = None) -> bool:
+    """Whether a chained kernel over ``rows`` rows on ``device`` is launched with programmatic
+    dependent launch (``_gdc``): on a CUDA GPU of sm_90 or newer at most ``CHAIN_ROWS`` rows, never
+    in Triton's interpreter or on older GPUs. ``pdl`` (True / False) overrides the row rule (tests,
+    benchmarks); True where the GPU cannot is a ValueError."""
+    if interpreting() or device.type != "cuda":
+        able = False
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        able = _capability(index) >= (9, 0)
+    if pdl is None:
+        return able and rows <= CHAIN_ROWS
+    if pdl and not able:
+        raise ValueError(f"pdl=True but programmatic dependent launch needs a CUDA GPU of sm_90 or newer outside "
+                         f"Triton's interpreter, these tensors are on {device}: pass pdl=None (decide per call) "
+                         f"or pdl=False")
+    return bool(pdl)

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
+from . import _gdc
+from ._backend import dependent_launch, interpreting
 from .dense_fused import _norm_rows
 from .gemm_rows import empty_rows
 
@@ -57,7 +58,8 @@ def _online_block(q, k, v, key_ok, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISIO
 def _qk_norm_attend_kernel(qkv_ptr, mult_ptr, k_ptr, v_ptr, o_ptr, l, start, H,
                            s_ar, s_al, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl, s_or, s_ol,
                            D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                           UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                           UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _gdc.release_then_wait(PDL)
     qb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     r = tl.program_id(2).to(tl.int64)
@@ -117,10 +119,11 @@ def launch_shape(rows: int, heads: int, l: int, L: int) -> tuple[int, int, int, 
 
 
 def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torch.Tensor,
-                   v_RHLd: torch.Tensor) -> torch.Tensor:
+                   v_RHLd: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
     """Triton twin of ``ref.qk_norm_attend``: writes this scale's normalised keys and raw values
     into the last ``l`` slots of ``k_RHLd`` / ``v_RHLd`` and returns the attention output as a
-    contiguous (R, l, H, d)."""
+    contiguous (R, l, H, d). ``pdl`` overrides where programmatic dependent launch is used
+    (``_backend.dependent_launch``; tests)."""
     R, l, three, H, D = qkv_Rl3Hd.shape
     L = k_RHLd.shape[2]
     assert three == 3 and k_RHLd.shape == (R, H, L, D) and v_RHLd.shape == (R, H, L, D) and L >= l
@@ -136,10 +139,11 @@ def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torc
     block_q, block_k, warps, stages = launch_shape(R, H, l, L)
     upcast = interpreting() and qkv_Rl3Hd.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if qkv_Rl3Hd.dtype == torch.float32 else None      # float32: no TF32
+    pdl = dependent_launch(qkv_Rl3Hd.device, R * l, pdl)
     _qk_norm_attend_kernel[(triton.cdiv(l, block_q), H, R)](
         qkv_Rl3Hd, mult, k_RHLd, v_RHLd, out_RlHd, l, L - l, H,
         qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), k_RHLd.stride(0), k_RHLd.stride(1), k_RHLd.stride(2),
         v_RHLd.stride(0), v_RHLd.stride(1), v_RHLd.stride(2), out_RlHd.stride(0), out_RlHd.stride(1),
         D=D, BLOCK_Q=block_q, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, PDL=pdl, launch_pdl=pdl)
     return out_RlHd

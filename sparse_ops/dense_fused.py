@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _gdc
+from ._backend import dependent_launch
 from .gather_modulate import _launch_shape, _norm_modulate_rows
 from .gemm_rows import empty_rows
 
@@ -41,7 +43,8 @@ def _add_gated_store(x, branch, g_row_ptr, c, cm, m2, xo_ptrs):
 @triton.jit
 def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, eps,
                               s_xr, s_xl, s_br, s_bl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
-                              HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                              HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    _gdc.release_then_wait(PDL)
     r = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -57,8 +60,9 @@ def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
                            mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
-                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``ref.residual_norm_modulate``: (x + gate·branch, LN(that)·mul + shift)."""
+                           out_dtype: torch.dtype, pdl: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``ref.residual_norm_modulate``: (x + gate·branch, LN(that)·mul + shift).
+    ``pdl`` overrides where programmatic dependent launch is used (``_backend.dependent_launch``)."""
     R, n, C = x_RlC.shape
     if x_RlC.stride(-1) != 1:
         x_RlC = x_RlC.contiguous()
@@ -76,11 +80,12 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
         assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
     block_c, rows, warps = _launch_shape(C)
     b, g = (branch_RlC, gate_R1C) if has_res else (x_RlC, mul_R1C)
+    pdl = dependent_launch(x_RlC.device, R * n, pdl)
     _residual_norm_mod_kernel[(triton.cdiv(n, rows), R)](
         x_RlC, b, g, mul_R1C, shift_R1C, xo, y, n, C, float(eps),
         x_RlC.stride(0), x_RlC.stride(1), b.stride(0), b.stride(1), g.stride(0), mul_R1C.stride(0),
         shift_R1C.stride(0), xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
-        HAS_RES=has_res, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
+        HAS_RES=has_res, ROWS=rows, BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return xo, y
 
 

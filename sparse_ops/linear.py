@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
+from . import _gdc
+from ._backend import dependent_launch, interpreting
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -48,7 +49,8 @@ def _gelu_tanh(x):
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_ys,
                    HAS_BIAS: tl.constexpr, GELU: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -56,6 +58,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
+    _gdc.wait(PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     mask_m = offs_m[:, None] < M
@@ -75,6 +78,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, 
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    _gdc.release(PDL)                        # the next (short) kernel is set up while this one stores
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if PARTIAL:                                                          # float32 partial sums of this split
         ws_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -90,7 +94,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, 
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ys, stride_ym, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _gdc.release_then_wait(PDL)
     pid_m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs_n < N
@@ -133,10 +138,11 @@ def choose_config(M: int, N: int, K: int, num_sms: int, min_split_k: int = 1024)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gelu: bool = False,
-           config: Optional[LinearConfig] = None) -> torch.Tensor:
+           config: Optional[LinearConfig] = None, pdl: Optional[bool] = None) -> torch.Tensor:
     """Triton twin of ``ref.linear``: ``x`` (…, K) times ``weight`` (N, K) transposed, plus ``bias``
     (N,), then tanh-GELU when ``gelu``; output in ``x``'s dtype. ``config`` overrides the launch
-    shape (benchmarks); by default ``choose_config`` picks it from the shape."""
+    shape (benchmarks); by default ``choose_config`` picks it from the shape. ``pdl`` overrides
+    where programmatic dependent launch is used (``_backend.dependent_launch``; tests)."""
     *lead, K = x.shape
     N = weight.shape[0]
     x2 = x.reshape(-1, K)                                                # (…, K) → (M, K)
@@ -157,13 +163,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         config = choose_config(M, N, K, sms)
     k_per_split, split = _k_split(K, config)
     if split == 1:
-        _launch(x2, w, bias, y, y.stride(0), 0, config, k_per_split, 1, gelu, partial=False)
+        _launch(x2, w, bias, y, y.stride(0), 0, config, k_per_split, 1, gelu, partial=False, pdl=pdl)
         return y.view(*lead, N)
-    ws = partial_products(x2, w, config)
+    ws = partial_products(x2, w, config, pdl)
     b = bias if bias is not None else y                                  # never read without HAS_BIAS
     block = min(1024, triton.next_power_of_2(N))
+    pdl = dependent_launch(x.device, M, pdl)
     _splitk_reduce_kernel[(triton.cdiv(N, block), M)](ws, b, y, M, N, M * N, y.stride(0), SPLIT_K=split,
-                                                       HAS_BIAS=bias is not None, GELU=gelu, BLOCK=block)
+                                                       HAS_BIAS=bias is not None, GELU=gelu, BLOCK=block,
+                                                       PDL=pdl, launch_pdl=pdl)
     return y.view(*lead, N)
 
 
@@ -174,7 +182,7 @@ def _k_split(K: int, config: LinearConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(K, k_per_split)
 
 
-def _launch(x_MK, w_NK, bias, out, stride_o, stride_s, config, k_per_split, split, gelu, partial):
+def _launch(x_MK, w_NK, bias, out, stride_o, stride_s, config, k_per_split, split, gelu, partial, pdl=None):
     """One launch of ``_linear_kernel``: the finished product into ``out`` (M, N), or with ``partial``
     the float32 sums of each split into ``out`` (splits, M, N)."""
     M, K = x_MK.shape
@@ -183,14 +191,16 @@ def _launch(x_MK, w_NK, bias, out, stride_o, stride_s, config, k_per_split, spli
     upcast = interpreting() and x_MK.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if x_MK.dtype == torch.float32 else None           # float32: no TF32
     b = bias if bias is not None else out                                # never read without HAS_BIAS
+    pdl = dependent_launch(x_MK.device, M, pdl)
     _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         x_MK, w_NK, b, out, M, N, K, k_per_split, x_MK.stride(0), w_NK.stride(0), stride_o, stride_s,
         HAS_BIAS=bias is not None and not partial, GELU=gelu and not partial, PARTIAL=partial,
         EVEN_K=K % k_per_split == 0, UPCAST=upcast, PRECISION=precision,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
 
 
-def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: LinearConfig) -> torch.Tensor:
+def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: LinearConfig,
+                     pdl: Optional[bool] = None) -> torch.Tensor:
     """float32 partial sums (splits, M, N) of ``x_MK · weight_NKᵀ``, one slice per split of K (the
     first step of a split-K product; the caller adds the slices in order). ``x_MK`` and the weight
     rows must be contiguous in K."""
@@ -198,5 +208,5 @@ def partial_products(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: Linear
     N = weight_NK.shape[0]
     k_per_split, split = _k_split(K, config)
     ws = torch.empty(split, M, N, device=x_MK.device, dtype=torch.float32)
-    _launch(x_MK, weight_NK, None, ws, N, M * N, config, k_per_split, split, False, partial=True)
+    _launch(x_MK, weight_NK, None, ws, N, M * N, config, k_per_split, split, False, partial=True, pdl=pdl)
     return ws

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _gdc
+from ._backend import dependent_launch
 from .dense_fused import _add_gated_store
 from .gather_modulate import _launch_shape, _norm_modulate_rows
 from .gemm_rows import empty_rows
@@ -36,7 +38,8 @@ MIN_SPLIT_K = 512
 def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, M, eps,
                                  s_xr, s_xl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
                                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BRANCH_DTYPE: tl.constexpr,
-                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    _gdc.release_then_wait(PDL)
     r = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -58,9 +61,11 @@ def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
                                   x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
                                   shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype,
-                                  config: Optional[LinearConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  config: Optional[LinearConfig] = None,
+                                  pdl: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``ref.linear_residual_norm_modulate``: (x + gate·(h·wᵀ + b), LN(that)·mul + shift).
-    ``config`` overrides the product's launch shape (benchmarks)."""
+    ``config`` overrides the product's launch shape (benchmarks), ``pdl`` where programmatic
+    dependent launch is used (``_backend.dependent_launch``; tests)."""
     R, l, K = h_RlK.shape
     C = weight_CK.shape[0]
     assert x_RlC.shape == (R, l, C) and weight_CK.shape[1] == K, (h_RlK.shape, weight_CK.shape, x_RlC.shape)
@@ -82,16 +87,17 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
     if config is None:
         sms = 1 if h_RlK.device.type != "cuda" else torch.cuda.get_device_properties(h_RlK.device).multi_processor_count
         config = choose_config(R * l, C, K, sms, min_split_k=MIN_SPLIT_K)
-    ws = partial_products(h_MK, w, config)
+    ws = partial_products(h_MK, w, config, pdl)
     mul_R1C, shift_R1C, gate_R1C = mul_R1C.expand(R, 1, C), shift_R1C.expand(R, 1, C), gate_R1C.expand(R, 1, C)
     for t in (mul_R1C, shift_R1C, gate_R1C):
         assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
     block_c, rows, warps = _launch_shape(C)
     b = bias_C if bias_C is not None else h_MK                            # never read without HAS_BIAS
+    pdl = dependent_launch(x_RlC.device, R * l, pdl)
     _reduce_residual_norm_kernel[(triton.cdiv(l, rows), R)](
         ws, b, x_RlC, gate_R1C, mul_R1C, shift_R1C, xo, y, l, C, R * l, float(eps),
         x_RlC.stride(0), x_RlC.stride(1), gate_R1C.stride(0), mul_R1C.stride(0), shift_R1C.stride(0),
         xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
         SPLIT_K=ws.shape[0], HAS_BIAS=bias_C is not None, BRANCH_DTYPE=_TL_DTYPES[h_RlK.dtype], ROWS=rows,
-        BLOCK_C=block_c, num_warps=warps)
+        BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return xo, y

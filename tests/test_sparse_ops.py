@@ -781,6 +781,19 @@ def test_backend_choice_on_cpu(caplog, monkeypatch):
         _backend.resolve_backend("cuda", "cpu")
 
 
+
+def test_dependent_launch_only_where_the_gpu_can_and_the_chain_is_ours():
+    """Programmatic dependent launch (sparse_ops._gdc) needs sm_90+ outside the interpreter; an
+    explicit pdl=True elsewhere names the argument and the fix."""
+    from sparsevar.sparse_ops import _backend
+    cpu = torch.device("cpu")
+    assert _backend.dependent_launch(cpu, 2) is False and _backend.dependent_launch(cpu, 2, False) is False
+    with pytest.raises(ValueError, match=r"pdl=True but programmatic dependent launch needs a CUDA GPU of sm_90.*"
+                                         r"pdl=None"):
+        _backend.dependent_launch(cpu, 2, True)
+    from sparsevar.models._blocks import ElementwiseOps
+    assert ElementwiseOps.SMALL_GEMM_ROWS == _backend.CHAIN_ROWS       # the chain is ours up to there
+
 @pytest.mark.parametrize("make", [
     lambda: __import__("sparsevar").policies.SparseVARConfig(backend="gpu"),
     lambda: __import__("sparsevar").policies.FastVARConfig(backend="Triton"),
@@ -971,6 +984,60 @@ def test_policies_on_triton_kernels_replay_from_cuda_graphs_exactly(setup):
     for _ in range(2):                                             # capture, then replay
         assert all(torch.equal(a, b) for a, b in zip(codes(True), eager))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 50])
+def test_a_chain_of_dependent_launches_gives_the_plain_launches_bits(rows):
+    """VAR-d30-wide layers at few rows as the fused path runs them (qkv product, attention step over
+    a cache, split-K projection + residual + norm, GELU product, split-K fc2 + residual + norm), three
+    layers deep and replayed from a CUDA graph: with programmatic dependent launch every kernel
+    reads its predecessors' finished results, so the bits equal the plain launches'."""
+    _needs_gpu()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    from sparsevar.sparse_ops import cache_attention, linear, linear_residual
+    g = torch.Generator(device="cuda").manual_seed(0)
+    C, H, F4, R, L0 = 1920, 30, 7680, 2, 37
+    l = rows // R
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    layers = [dict(qkv=rnd(3 * C, C, scale=C ** -0.5), qkv_b=rnd(3 * C, scale=0.1), proj=rnd(C, C, scale=C ** -0.5),
+                   fc1=rnd(F4, C, scale=C ** -0.5), fc2=rnd(C, F4, scale=F4 ** -0.5)) for _ in range(3)]
+    mod = [rnd(R, 1, C, scale=0.5) for _ in range(3)]
+    mult = torch.rand(2, H, 1, generator=g, device="cuda") + 1
+    x0, y0 = rnd(R, l, C), rnd(R, l, C)
+    cache0 = rnd(2, 3, R, H, L0 + l, C // H)
+
+    def chain(pdl, k, v, x, y):
+        for w in layers:
+            qkv = linear.linear(y, w["qkv"], w["qkv_b"], pdl=pdl).view(R, l, 3, H, C // H)
+            att = cache_attention.qk_norm_attend(qkv, mult, k, v, pdl=pdl).view(R, l, C)
+            x, y = linear_residual.linear_residual_norm_modulate(att, w["proj"], None, x, mod[0], mod[1], mod[2],
+                                                                 1e-6, torch.bfloat16, pdl=pdl)
+            h = linear.linear(y, w["fc1"], None, True, pdl=pdl)
+            x, y = linear_residual.linear_residual_norm_modulate(h, w["fc2"], None, x, mod[1], mod[2], mod[0],
+                                                                 1e-6, torch.bfloat16, pdl=pdl)
+        return x, y
+
+    outs = {}
+    for pdl in (False, True):
+        cache = cache0.clone()
+        k, v = cache[0, 0], cache[1, 0]
+        x_in, y_in = x0.clone(), y0.clone()
+        chain(pdl, k, v, x_in, y_in)                                 # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x_out, y_out = chain(pdl, k, v, x_in, y_in)
+        cache.copy_(cache0)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = (x_out.clone(), y_out.clone(), cache.clone())
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+    assert outs[True][1].float().abs().max() > 0 and torch.isfinite(outs[True][1].float()).all()
 
 @pytest.mark.gpu
 def test_sparsevar_triton_and_torch_backends_keep_the_same_tokens():

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (sm_90+) for the chain of kernels a layer runs at few rows.
+
+At VAR's first scales a layer is seven short launches — the four products (2–64 rows, this
+package's GEMM), the attention step and two residual + norm steps — and at each border between
+two of them the GPU drained: the next grid was set up only after the last program of the previous
+one had finished. Launched with programmatic dependent launch (``launch_pdl``), a kernel may start
+while the previous one still runs; ``PDL`` in the kernels below decides where:
+
+- the short kernels (norms, attention, split-K sums) release the next launch at once and wait for
+  the previous grid before they read anything;
+- the products wait before their first read and release the next launch after their reduction
+  loop, so the next (short) kernel is set up while their results are written. Releasing a product's
+  successor at its start instead — so that launches pile up — made VAR-d30's batch-1 loop slower
+  (21.7 → 22.4 ms on an H100), as did prefetching the weights into L2 before the wait (23.7 ms).
+
+``griddepcontrol.wait`` returns once the whole previous grid has finished and its writes are
+visible; that grid waited the same way on its own predecessor, so every earlier result is visible
+after it. Nothing is read or written before the wait. ``_backend.dependent_launch`` says where
+these launches are used (a CUDA GPU of sm_90 or newer, at most ``CHAIN_ROWS`` rows, never in
+Triton's interpreter); elsewhere ``PDL`` is False and the kernels are the plain ones.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def release_then_wait(PDL: tl.constexpr):
+    """Top of a short chained kernel: let the next launch start, then wait for the previous grid."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next launch of the chain start (its programs wait for this grid before reading)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the previous grid has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
