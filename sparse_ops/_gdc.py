@@ -8,14 +8,19 @@ while the previous one still runs; ``PDL`` in the kernels below decides where:
 
 - the short kernels (norms, attention, split-K sums) release the next launch at once and wait for
   the previous grid before they read anything;
-- the products wait before their first read and release the next launch after their reduction
-  loop, so the next (short) kernel is set up while their results are written. Releasing a product's
-  successor at its start instead — so that launches pile up — made VAR-d30's batch-1 loop slower
-  (21.7 → 22.4 ms on an H100), as did prefetching the weights into L2 before the wait (23.7 ms).
+- the products ask L2 for their first two reduction steps of weights (which no kernel writes),
+  wait before their first read of anything else, and release the next launch after their
+  reduction loop, so the next (short) kernel is set up while their results are written.
+
+VAR-d30's batch-1 dense loop on an H100 (two alternating runs each): 21.7 ms plain; 21.4 ms with
+the launches above at ≤ 32 rows; 21.2 ms with the products' 33–64-row scale moved from cuBLAS onto
+the chain; 21.0 ms with the two-step prefetch. Measured and not kept: releasing a product's
+successor at its start, so that launches pile up (22.4 ms), and prefetching a product's whole
+share of the weights before its wait (23.7 ms with early release, 21.8 ms without).
 
 ``griddepcontrol.wait`` returns once the whole previous grid has finished and its writes are
 visible; that grid waited the same way on its own predecessor, so every earlier result is visible
-after it. Nothing is read or written before the wait. ``_backend.dependent_launch`` says where
+after it. Nothing but weights is read, and nothing is written, before the wait. ``_backend.dependent_launch`` says where
 these launches are used (a CUDA GPU of sm_90 or newer, at most ``CHAIN_ROWS`` rows, never in
 Triton's interpreter); elsewhere ``PDL`` is False and the kernels are the plain ones.
 """
@@ -46,3 +51,11 @@ def wait(PDL: tl.constexpr):
     """Wait until the previous grid has finished and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs, ok):
+    """Ask L2 to fetch the lines at ``ptrs`` (one pointer per 128-byte line; ``ok`` False → skipped)."""
+    addr = tl.where(ok, ptrs.to(tl.int64), 0)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s64 p, $1, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
