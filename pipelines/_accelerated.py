@@ -56,8 +56,9 @@ class AcceleratedPipelineMixin:
 
         kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
             ``sparse_ops.dense_fused`` (one launch per step), plus ``sparse_ops.linear`` for matrix
-            products of ≤ 32 rows and ``sparse_ops.sample`` for codebook sampling (filter and draw in
-            one launch per scale); ``"compile"`` lets torch.compile fuse
+            products of ≤ 64 rows (there, on sm_90+, a layer's kernels are chained by programmatic
+            dependent launch: ``sparse_ops._gdc``) and ``sparse_ops.sample`` for codebook sampling
+            (filter and draw in one launch per scale); ``"compile"`` lets torch.compile fuse
             each step (the first call compiles for tens of seconds; one more launch per layer).
         """
         if kernels not in ("fused", "compile"):
