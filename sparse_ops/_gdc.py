@@ -8,9 +8,10 @@ while the previous one still runs; ``PDL`` in the kernels below decides where:
 
 - the short kernels (norms, attention, split-K sums) release the next launch at once and wait for
   the previous grid before they read anything;
-- the products ask L2 for their first two reduction steps of weights (which no kernel writes),
-  wait before their first read of anything else, and release the next launch after their
-  reduction loop, so the next (short) kernel is set up while their results are written.
+- the products ask L2 for their first two reduction steps of weights (a prefetch: a hint that
+  returns no data, and L2 is where global memory is coherent), wait before their first read, and
+  release the next launch after their reduction loop, so the next (short) kernel is set up while
+  their results are written.
 
 VAR-d30's batch-1 dense loop on an H100 (two alternating runs each): 21.7 ms plain; 21.4 ms with
 the launches above at ≤ 32 rows; 21.2 ms with the products' 33–64-row scale moved from cuBLAS onto
@@ -20,9 +21,10 @@ share of the weights before its wait (23.7 ms with early release, 21.8 ms withou
 
 ``griddepcontrol.wait`` returns once the whole previous grid has finished and its writes are
 visible; that grid waited the same way on its own predecessor, so every earlier result is visible
-after it. Nothing but weights is read, and nothing is written, before the wait. ``_backend.dependent_launch`` says where
-these launches are used (a CUDA GPU of sm_90 or newer, at most ``CHAIN_ROWS`` rows, never in
-Triton's interpreter); elsewhere ``PDL`` is False and the kernels are the plain ones.
+after it. Nothing is read or written before the wait (the L2 prefetch reads nothing into the
+program). ``_backend.dependent_launch`` says where these launches are used (a CUDA GPU of sm_90 or
+newer, at most ``CHAIN_ROWS`` rows, never in Triton's interpreter); elsewhere ``PDL`` is False and
+the kernels are the plain ones.
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from ._backend import dependent_launch, interpreting
 
 # Under programmatic dependent launch (``_gdc``) a program asks L2 for its first PREFETCH_STEPS
 # reduction steps of weights before it waits for the previous kernel. VAR-d30 batch 1 on an H100
-# (dense loop, 2 × 4 alternating runs): none 21.20 ms, 2 steps 21.04, 5 steps 21.33, the whole
-# reduction 21.78 (more lines in flight than the previous kernel leaves room for)
+# (dense loop, two alternating runs of each): none 21.20 ms, 2 steps 21.04, 5 steps 21.33, the
+# whole reduction 21.78
 PREFETCH_STEPS = 2
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -63,7 +63,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
-    if PF_LINES > 0:                         # weights only (no kernel writes them): safe before the wait
+    if PF_LINES > 0:                         # a hint that returns no data: safe before the wait
         k_line = tl.arange(0, PF_LINES) * LINE
         ok = (offs_n[:, None] < N) & ((k_lo + k_line)[None, :] < K) & (k_line[None, :] < k_per_split)
         _gdc.prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + k_line)[None, :], ok)
