@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..policies.base import PolicyStack
+from ..policies.base import PolicyStack, persistent_copy
 from .adapter import ModelAdapter
 from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
@@ -90,10 +90,7 @@ class _GraphRunner:
 
     def index_buffer(self, key, index: torch.Tensor) -> torch.Tensor:
         """``index`` copied into the buffer the graph of ``key`` reads (same address every generation)."""
-        buf = self.ws.static_index.get(key)
-        if buf is None:
-            buf = self.ws.static_index[key] = torch.zeros_like(index)
-        return buf.copy_(index)
+        return persistent_copy(self.ws.static_index, key, index)
 
     def run(self, key, fn: Callable[[], Any], kv, run: Optional[RunState] = None,
             preserve: Sequence[torch.Tensor] = ()) -> Any:

@@ -202,6 +202,16 @@ class Policy:
         return False
 
 
+def persistent_copy(store: dict, key, t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into ``store[key]`` (made like ``t`` at first use): a buffer whose address stays
+    the same across generations, as a captured CUDA graph that reads it needs. Keys should include
+    whatever fixes the shape (the engine's graph keys hold the subset size)."""
+    buf = store.get(key)
+    if buf is None:
+        buf = store[key] = torch.empty_like(t)
+    return buf.copy_(t)
+
+
 _MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
 _HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
 

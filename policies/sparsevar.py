@@ -29,7 +29,7 @@ from ..sparse_ops import ref as sparse_ref
 from ..sparse_ops._backend import check_backend, resolve_backend
 # token roles in the maps stored for visualisation (GenerationStats.token_maps); defined beside the ops
 from ..sparse_ops.ref import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT  # noqa: F401
-from .base import Policy, ScalePlan
+from .base import Policy, ScalePlan, persistent_copy
 from .scale_skip import resolve_scale_index
 
 INTERPOLATIONS = ("nearest", "bilinear")
@@ -333,11 +333,7 @@ class SparseVARPolicy(Policy):
         cache = getattr(run.workspace, "policy_cache", None)
         if cache is None or not t.is_cuda:
             return t
-        key = ("sparsevar-static", si, name, tuple(t.shape), t.dtype)
-        buf = cache.get(key)
-        if buf is None:
-            buf = cache[key] = torch.empty_like(t)
-        return buf.copy_(t)
+        return persistent_copy(cache, ("sparsevar-static", si, name, tuple(t.shape), t.dtype), t)
 
     def scale_capturable(self, si: int, run) -> bool:
         # post_hidden / post_residual read the plan's anchor copies and zero mask from workspace
