@@ -229,14 +229,14 @@ def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
         assert torch.equal(gx, ux) and torch.equal(gy, uy), f"linear_residual {cfg}: differs from the unfused path"
 
 
-def _sample_case(N, V, top_k, top_p, device, ties=False, dtype=torch.float32):
+def _sample_case(N, V, top_k, top_p, device, ties=False, dtype=torch.float32, shift=0.0):
     """Fused top-k / top-p draw against the torch twin with the same exponential noise: the same
     codes (continuous random logits: no exact ties at the nucleus boundary; ``ties``: integer
     logits, for top-k alone, where both paths keep every logit equal to the k-th largest; bf16
     logits, which the kernel reads as they are, likewise for top-k alone: bf16 has ties)."""
     from sparsevar.sparse_ops import ref, sample
     g = _gen(11)
-    x = _rand((N, V), g, device, scale=3.0).to(dtype)
+    x = (_rand((N, V), g, device, scale=3.0) + shift).to(dtype)
     if ties:
         x = x.round()
     q = torch.empty(N, V).exponential_(generator=g).to(device)
@@ -638,6 +638,16 @@ def _(device="cpu"):
 @case("sample_top_k_top_p-N3-V50-p1e-9")
 def _(device="cpu"):
     _sample_case(3, 50, 0, 1e-9, device)           # (1 - top_p) rounds to 1: only the largest survives
+
+
+@case("sample_top_k_top_p-N4-V300-k299-p0.99-all-negative")
+def _(device="cpu"):
+    _sample_case(4, 300, 299, 0.99, device, shift=-40.0)   # every key below zero: the sign digit's lower half
+
+
+@case("sample_top_k_top_p-N3-V129-k2-all-positive")
+def _(device="cpu"):
+    _sample_case(3, 129, 2, 0.0, device, shift=40.0)
 
 
 @case("sample_top_k_top_p-ties-N6-V40-k10")
