@@ -887,6 +887,7 @@ class InfinityAdapter:
     family = "infinity"
     supports_cuda_graphs = True
     capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
+    noise_stream = None          # the engine's stream for the sampler's pre-drawn noise
 
     def __init__(self, transformer: InfinityTransformer, vae, resolution: InfinityResolution = DEFAULT_RESOLUTION):
         d_tok, d_vae = transformer.config.token_dim, vae.config.codebook_dim

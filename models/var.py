@@ -382,6 +382,7 @@ class VARAdapter:
     # scale's compute into one CUDA graph; accumulate changes only the latent (engine/adapter.py)
     supports_scale_graphs = True
     capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
+    noise_stream = None          # the engine's stream for the sampler's pre-drawn noise
 
     def __init__(self, transformer: VARTransformer, vqvae):
         if transformer.config.vocab_size != vqvae.config.vocab_size or \
