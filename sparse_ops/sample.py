@@ -8,20 +8,19 @@ one row of logits in registers and draws with the exponential-race identity that
 ``torch.multinomial`` itself uses for a single sample: ``argmax(p / q)`` with ``q ~ Exp(1)``
 drawn by the caller from its generator.
 
-No sort: both cut-offs are found by a radix search over the logits' order-preserving integer
-keys (the float32 bits as int32, with the magnitude bits of negative values flipped), ``RADIX``
-bits per step, each step one masked reduction over the row for all 2^RADIX − 1 candidates at once:
+No sort: both cut-offs are found by a bitwise search over the logits' order-preserving integer
+keys (the float32 bits as int32, with the magnitude bits of negative values flipped), 32 steps of
+one masked reduction each:
 
 - top-k: the largest key ``t`` with ``count(key >= t) >= k`` is exactly the k-th largest logit;
 - top-p: the largest key ``t`` with ``mass(key < t) <= (1 - top_p) · mass(kept)`` is the smallest
   logit the nucleus keeps (the sorted path's first entry whose ascending cumulative probability
   exceeds ``1 - top_p``); the largest logit always survives.
 
-A row's program is bound by the latency of its reductions (each ends in a barrier across the
-program's warps), not by arithmetic. On an H100, one bit per step (32 steps per search, 8 warps)
-took 25–27 µs at every scale of VAR-d30 batch 1; two bits per step with 16 warps took the loop
-from 21.26 / 21.27 to 21.04 / 21.03 ms (two alternated runs each, every scale 10–30 µs faster)
-and batch 8's from 62.74 to 62.52 ms.
+Measured and not kept (H100, V 4096, top-k 900, top-p 0.95, in a graph): deciding 2 bits per step
+(three candidate cut-offs per masked reduction over a (4, V) tile, 16 steps per search) took
+24.5 µs at 1 row and 388 µs at 2048 rows against 18.8 and 173 µs here; 16 warps instead of 8
+took 20.2 and 322 µs.
 
 A bitonic sort of 4096 logits in one program took 68 µs on an H100 — per row, whatever the
 number of rows — and was 0.8 ms of VAR-d30's 24 ms batch-1 loop.
@@ -37,10 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-# bits of the cut-off decided per step of the searches: 2 (16 steps of 3 candidates each) ran
-# VAR-d30's batch-1 loop 0.23 ms faster than 1 (32 steps) on an H100; 4 spills registers
-RADIX = 2
-
 
 @triton.jit
 def _order_key(x):
@@ -50,41 +45,31 @@ def _order_key(x):
 
 
 @triton.jit
-def _largest_key(key, e, bound, MASS: tl.constexpr, RADIX: tl.constexpr):
-    """The largest int32 ``t`` with ``count(key >= t) >= bound`` (``MASS`` false) or with
-    ``sum(e[key < t]) <= bound`` (``MASS``), both true at the smallest int32; RADIX bits a step."""
-    j = tl.arange(0, 1 << RADIX)                                         # candidate digits, 0 = keep t
-    t = -2147483648
-    for step in tl.static_range(32 // RADIX):
-        lo = 32 - RADIX * (step + 1)
-        if step == 0:                                                    # the sign digit: no int32 overflow
-            cand = (j - (1 << (RADIX - 1))) << lo
-        else:
-            cand = t + (j << lo)
-        if MASS:
-            ok = tl.sum(tl.where(key[None, :] < cand[:, None], e[None, :], 0.0), axis=1) <= bound
-        else:
-            ok = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1) >= bound
-        t = tl.max(tl.where(ok, cand, -2147483648))                      # monotone in the digit: the largest
-    return t
-
-
-@triton.jit
 def _sample_kernel(logits_ptr, q_ptr, out_ptr, V, stride_l, stride_q, top_k, one_minus_p,
-                   USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK_V: tl.constexpr, RADIX: tl.constexpr):
+                   USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     keep = valid
     if USE_K or USE_P:
+        # a bitwise search over signed keys: the sign first, then bits 30 … 0 (setting a bit raises
+        # the value on either side of zero)
         key = tl.where(valid, _order_key(x), -2147483648)                 # padding at the bottom
         if USE_K:                                                         # the k-th largest key
-            keep = keep & (key >= _largest_key(key, x, top_k, False, RADIX))
+            t = tl.where(tl.sum((key >= 0).to(tl.int32)) >= top_k, 0, -2147483648)
+            for b in tl.static_range(30, -1, -1):
+                cand = t | (1 << b)
+                t = tl.where(tl.sum((key >= cand).to(tl.int32)) >= top_k, cand, t)
+            keep = keep & (key >= t)
         if USE_P:                                                         # the smallest key kept
             m = tl.max(tl.where(keep, x, float("-inf")))
             e = tl.where(keep, tl.exp(x - m), 0.0)
-            t = _largest_key(key, e, one_minus_p * tl.sum(e), True, RADIX)
+            limit = one_minus_p * tl.sum(e)
+            t = tl.where(tl.sum(tl.where(key < 0, e, 0.0)) <= limit, 0, -2147483648)
+            for b in tl.static_range(30, -1, -1):
+                cand = t | (1 << b)
+                t = tl.where(tl.sum(tl.where(key < cand, e, 0.0)) <= limit, cand, t)
             top = tl.max(tl.where(keep, key, -2147483648))                # the largest always survives
             keep = keep & (key >= tl.minimum(t, top))
     m = tl.max(tl.where(keep, x, float("-inf")))
@@ -105,9 +90,9 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
     block_v = triton.next_power_of_2(V)
     use_k = 0 < top_k < V
     use_p = top_p > 0.0
-    # measured on an H100 at V = 4096 with 2-bit steps, 1 to 2048 rows: 16 warps fastest throughout
-    # (24.5 µs for one row against 27.1 with 8 and 43.6 with 4; 391 against 504 µs at 2048 rows)
-    warps = 16 if block_v >= 4096 else 4
+    # measured on an H100 at V = 4096, 1 to 2048 rows: 8 warps fastest throughout (21 µs for a few
+    # rows against 28 with 4; 176 against 263 µs at 2048 rows)
+    warps = 8 if block_v >= 4096 else 4
     _sample_kernel[(N,)](x, q, out, V, x.stride(0), q.stride(0), top_k if use_k else 0, 1.0 - float(top_p),
-                         USE_K=use_k, USE_P=use_p, BLOCK_V=block_v, RADIX=RADIX, num_warps=warps)
+                         USE_K=use_k, USE_P=use_p, BLOCK_V=block_v, num_warps=warps)
     return out
