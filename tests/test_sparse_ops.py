@@ -642,7 +642,7 @@ def _(device="cpu"):
 
 @case("sample_top_k_top_p-N4-V300-k299-p0.99-all-negative")
 def _(device="cpu"):
-    _sample_case(4, 300, 299, 0.99, device, shift=-40.0)   # every key below zero: the sign digit's lower half
+    _sample_case(4, 300, 299, 0.99, device, shift=-40.0)   # every key below zero (the sign bit's search)
 
 
 @case("sample_top_k_top_p-N3-V129-k2-all-positive")
