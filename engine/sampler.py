@@ -101,11 +101,13 @@ class _GraphRunner:
         previous whole-scale replay (the last reader of a scale's buffer is an earlier generation's
         replay of that scale), so on the GPU it runs beside the previous scale instead of between
         two graphs (that kernel and the idle GPU around it were ~13 µs per scale at VAR-d30 batch
-        1; on an H100 that loop went from 21.04 / 21.06 to 21.00 / 21.02 ms). The first draw of a generation, and
-        one into a ``fresh`` buffer (just allocated: the allocator may have handed over memory that
-        work still queued on the main stream uses), stay on the main stream: there is nothing
-        earlier to overlap, and the wait across streams made the first scale slower. The generator
-        is called in the same order as before, so the values are the same."""
+        1; on an H100 that loop went from 21.04 / 21.06 to 21.00 / 21.02 ms).
+
+        The first draw of a generation, and one into a ``fresh`` buffer (just allocated: the
+        allocator may have handed over memory that work still queued on the main stream uses),
+        stay on the main stream: there is nothing earlier to overlap, and the wait across streams
+        made the first scale slower. The generator is called in the same order as before, so the
+        values are the same."""
         main = torch.cuda.current_stream()
         if fresh or self.noise_fence is None:
             noise_NV.exponential_(generator=generator)  # on the main stream: a side stream gains nothing here
