@@ -228,6 +228,7 @@ class ElementwiseOps:
 
         self.bias_softmax = sparse_ref.bias_softmax
         self.cfg_guide = sparse_ref.cfg_guide      # (1 + t)·cond − t·uncond in float32 (one launch when fused)
+        self.stage_embed = sparse_ref.stage_embed  # VAR's input map of a scale (one launch when fused)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate)
         for name, fn in fns.items():
@@ -243,6 +244,7 @@ class ElementwiseOps:
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)        # bound: reads the table
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
             self.cfg_guide = functools.partial(sparse_ops.cfg_guide, backend="triton")
+            self.stage_embed = functools.partial(sparse_ops.stage_embed, backend="triton")
         elif kind == "compile":
             # Compiling the cache write into the norm produced four kernels instead of one on an H100
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.

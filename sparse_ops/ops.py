@@ -24,7 +24,7 @@ _TRITON_MODULES = {
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
-    "group_norm_silu": "group_norm",
+    "group_norm_silu": "group_norm", "stage_embed": "stage_embed",
 }
 
 
@@ -150,6 +150,13 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
 def cfg_guide(logits_RlV: torch.Tensor, batch: int, t: float, *, backend: str = "auto") -> torch.Tensor:
     """(batch, l, V) float32 ``(1 + t)·cond − t·uncond`` of the [cond; uncond] rows (see ``ref.cfg_guide``)."""
     return implementation("cfg_guide", backend, logits_RlV.device)(logits_RlV, batch, t)
+
+
+def stage_embed(f_hat_BChw: torch.Tensor, h: int, w: int, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
+                pos_lC: torch.Tensor, copies: int, *, backend: str = "auto") -> torch.Tensor:
+    """VAR's (copies·B, h·w, C) float32 input map of a scale from its latent (see ``ref.stage_embed``)."""
+    return implementation("stage_embed", backend, f_hat_BChw.device)(f_hat_BChw, h, w, weight_CK, bias_C, pos_lC,
+                                                                     copies)
 
 
 def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, out_dtype: torch.dtype, *,

@@ -111,6 +111,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.gelu(y, approximate="tanh") if gelu else y
 
 
+def stage_embed(f_hat_BChw: torch.Tensor, h: int, w: int, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
+                pos_lC: torch.Tensor, copies: int) -> torch.Tensor:
+    """VAR's input map of a scale: the latent area-pooled to (h, w), each pixel's K channels embedded
+    by ``F.linear`` in the weight's dtype, cast to float32, plus the scale's level + position rows
+    ``pos_lC``; the batch repeated ``copies`` times (the CFG halves). (copies·B, h·w, C) float32."""
+    B, K = f_hat_BChw.shape[:2]
+    pooled_BKhw = F.interpolate(f_hat_BChw, size=(h, w), mode="area")
+    tokens_BlK = pooled_BKhw.view(B, K, h * w).transpose(1, 2)                      # (B, K, h, w) → (B, hw, K)
+    x_BlC = F.linear(tokens_BlK.to(weight_CK.dtype), weight_CK, bias_C).float() + pos_lC
+    return x_BlC.repeat(copies, 1, 1)
+
+
 def cfg_guide(logits_RlV: torch.Tensor, batch: int, t: float) -> torch.Tensor:
     """Classifier-free guidance ``(1 + t)·cond − t·uncond`` over the [cond; uncond] halves of the rows
     (``batch`` images each), in float32: (batch, l, V). Each product and the difference round on

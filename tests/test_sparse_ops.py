@@ -598,6 +598,57 @@ def _(device="cpu"):
     from sparsevar.sparse_ops.linear import LinearConfig
     _linear_residual_case(2, 3, 53, 37, True, torch.bfloat16, device, [LinearConfig(16, 16, 16, 3, 4, 1)])
 
+def _stage_embed_case(B, K, hw_in, hw, C, copies, dtype, device, bias=True):
+    """VAR's input map of a scale against the float64 oracle of the same definition (pooling as
+    torch does it, the pooled tokens cast to the weights' dtype, the embedding rounded to it once,
+    float32 positions added): within the tolerance rule. The pooling alone — an identity embedding
+    in float32 — gives torch's area pooling bit for bit (the same sum order and divisions)."""
+    import torch.nn.functional as F
+    from sparsevar.sparse_ops import ref, stage_embed
+    g = _gen(15)
+    (Hi, Wi), (h, w) = hw_in, hw
+    f = _rand((B, K, Hi, Wi), g, device)
+    weight = _rand((C, K), g, device, scale=0.2).to(dtype)
+    b = _rand((C,), g, device, scale=0.1).to(dtype) if bias else None
+    pos = _rand((h * w, C), g, device)
+    got = stage_embed.stage_embed(f, h, w, weight, b, pos, copies)
+    want = ref.stage_embed(f, h, w, weight, b, pos, copies)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (copies * B, h * w, C)
+    for r in range(1, copies):                                                # every CFG half the same map
+        assert torch.equal(got[r * B:(r + 1) * B], got[:B])
+    tokens = F.interpolate(f, size=(h, w), mode="area").view(B, K, h * w).transpose(1, 2)
+    e = tokens.to(dtype).double() @ weight.double().t() + (b.double() if bias else 0.0)
+    oracle = (e + pos.double()).repeat(copies, 1, 1)
+    assert_close_to_oracle(f"stage_embed-{dtype}", got, want, oracle)
+    eye = torch.eye(K, device=device)
+    pooled = stage_embed.stage_embed(f, h, w, eye, None, torch.zeros(h * w, K, device=device), 1)
+    assert torch.equal(pooled, tokens), "the kernel's area pooling differs from torch's"
+
+
+@case("stage_embed-B1-13x13-from-16x16-C200-bf16")
+def _(device="cpu"):
+    _stage_embed_case(1, 32, (16, 16), (13, 13), 200, 2, torch.bfloat16, device)
+
+
+@case("stage_embed-B2-3x5-from-16x16-C130-nobias-bf16")
+def _(device="cpu"):
+    _stage_embed_case(2, 32, (16, 16), (3, 5), 130, 2, torch.bfloat16, device, bias=False)
+
+
+@case("stage_embed-B3-5x7-from-12x20-C64-fp32")
+def _(device="cpu"):
+    _stage_embed_case(3, 16, (12, 20), (5, 7), 64, 1, torch.float32, device)
+
+
+@case("stage_embed-B2-1x4-from-32x32-C48-fp16")
+def _(device="cpu"):
+    _stage_embed_case(2, 32, (32, 32), (1, 4), 48, 2, torch.float16, device)
+
+
+@case("stage_embed-B1-1x1-from-16x16-C40-bf16")
+def _(device="cpu"):
+    _stage_embed_case(1, 32, (16, 16), (1, 1), 40, 2, torch.bfloat16, device)     # torch's mean: the reference runs
+
 
 @case("linear_residual-R1-l20-K96-C33-nobias-fp32")
 def _(device="cpu"):
@@ -944,6 +995,13 @@ GPU_CASES = {
     # VAR-d30's guidance at batch 8's last scale (16 rows of 256 tokens × 4096 codes) and at batch 1's
     "cfg_guide-B8-l256-V4096-bf16": lambda device: _cfg_guide_case(8, 256, 4096, 4.0, torch.bfloat16, device),
     "cfg_guide-B1-l169-V4096-bf16": lambda device: _cfg_guide_case(1, 169, 4096, 4.0 * 8 / 9, torch.bfloat16, device),
+    # VAR-d30's input map at batch 1's 13 × 13 scale and batch 8's last (16 × 16 from the 16 × 16 latent)
+    "stage_embed-B1-13x13-C1920-bf16": lambda device: _stage_embed_case(1, 32, (16, 16), (13, 13), 1920, 2,
+                                                                        torch.bfloat16, device),
+    "stage_embed-B8-16x16-C1920-bf16": lambda device: _stage_embed_case(8, 32, (16, 16), (16, 16), 1920, 2,
+                                                                        torch.bfloat16, device),
+    "stage_embed-B2-2x2-from-32x32-C2048-bf16": lambda device: _stage_embed_case(2, 32, (32, 32), (2, 2), 2048, 1,
+                                                                                 torch.bfloat16, device),
     # VAR's 4096 codes with its defaults at the last scale's 512 rows; top-k only; greedy
     "sample_top_k_top_p-N512-V4096-k900-p0.96": lambda device: _sample_case(512, 4096, 900, 0.96, device),
     "sample_top_k_top_p-N7-V4096-k600": lambda device: _sample_case(7, 4096, 600, 0.0, device),
