@@ -289,6 +289,18 @@ def _cases(dev) -> list[dict]:
                       bytes=logits_c.numel() * 2 + logits_c.numel() // 2 * 4, memory_bound=True, target=False,
                       run={"triton": lambda: guidance_mod.cfg_guide(logits_c, 8, 4.0),
                            "torch": lambda: ref.cfg_guide(logits_c, 8, 4.0)}))
+    # VAR-d30's input map of its last scale at batch 8 (8 × 16 × 16 latent → 16 rows of 256 × 1920
+    # float32): one launch against torch's pooling, casts, embedding, position add and CFG copy
+    from ..sparse_ops import stage_embed as stage_mod
+    f_se = torch.randn(8, 32, 16, 16, device=dev, generator=g)
+    w_se = (torch.randn(1920, 32, device=dev, generator=g) * 0.2).to(torch.bfloat16)
+    b_se = torch.randn(1920, device=dev, generator=g).to(torch.bfloat16)
+    pos_se = torch.randn(256, 1920, device=dev, generator=g)
+    cases.append(dict(op="stage_embed", shape="B8 16x16 from 16x16 K32 C1920, 2 copies", dtype="fp32 (bf16 embedding)",
+                      bytes=f_se.numel() * 4 + pos_se.numel() * 4 + 16 * 256 * 1920 * 4, memory_bound=True,
+                      target=False,
+                      run={"triton": lambda: stage_mod.stage_embed(f_se, 16, 16, w_se, b_se, pos_se, 2),
+                           "torch": lambda: ref.stage_embed(f_se, 16, 16, w_se, b_se, pos_se, 2)}))
     # the absorbed cross-attention's softmax: Infinity-2B's last scale with CFG, 16 heads × a 32-token
     # prompt bucket (float32 logits in, bf16 probabilities out); memory-bound
     from ..sparse_ops import softmax as softmax_mod
