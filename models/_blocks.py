@@ -193,7 +193,8 @@ class ElementwiseOps:
     the q/k norm + KV-cache write, one kernel each; torch.compile for the gated residual), the
     Triton GEMM of ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows, and
     ``qk_norm_attend`` (``sparse_ops.cache_attention``: VAR's q/k norm, cache write and unmasked
-    attention in one launch; None under the other kinds).
+    attention in one launch; None under the other kinds); ``cfg_guide`` and ``stage_embed`` (VAR's
+    guidance and scale input) are one launch each under ``"fused"`` and their torch twins otherwise.
 
     ``linear(x, weight, bias=None, gelu=False)`` is the layers' matrix product: cuBLAS, except
     under ``"fused"`` at few rows. Under ``"fused"`` with ``row_padding`` (default) a cuBLAS product

@@ -11,8 +11,10 @@
   launch), ``linear.py`` (the dense path's GEMM for a few rows, deterministic split-K),
   ``linear_residual.py`` (an output projection whose split-K sums the gated residual + LayerNorm +
   AdaLN launch adds), ``sample.py`` (top-k /
-  top-p filtering and the categorical draw in one launch); their front ends are ``ops.linear`` and
-  ``ops.sample_top_k_top_p`` (not re-exported here: the names are the modules');
+  top-p filtering and the categorical draw in one launch), ``stage_embed.py`` (VAR's input map of a
+  scale: pooling, embedding, positions and the CFG copy in one launch); their front ends are
+  ``ops.linear``, ``ops.sample_top_k_top_p`` and ``ops.stage_embed`` (not re-exported here: the
+  names are the modules');
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
 - ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention);

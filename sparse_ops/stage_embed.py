@@ -40,6 +40,7 @@ def _round_to_bf16(x):
 def _stage_embed_kernel(f_ptr, w_ptr, b_ptr, pos_ptr, out_ptr, B, Hi, Wi, h, w, l, C, copies, win_h, win_w,
                         s_fb, s_fc, s_fh, s_pl, s_ob, s_ol,
                         K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        WIN_H: tl.constexpr, WIN_W: tl.constexpr,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr):
     tb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -55,12 +56,18 @@ def _stage_embed_kernel(f_ptr, w_ptr, b_ptr, pos_ptr, out_ptr, B, Hi, Wi, h, w, 
     k = tl.arange(0, K)
     src = f_ptr + b * s_fb + k[None, :] * s_fc                    # (BLOCK_T, K): channel k of image b
     acc = tl.zeros([BLOCK_T, K], tl.float32)
-    for i in range(0, win_h):                                     # torch's order: row by row, left to right
-        ih = h0 + i
-        for j in range(0, win_w):
-            iw = w0 + j
-            ok = t_ok & (ih < h1) & (iw < w1)
-            acc += tl.load(src + (ih * s_fh + iw)[:, None], mask=ok[:, None], other=0.0)
+    if WIN_H > 0:                 # small windows unrolled: every load issued before the sums wait on them
+        for i in tl.static_range(WIN_H):                          # torch's order: row by row, left to right
+            for j in tl.static_range(WIN_W):
+                ok = t_ok & (h0 + i < h1) & (w0 + j < w1)
+                acc += tl.load(src + ((h0 + i) * s_fh + w0 + j)[:, None], mask=ok[:, None], other=0.0)
+    else:
+        for i in range(0, win_h):
+            ih = h0 + i
+            for j in range(0, win_w):
+                iw = w0 + j
+                ok = t_ok & (ih < h1) & (iw < w1)
+                acc += tl.load(src + (ih * s_fh + iw)[:, None], mask=ok[:, None], other=0.0)
     kh = tl.where(t_ok, h1 - h0, 1).to(tl.float32)[:, None]
     kw = tl.where(t_ok, w1 - w0, 1).to(tl.float32)[:, None]
     pooled = tl.math.div_rn(tl.math.div_rn(acc, kh), kw)          # sum / kH / kW, as torch rounds it
@@ -115,9 +122,14 @@ def stage_embed(f_hat_BChw: torch.Tensor, h: int, w: int, weight_CK: torch.Tenso
     upcast = interpreting() and wgt.dtype != torch.float32
     precision = "ieee" if wgt.dtype == torch.float32 else None          # float32 weights: no TF32
     grid = (triton.cdiv(l, block_t), triton.cdiv(C, block_c), B)
+    win_h, win_w = _max_window(Hi, h), _max_window(Wi, w)
+    # windows of up to 64 pixels (VAR's 256-px schedule from its 2 × 2 scale on) unroll: one compile
+    # per window size; larger ones (a 512-px model's first scales) loop
+    unroll = win_h * win_w <= 64
     _stage_embed_kernel[grid](f, wgt, bias_C if bias_C is not None else wgt, pos, out, B, Hi, Wi, h, w, l, C, copies,
-                              _max_window(Hi, h), _max_window(Wi, w), f.stride(0), f.stride(1), f.stride(2),
+                              win_h, win_w, f.stride(0), f.stride(1), f.stride(2),
                               pos.stride(0), out.stride(0), out.stride(1), K=K, BLOCK_T=block_t,
-                              BLOCK_C=block_c, HAS_BIAS=bias_C is not None, UPCAST=upcast, PRECISION=precision,
+                              BLOCK_C=block_c, HAS_BIAS=bias_C is not None, WIN_H=win_h if unroll else 0,
+                              WIN_W=win_w if unroll else 0, UPCAST=upcast, PRECISION=precision,
                               RNE=interpreting() and wgt.dtype == torch.bfloat16, num_warps=4)
     return out
