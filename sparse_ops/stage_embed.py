@@ -10,12 +10,15 @@ adds the bias and the position rows and writes every copy.
 
 Same pooling bits as torch's CUDA kernel: each window is summed in float32 row by row, left to
 right, then divided by its height and then by its width (correctly rounded divisions). The
-embedding rounds to the weight's dtype once after the bias, as cuBLAS's epilogue does; its float32
-sum over the K = 32 products may be ordered differently from cuBLAS's (which splits K at some
-sizes), so an element can differ by one step of that dtype. Two workarounds for Triton's CPU
-interpreter: ``tl.dot`` on bf16 is wrong there (triton#11584), so the operands are cast to float32
-first (exact products, ``UPCAST``); and its float32 → bf16 cast truncates where the GPU rounds to
-nearest even, so the two roundings are done on the bits first (``RNE``).
+embedding sums its K = 32 products in float32 and rounds to the weight's dtype once, after the
+bias. Torch's path on an H100 (cuBLAS, split over K at some sizes) gave a value one step of that
+dtype away in ~30 % of the elements; both stay within the tests' tolerance of a float64 oracle,
+so the kernel is no less exact, but its maps are not torch's bit for bit.
+
+Two workarounds for Triton's CPU interpreter: ``tl.dot`` on bf16 is wrong there (triton#11584), so
+the operands are cast to float32 first (exact products, ``UPCAST``); and its float32 → bf16 cast
+truncates where the GPU rounds to nearest even, so the two roundings are done on the bits first
+(``RNE``).
 """
 from __future__ import annotations
 
@@ -112,13 +115,13 @@ def stage_embed(f_hat_BChw: torch.Tensor, h: int, w: int, weight_CK: torch.Tenso
     f = f_hat_BChw if f_hat_BChw.stride(3) == 1 else f_hat_BChw.contiguous()
     wgt = weight_CK.contiguous()
     pos = pos_lC if pos_lC.stride(1) == 1 else pos_lC.contiguous()
-    # 16-token blocks (the smallest tl.dot); 128 channels: a VAR-d30 map at batch 1 (C 1920) on
-    # 15 programs per 16 tokens, so its last scale runs on 240
-    block_t, block_c = 16, 128
     if h == w == 1:
         # torch pools a 1 × 1 map as a mean (another summation order); one token: nothing to gain
         from .ref import stage_embed as reference
         return reference(f_hat_BChw, h, w, weight_CK, bias_C, pos_lC, copies)
+    # 16-token blocks (the smallest tl.dot); 128 channels: a VAR-d30 map at batch 1 (C 1920) on
+    # 15 programs per 16 tokens, so its last scale runs on 240
+    block_t, block_c = 16, 128
     upcast = interpreting() and wgt.dtype != torch.float32
     precision = "ieee" if wgt.dtype == torch.float32 else None          # float32 weights: no TF32
     grid = (triton.cdiv(l, block_t), triton.cdiv(C, block_c), B)
