@@ -193,8 +193,9 @@ class ElementwiseOps:
     the q/k norm + KV-cache write, one kernel each; torch.compile for the gated residual), the
     Triton GEMM of ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows, and
     ``qk_norm_attend`` (``sparse_ops.cache_attention``: VAR's q/k norm, cache write and unmasked
-    attention in one launch; None under the other kinds); ``cfg_guide`` and ``stage_embed`` (VAR's
-    guidance and scale input) are one launch each under ``"fused"`` and their torch twins otherwise.
+    attention in one launch; None under the other kinds); ``cfg_guide``, ``stage_embed`` and
+    ``phi_accumulate`` (VAR's guidance, scale input and latent update) are one launch each under
+    ``"fused"`` and their torch twins otherwise.
 
     ``linear(x, weight, bias=None, gelu=False)`` is the layers' matrix product: cuBLAS, except
     under ``"fused"`` at few rows. Under ``"fused"`` with ``row_padding`` (default) a cuBLAS product
@@ -230,6 +231,7 @@ class ElementwiseOps:
         self.bias_softmax = sparse_ref.bias_softmax
         self.cfg_guide = sparse_ref.cfg_guide      # (1 + t)·cond − t·uncond in float32 (one launch when fused)
         self.stage_embed = sparse_ref.stage_embed  # VAR's input map of a scale (one launch when fused)
+        self.phi_accumulate = sparse_ref.phi_accumulate  # VAR's latent update f_hat += φ(h) (one launch when fused)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate)
         for name, fn in fns.items():
@@ -246,6 +248,7 @@ class ElementwiseOps:
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
             self.cfg_guide = functools.partial(sparse_ops.cfg_guide, backend="triton")
             self.stage_embed = functools.partial(sparse_ops.stage_embed, backend="triton")
+            self.phi_accumulate = functools.partial(sparse_ops.phi_accumulate, backend="triton")
         elif kind == "compile":
             # Compiling the cache write into the norm produced four kernels instead of one on an H100
             # (torch 2.11): keep the compiled norm and let two plain copies write the cache.

@@ -601,7 +601,8 @@ class VARAdapter:
             if op is None:
                 op = ws.upsample_ops[(h, w)] = bicubic_operator((h, w), (H, W), h_BChw.device)
             h_BChw = torch.mm(h_BChw.reshape(B * c, h * w), op).view(B, c, H, W)     # (B·c, hw) → (B·c, HW)
-        ws.f_hat_BChw.add_(self.vqvae.apply_phi(h_BChw, si, sch.num_scales))     # φ in float32
+        weight, bias, ratio = self.vqvae.phi_parameters(si, sch.num_scales)
+        self.ops.phi_accumulate(h_BChw, weight, bias, ratio, ws.f_hat_BChw)            # f_hat += φ(h), float32
 
     def drop_uncond(self, run: RunState) -> None:
         run.workspace.kv.keep_rows(run.batch_size)

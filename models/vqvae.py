@@ -482,17 +482,23 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
         """
         return _phi_index(si, num_scales, len(self.quantize.quant_resi.qresi_ls))
 
+    def phi_parameters(self, si: int, num_scales: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(conv weight (Cvae, Cvae, 3, 3), its bias, r = |quant_resi|) of the phi used at scale ``si``
+        of a ``num_scales``-scale schedule: phi(h) = (1 - r) * h + r * conv(h)."""
+        conv = self.quantize.quant_resi.qresi_ls[self.phi_index(si, num_scales)]
+        return conv.weight, conv.bias, self.resi_ratio
+
     def apply_phi(self, h_BChw: torch.Tensor, si: int, num_scales: int) -> torch.Tensor:
         """phi(h) = (1 - r) * h + r * conv_k(h) with r = |quant_resi| and k = phi_index(si, num_scales).
 
-        Computed in float32 (autocast off); returns a new float32 tensor.
+        Computed in float32 (autocast off); returns a new float32 tensor. (The sampler's latent
+        update adds it into the latent in one step: ``sparse_ops.ref.phi_accumulate`` and its kernel.)
         """
-        k = self.phi_index(si, num_scales)
-        conv = self.quantize.quant_resi.qresi_ls[k]
+        weight, bias, ratio = self.phi_parameters(si, num_scales)
         with torch.autocast(device_type=h_BChw.device.type, enabled=False):
             h_BChw = h_BChw.float()
-            conv_BChw = F.conv2d(h_BChw, conv.weight.float(), conv.bias.float(), stride=1, padding=1)
-            return h_BChw.mul(1.0 - self.resi_ratio) + conv_BChw.mul_(self.resi_ratio)
+            conv_BChw = F.conv2d(h_BChw, weight.float(), bias.float(), stride=1, padding=1)
+            return h_BChw.mul(1.0 - ratio) + conv_BChw.mul_(ratio)
 
     # -------------------------------------------------------------------------------- encode / quantise
     def encode(self, img_B3HW: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
         return xo, y
     for t in (mul_R1C, shift_R1C) + ((gate_R1C,) if has_res else ()):
         assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
-    block_c, rows, warps = _launch_shape(C)
+    block_c, rows, warps = _launch_shape(C, R * n)
     b, g = (branch_RlC, gate_R1C) if has_res else (x_RlC, mul_R1C)
     pdl = dependent_launch(x_RlC.device, R * n, pdl)
     _residual_norm_mod_kernel[(triton.cdiv(n, rows), R)](

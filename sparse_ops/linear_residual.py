@@ -91,7 +91,7 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
     mul_R1C, shift_R1C, gate_R1C = mul_R1C.expand(R, 1, C), shift_R1C.expand(R, 1, C), gate_R1C.expand(R, 1, C)
     for t in (mul_R1C, shift_R1C, gate_R1C):
         assert t.stride(-1) == 1, "modulation rows must be contiguous in C"
-    block_c, rows, warps = _launch_shape(C)
+    block_c, rows, warps = _launch_shape(C, R * l)
     b = bias_C if bias_C is not None else h_MK                            # never read without HAS_BIAS
     pdl = dependent_launch(x_RlC.device, R * l, pdl)
     _reduce_residual_norm_kernel[(triton.cdiv(l, rows), R)](

@@ -24,7 +24,7 @@ _TRITON_MODULES = {
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
-    "group_norm_silu": "group_norm", "stage_embed": "stage_embed",
+    "group_norm_silu": "group_norm", "stage_embed": "stage_embed", "phi_accumulate": "phi",
 }
 
 
@@ -170,3 +170,9 @@ def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.
     """GroupNorm + affine (+ SiLU) in x's dtype; channels-last input keeps its layout on the Triton
     path (see ``ref.group_norm_silu``)."""
     return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu)
+
+
+def phi_accumulate(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float,
+                   f_hat_BChw: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """VAR's φ latent update in place: ``f_hat += (1 − r)·h + r·conv3×3(h)`` (see ``ref.phi_accumulate``)."""
+    return implementation("phi_accumulate", backend, h_BChw.device)(h_BChw, weight_CC33, bias_C, ratio, f_hat_BChw)

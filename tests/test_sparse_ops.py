@@ -650,6 +650,51 @@ def _(device="cpu"):
     _stage_embed_case(1, 32, (16, 16), (1, 1), 40, 2, torch.bfloat16, device)     # torch's mean: the reference runs
 
 
+def _phi_case(B, C, H, W, weight_dtype, device, channels_last=False):
+    """VAR's φ latent update (f_hat += (1 − r)·h + r·(conv3×3(h) + bias)) in place, against the
+    float64 oracle of the same definition: within the tolerance rule (the 9·C-term float32 sums of
+    the kernel and of cuDNN / oneDNN run in different orders). ``channels_last``: ``h`` as a
+    (B, H, W, C) buffer seen as (B, C, H, W), as a strided input must work."""
+    from sparsevar.sparse_ops import phi, ref
+    g = _gen(21)
+    h = _rand((B, H, W, C), g, device).permute(0, 3, 1, 2) if channels_last else _rand((B, C, H, W), g, device)
+    weight = _rand((C, C, 3, 3), g, device, scale=0.1).to(weight_dtype)
+    bias = _rand((C,), g, device, scale=0.1).to(weight_dtype)
+    f = _rand((B, C, H, W), g, device, scale=2.0)
+    ratio = 0.5
+    got = phi.phi_accumulate(h, weight, bias, ratio, f.clone())
+    want = ref.phi_accumulate(h, weight, bias, ratio, f.clone())
+    # the oracle on the CPU: on an H100 torch's float64 convolution of a channels-last input was 9e-4 off
+    # it, as far as its float32 one (which cuDNN runs in TF32, torch's default); this kernel was 2.4e-7 off
+    cpu = [t.double().cpu() for t in (h, weight, bias, f)]
+    oracle = ref.phi_accumulate(cpu[0], cpu[1], cpu[2], ratio, cpu[3]).to(device)
+    assert got.dtype == torch.float32 and got.shape == (B, C, H, W)
+    assert_close_to_oracle(f"phi_accumulate-{weight_dtype}", got, want, oracle)
+    untouched = f.clone()
+    out = phi.phi_accumulate(h, weight, bias, ratio, untouched)
+    assert out is untouched and not torch.equal(untouched, f), "the update must be written into f_hat itself"
+
+
+@case("phi_accumulate-B1-C32-16x16")
+def _(device="cpu"):
+    _phi_case(1, 32, 16, 16, torch.float32, device)
+
+
+@case("phi_accumulate-B2-C5-7x9-bf16-weights")
+def _(device="cpu"):
+    _phi_case(2, 5, 7, 9, torch.bfloat16, device)
+
+
+@case("phi_accumulate-B3-C32-13x11-channels-last")
+def _(device="cpu"):
+    _phi_case(3, 32, 13, 11, torch.float32, device, channels_last=True)
+
+
+@case("phi_accumulate-B1-C20-1x1")
+def _(device="cpu"):
+    _phi_case(1, 20, 1, 1, torch.float32, device)
+
+
 @case("linear_residual-R1-l20-K96-C33-nobias-fp32")
 def _(device="cpu"):
     from sparsevar.sparse_ops.linear import LinearConfig
@@ -855,6 +900,38 @@ def test_dependent_launch_only_where_the_gpu_can_and_the_chain_is_ours():
     from sparsevar.models._blocks import ElementwiseOps
     assert ElementwiseOps.SMALL_GEMM_ROWS == _backend.CHAIN_ROWS       # the chain is ours up to there
 
+
+def test_few_row_launch_shapes_follow_their_rules():
+    """The few-row GEMM's launch shape (``linear._few_rows_config``) and the row-wise norms' (``FEW_ROWS``)
+    on a 132-SM GPU, at VAR-d30's products: the rules their docstrings state and measure."""
+    if not _triton_installed():
+        pytest.skip("triton is not installed")
+    from sparsevar.sparse_ops import gather_modulate, linear
+    sms = 132
+    products = {"qkv": (5760, 1920, 1024), "fc1": (7680, 1920, 1024), "head": (4096, 1920, 1024),
+                "proj": (1920, 1920, 512), "fc2": (1920, 7680, 512)}        # N, K, min_split_k
+    for name, (N, K, min_split) in products.items():
+        for M in (1, 2, 8, 18, 32, 50, 64):
+            cfg = linear._few_rows_config(M, N, K, sms, min_split)
+            tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+            assert cfg.block_m >= M and cfg.block_k == 128 and (cfg.num_warps, cfg.num_stages) == (4, 5), (name, M, cfg)
+            assert K // cfg.split_k >= min_split or cfg.split_k == 1, (name, M, cfg)      # each split long enough
+            if M <= 32:
+                assert cfg.block_n == 32, (name, M, cfg)
+                assert tiles * cfg.split_k >= sms or 2 * cfg.split_k > K // min_split, (name, M, cfg)
+            elif cfg.block_n == 64:                                    # 64-wide only where that fills ≥ 60 %
+                assert tiles * cfg.split_k >= 0.6 * sms, (name, M, cfg)
+    assert linear._few_rows_config(50, 5760, 1920, sms, 1024).block_n == 64      # x read once per 64 columns
+    assert linear._few_rows_config(50, 4096, 1920, sms, 1024).block_n == 32      # 64 wide would fill 64 SMs
+    assert linear._few_rows_config(50, 1920, 7680, sms, 512)[1:4] == (64, 128, 4)
+    assert linear.choose_config(50, 1920, 7680, sms, 512) == linear._few_rows_config(50, 1920, 7680, sms, 512)
+    # the norms: one row per program up to FEW_ROWS rows, the 4K-element programs above (and without a count)
+    assert gather_modulate._launch_shape(1920, gather_modulate.FEW_ROWS) == (2048, 1, 8)
+    assert gather_modulate._launch_shape(1024, 72) == (1024, 1, 4)
+    assert gather_modulate._launch_shape(1920, gather_modulate.FEW_ROWS + 1) == gather_modulate._launch_shape(1920)
+    assert gather_modulate._launch_shape(1920) == (2048, 2, 4)
+
+
 @pytest.mark.parametrize("make", [
     lambda: __import__("sparsevar").policies.SparseVARConfig(backend="gpu"),
     lambda: __import__("sparsevar").policies.FastVARConfig(backend="Triton"),
@@ -1014,6 +1091,10 @@ GPU_CASES = {
                                                                                   torch.bfloat16, True, device),
     "group_norm_silu-B2-C512-64x64-G32-bf16": lambda device: _group_norm_case(2, 512, 64, 64, 32, torch.bfloat16,
                                                                               True, device, offset=3.0),
+    # VAR's latent update on its 32-channel 16 × 16 latent at batch 1 and 8; an odd map with a strided input
+    "phi_accumulate-B1-C32-16x16": lambda device: _phi_case(1, 32, 16, 16, torch.float32, device),
+    "phi_accumulate-B8-C32-16x16": lambda device: _phi_case(8, 32, 16, 16, torch.float32, device),
+    "phi_accumulate-B3-C32-13x11-channels-last": lambda device: _phi_case(3, 32, 13, 11, torch.float32, device, True),
     "linear-M4-N1000-K999-fp16-gelu": lambda device: _linear_case(4, 1000, 999, True, True, torch.float16, device),
     "linear-M300-N2048-K2048-bf16": lambda device: _linear_case(300, 2048, 2048, True, False, torch.bfloat16, device),
     "attention_colsum-R1H4-l333-Lk1000-d64-fp16": lambda device: _colsum_case(1, 4, 333, 1000, 64, 192, torch.float16,
