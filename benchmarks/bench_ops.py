@@ -301,6 +301,18 @@ def _cases(dev) -> list[dict]:
                       target=False,
                       run={"triton": lambda: stage_mod.stage_embed(f_se, 16, 16, w_se, b_se, pos_se, 2),
                            "torch": lambda: ref.stage_embed(f_se, 16, 16, w_se, b_se, pos_se, 2)}))
+    # VAR's latent update at batch 8 (8 × 32 × 16 × 16 float32: f_hat += φ(h)): one launch against
+    # torch's cuDNN convolution and four elementwise passes; latency-bound at this size (in place: the
+    # repeated calls keep adding into f_hat, which changes nothing about the time)
+    from ..sparse_ops import phi as phi_mod
+    h_phi = torch.randn(8, 32, 16, 16, device=dev, generator=g)
+    f_phi = torch.randn(8, 32, 16, 16, device=dev, generator=g)
+    w_phi = torch.randn(32, 32, 3, 3, device=dev, generator=g) * 0.1
+    b_phi = torch.randn(32, device=dev, generator=g) * 0.1
+    cases.append(dict(op="phi_accumulate", shape="B8 C32 16x16", dtype="fp32",
+                      bytes=h_phi.numel() * 4 * 3, memory_bound=True, target=False,
+                      run={"triton": lambda: phi_mod.phi_accumulate(h_phi, w_phi, b_phi, 0.5, f_phi),
+                           "torch": lambda: ref.phi_accumulate(h_phi, w_phi, b_phi, 0.5, f_phi)}))
     # the absorbed cross-attention's softmax: Infinity-2B's last scale with CFG, 16 heads × a 32-token
     # prompt bucket (float32 logits in, bf16 probabilities out); memory-bound
     from ..sparse_ops import softmax as softmax_mod
