@@ -9,9 +9,12 @@ one image): it sums the nine taps as nine small products (weights of the tap × 
 at the shifted pixels, zero outside the map), adds the bias, mixes with ``h`` and adds the result
 into ``f_hat``.
 
-The products run in float32 (``input_precision="ieee"``: no TF32), as torch's path does, but the
-taps and channels are summed in another order than cuDNN's, so the two agree to float32 rounding,
-not bit for bit (tests: within a few float32 ulps of the float64 result, as torch's path).
+The products run in float32 (``input_precision="ieee"``: no TF32) and sum the taps and channels in
+another order than cuDNN, so the two paths agree to float32 rounding, not bit for bit. Against a
+float64 oracle on an H100 the kernel was 2.4e-7–2.7e-6 off; torch's path 2e-6 on the contiguous
+input the sampler passes and 9e-4 on a channels-last one, where cuDNN ran the convolution in TF32
+(torch's default for cuDNN). The tests hold the kernel to the tolerance rule of
+``tests/test_sparse_ops.py`` against a float64 oracle computed on the CPU.
 """
 from __future__ import annotations
 
