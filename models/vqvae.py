@@ -491,14 +491,11 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
     def apply_phi(self, h_BChw: torch.Tensor, si: int, num_scales: int) -> torch.Tensor:
         """phi(h) = (1 - r) * h + r * conv_k(h) with r = |quant_resi| and k = phi_index(si, num_scales).
 
-        Computed in float32 (autocast off); returns a new float32 tensor. (The sampler's latent
-        update adds it into the latent in one step: ``sparse_ops.ref.phi_accumulate`` and its kernel.)
+        Computed in float32 (autocast off; ``sparse_ops.ref.phi``); returns a new float32 tensor. (The
+        sampler's latent update adds it into the latent in one step: ``ref.phi_accumulate`` and its kernel.)
         """
-        weight, bias, ratio = self.phi_parameters(si, num_scales)
-        with torch.autocast(device_type=h_BChw.device.type, enabled=False):
-            h_BChw = h_BChw.float()
-            conv_BChw = F.conv2d(h_BChw, weight.float(), bias.float(), stride=1, padding=1)
-            return h_BChw.mul(1.0 - ratio) + conv_BChw.mul_(ratio)
+        from ..sparse_ops.ref import phi
+        return phi(h_BChw, *self.phi_parameters(si, num_scales))
 
     # -------------------------------------------------------------------------------- encode / quantise
     def encode(self, img_B3HW: torch.Tensor) -> torch.Tensor:

@@ -123,15 +123,20 @@ def stage_embed(f_hat_BChw: torch.Tensor, h: int, w: int, weight_CK: torch.Tenso
     return x_BlC.repeat(copies, 1, 1)
 
 
-def phi_accumulate(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float,
-                   f_hat_BChw: torch.Tensor) -> torch.Tensor:
-    """VAR's latent update at one scale, in place: ``f_hat += (1 − r)·h + r·(conv3×3(h) + bias)``
-    (the VQVAE's φ, zero padding; float32 with autocast off, each product and sum rounding on its
-    own). ``h`` is the scale's residual upsampled to the latent's size. Returns ``f_hat``."""
+def phi(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The VQVAE's φ: ``(1 − r)·h + r·(conv3×3(h) + bias)`` (zero padding), float32 with autocast off,
+    each product and sum rounding on its own; a new tensor."""
     with torch.autocast(device_type=h_BChw.device.type, enabled=False):
         h_BChw = h_BChw.float()
         conv_BChw = F.conv2d(h_BChw, weight_CC33.float(), bias_C.float(), stride=1, padding=1)
-        return f_hat_BChw.add_(h_BChw.mul(1.0 - ratio) + conv_BChw.mul_(ratio))
+        return h_BChw.mul(1.0 - ratio) + conv_BChw.mul_(ratio)
+
+
+def phi_accumulate(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float,
+                   f_hat_BChw: torch.Tensor) -> torch.Tensor:
+    """VAR's latent update at one scale, in place: ``f_hat += φ(h)`` (:func:`phi`), ``h`` being the
+    scale's residual upsampled to the latent's size. Returns ``f_hat``."""
+    return f_hat_BChw.add_(phi(h_BChw, weight_CC33, bias_C, ratio))
 
 
 def cfg_guide(logits_RlV: torch.Tensor, batch: int, t: float) -> torch.Tensor:
