@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import _gdc
 from ._backend import dependent_launch
-from .gather_modulate import _launch_shape, _norm_modulate_rows
+from .gather_modulate import _launch_shape, _load_row, _norm_modulate_rows
 from .gemm_rows import empty_rows
 
 
@@ -31,10 +31,9 @@ def _norm_rows(x, mult):
 
 
 @triton.jit
-def _add_gated_store(x, branch, g_row_ptr, c, cm, m2, xo_ptrs):
-    """``x + branch · gate`` (float32; the gate is one row), stored through ``xo_ptrs``; returns it.
+def _add_gated_store(x, branch, g, m2, xo_ptrs):
+    """``x + branch · g`` (float32; ``g`` one float32 row), stored through ``xo_ptrs``; returns it.
     Shared with ``linear_residual``."""
-    g = tl.load(g_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
     x = x + branch * g[None, :]
     tl.store(xo_ptrs, x.to(xo_ptrs.dtype.element_ty), mask=m2)
     return x
@@ -50,11 +49,14 @@ def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y
     c = tl.arange(0, BLOCK_C)
     cm = c < C
     m2 = (j < n)[:, None] & cm[None, :]
+    mul = _load_row(mul_ptr + r * s_mr, c, cm)
+    shift = _load_row(shift_ptr + r * s_sr, c, cm)
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
     if HAS_RES:
+        g = _load_row(g_ptr + r * s_gr, c, cm)
         b = tl.load(b_ptr + r * s_br + j[:, None] * s_bl + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        x = _add_gated_store(x, b, g_ptr + r * s_gr, c, cm, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
-    y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
+        x = _add_gated_store(x, b, g, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
+    y = _norm_modulate_rows(x, m2, C, eps, mul, shift)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 

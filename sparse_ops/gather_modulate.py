@@ -41,16 +41,23 @@ def _launch_shape(C: int, rows_total: Optional[int] = None) -> tuple[int, int, i
 
 
 @triton.jit
-def _norm_modulate_rows(xf, m2, c, cm, C, eps, mul_row_ptr, shift_row_ptr):
+def _norm_modulate_rows(xf, m2, C, eps, mul, shift):
     """LayerNorm of every row of ``xf`` (ROWS, BLOCK_C) float32 (masked columns ignored), then
-    · mul + shift read from one row of each: the float32 result. Shared with ``dense_fused``."""
+    · ``mul`` + ``shift`` (float32 rows of BLOCK_C, from :func:`_load_row`): the float32 result.
+    Shared with ``dense_fused`` and ``linear_residual``."""
     mean = tl.sum(xf, axis=1) / C
     xc = tl.where(m2, xf - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
-    mul = tl.load(mul_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    shift = tl.load(shift_row_ptr + c, mask=cm, other=0.0).to(tl.float32)
     return xc * rstd[:, None] * mul[None, :] + shift[None, :]
+
+
+@triton.jit
+def _load_row(row_ptr, c, cm):
+    """One row of BLOCK_C parameters (a modulation, a gate, a bias) as float32. The kernels load
+    them first, beside the rows they normalise: loaded after the row statistics, as before, their
+    latency followed the two reductions (at a few rows, where these launches are latency-bound)."""
+    return tl.load(row_ptr + c, mask=cm, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -71,10 +78,13 @@ def _gather_norm_mod_kernel(x_ptr, idx_ptr, mul_ptr, shift_ptr, y_ptr, xg_ptr,
     cm = c < C
     m2 = jm[:, None] & cm[None, :]
     x = tl.load(x_ptr + r * stride_xr + src[:, None] * stride_xl + c[None, :], mask=m2, other=0.0)
+    if NORM:
+        mul = _load_row(mul_ptr + r * stride_mr, c, cm)
+        shift = _load_row(shift_ptr + r * stride_sr, c, cm)
     if WRITE_X:
         tl.store(xg_ptr + r * stride_gr + j[:, None].to(tl.int64) * stride_gl + c[None, :], x, mask=m2)
     if NORM:
-        y = _norm_modulate_rows(x.to(tl.float32), m2, c, cm, C, eps, mul_ptr + r * stride_mr, shift_ptr + r * stride_sr)
+        y = _norm_modulate_rows(x.to(tl.float32), m2, C, eps, mul, shift)
         tl.store(y_ptr + r * stride_yr + j[:, None].to(tl.int64) * stride_yl + c[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=m2)
 

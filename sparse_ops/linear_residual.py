@@ -22,7 +22,7 @@ import triton.language as tl
 from . import _gdc
 from ._backend import dependent_launch
 from .dense_fused import _add_gated_store
-from .gather_modulate import _launch_shape, _norm_modulate_rows
+from .gather_modulate import _launch_shape, _load_row, _norm_modulate_rows
 from .gemm_rows import empty_rows
 from .linear import LinearConfig, choose_config, partial_products
 
@@ -45,16 +45,19 @@ def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr
     c = tl.arange(0, BLOCK_C)
     cm = c < C
     m2 = (j < n)[:, None] & cm[None, :]
+    mul = _load_row(mul_ptr + r * s_mr, c, cm)
+    shift = _load_row(shift_ptr + r * s_sr, c, cm)
+    g = _load_row(g_ptr + r * s_gr, c, cm)
     ws_rows = ws_ptr + (r * n + j)[:, None] * C + c[None, :]             # rows of the (split, M, C) sums
     acc = tl.load(ws_rows, mask=m2, other=0.0)
     for s in tl.static_range(1, SPLIT_K):                                # fixed order: deterministic
         acc += tl.load(ws_rows + s * M * C, mask=m2, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        acc += _load_row(b_ptr, c, cm)[None, :]
     branch = acc.to(BRANCH_DTYPE).to(tl.float32)                         # the product, rounded as unfused
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    x = _add_gated_store(x, branch, g_ptr + r * s_gr, c, cm, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
-    y = _norm_modulate_rows(x, m2, c, cm, C, eps, mul_ptr + r * s_mr, shift_ptr + r * s_sr)
+    x = _add_gated_store(x, branch, g, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
+    y = _norm_modulate_rows(x, m2, C, eps, mul, shift)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
