@@ -39,12 +39,6 @@ def _phi_kernel(h_ptr, w_ptr, b_ptr, f_ptr, keep, ratio, H, W,
     i = tl.arange(0, C_PAD)                                      # input channels
     i_ok = i < C
     h_img = h_ptr + b * s_hb
-    ok = o_ok[:, None] & p_ok[None, :]
-    # the bias, the centre taps and the latent first: their latency then hides behind the taps' loads
-    bias_o = tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)
-    h_c = tl.load(h_img + o[:, None] * s_hc + y[None, :] * s_hy + x[None, :] * s_hx, mask=ok, other=0.0).to(tl.float32)
-    f_ptrs = f_ptr + b * s_fb + o[:, None] * s_fc + y[None, :] * s_fy + x[None, :] * s_fx
-    f = tl.load(f_ptrs, mask=ok, other=0.0)
     acc = tl.zeros((BLOCK_O, BLOCK_P), dtype=tl.float32)
     for t in tl.static_range(9):                                 # tap (dy, dx) = (t // 3 − 1, t % 3 − 1)
         yy = y + (t // 3 - 1)
@@ -55,7 +49,11 @@ def _phi_kernel(h_ptr, w_ptr, b_ptr, f_ptr, keep, ratio, H, W,
         w_t = tl.load(w_ptr + o[:, None] * (C * 9) + i[None, :] * 9 + t,
                       mask=o_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)            # (BLOCK_O, C_PAD)
         acc = tl.dot(w_t, h_t, acc, input_precision="ieee")
-    conv = acc + bias_o[:, None]
+    conv = acc + tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)[:, None]
+    ok = o_ok[:, None] & p_ok[None, :]
+    h_c = tl.load(h_img + o[:, None] * s_hc + y[None, :] * s_hy + x[None, :] * s_hx, mask=ok, other=0.0).to(tl.float32)
+    f_ptrs = f_ptr + b * s_fb + o[:, None] * s_fc + y[None, :] * s_fy + x[None, :] * s_fx
+    f = tl.load(f_ptrs, mask=ok, other=0.0)
     tl.store(f_ptrs, f + (h_c * keep + conv * ratio), mask=ok)
 
 

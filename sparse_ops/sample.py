@@ -51,8 +51,6 @@ def _sample_kernel(logits_ptr, q_ptr, out_ptr, V, stride_l, stride_q, top_k, one
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    # the noise too, before the searches (loaded after them, its latency followed 64 reductions)
-    q = tl.load(q_ptr + row * stride_q + offs, mask=valid, other=1.0).to(tl.float32)
     keep = valid
     if USE_K or USE_P:
         # a bitwise search over signed keys: the sign first, then bits 30 … 0 (setting a bit raises
@@ -76,6 +74,7 @@ def _sample_kernel(logits_ptr, q_ptr, out_ptr, V, stride_l, stride_q, top_k, one
             keep = keep & (key >= tl.minimum(t, top))
     m = tl.max(tl.where(keep, x, float("-inf")))
     p = tl.where(keep, tl.exp(x - m), 0.0)
+    q = tl.load(q_ptr + row * stride_q + offs, mask=valid, other=1.0).to(tl.float32)
     score = tl.where(keep, p / q, -1.0)
     tl.store(out_ptr + row, tl.argmax(score, 0).to(tl.int64))
 

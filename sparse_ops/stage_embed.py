@@ -57,15 +57,6 @@ def _stage_embed_kernel(f_ptr, w_ptr, b_ptr, pos_ptr, out_ptr, B, Hi, Wi, h, w, 
     w0 = (ow * Wi) // w
     w1 = ((ow + 1) * Wi + w - 1) // w
     k = tl.arange(0, K)
-    dt = w_ptr.dtype.element_ty
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    ok_tc = t_ok[:, None] & c_ok[None, :]
-    # the parameters and position rows first: their latency then hides behind the window's loads
-    wt = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=c_ok[None, :], other=0.0)       # (K, BLOCK_C)
-    if HAS_BIAS:
-        bias_c = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + t[:, None] * s_pl + c[None, :], mask=ok_tc, other=0.0)
     src = f_ptr + b * s_fb + k[None, :] * s_fc                    # (BLOCK_T, K): channel k of image b
     acc = tl.zeros([BLOCK_T, K], tl.float32)
     if WIN_H > 0:                 # small windows unrolled: every load issued before the sums wait on them
@@ -83,6 +74,10 @@ def _stage_embed_kernel(f_ptr, w_ptr, b_ptr, pos_ptr, out_ptr, B, Hi, Wi, h, w, 
     kh = tl.where(t_ok, h1 - h0, 1).to(tl.float32)[:, None]
     kw = tl.where(t_ok, w1 - w0, 1).to(tl.float32)[:, None]
     pooled = tl.math.div_rn(tl.math.div_rn(acc, kh), kw)          # sum / kH / kW, as torch rounds it
+    dt = w_ptr.dtype.element_ty
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    wt = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=c_ok[None, :], other=0.0)       # (K, BLOCK_C)
     if RNE:
         pooled = _round_to_bf16(pooled)
     a = pooled.to(dt)
@@ -91,13 +86,14 @@ def _stage_embed_kernel(f_ptr, w_ptr, b_ptr, pos_ptr, out_ptr, B, Hi, Wi, h, w, 
     else:
         e = tl.dot(a, wt, input_precision=PRECISION)
     if HAS_BIAS:
-        e += bias_c[None, :]
+        e += tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    ok = t_ok[:, None] & c_ok[None, :]
     if RNE:
         e = _round_to_bf16(e)
-    x = e.to(dt).to(tl.float32) + pos
+    x = e.to(dt).to(tl.float32) + tl.load(pos_ptr + t[:, None] * s_pl + c[None, :], mask=ok, other=0.0)
     dst = out_ptr + b * s_ob + t[:, None].to(tl.int64) * s_ol + c[None, :]
     for r in range(0, copies):                                    # the same map for every CFG half
-        tl.store(dst + r * B * s_ob, x, mask=ok_tc)
+        tl.store(dst + r * B * s_ob, x, mask=ok)
 
 
 def _max_window(n_in: int, n_out: int) -> int:
