@@ -68,7 +68,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, 
         ok = (offs_n[:, None] < N) & ((k_lo + k_line)[None, :] < K) & (k_line[None, :] < k_per_split)
         _gdc.prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + k_line)[None, :], ok)
     _gdc.wait(PDL)
-    if HAS_BIAS:                             # first: its latency then hides behind the reduction's
+    if HAS_BIAS:                             # before the loop, not after it: its latency hides there
         bias_n = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
