@@ -174,5 +174,6 @@ def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.
 
 def phi_accumulate(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float,
                    f_hat_BChw: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """VAR's φ latent update in place: ``f_hat += (1 − r)·h + r·conv3×3(h)`` (see ``ref.phi_accumulate``)."""
+    """VAR's φ latent update in place: ``f_hat += (1 − r)·h + r·(conv3×3(h) + bias)`` (see
+    ``ref.phi_accumulate``)."""
     return implementation("phi_accumulate", backend, h_BChw.device)(h_BChw, weight_CC33, bias_C, ratio, f_hat_BChw)
