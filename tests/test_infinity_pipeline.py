@@ -8,6 +8,7 @@ the fixture model loaded from its official files.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,36 +116,67 @@ def test_rope_positions_scale_to_the_1m_grid_with_half_to_even_rounding():
 
 
 # ---- architecture facts at real size ----------------------------------------------------------------------
-def _key_file(name: str) -> dict:
-    out = {}
+def _key_file(name: str) -> tuple[dict, int]:
+    """An official key list (``key<TAB>[shape]<TAB>dtype`` rows, ``#`` header) as {key: (shape, dtype)}, and
+    the parameter count its header states. The file's own header is checked against its rows (entry count,
+    and the parameter count = the elements of every key but the ``zero_k_bias`` buffers), so a truncated or
+    edited copy fails here rather than agreeing with a model that lost the same keys."""
+    out, header = {}, {}
     for line in (KEYS_DIR / name).read_text().splitlines():
-        if line.startswith("#") or not line.strip():
+        if line.startswith("#"):
+            if m := re.fullmatch(r"# parameters: ([\d,]+)\b.*", line):
+                header["parameters"] = int(m.group(1).replace(",", ""))
+            elif m := re.fullmatch(r"# (\d+) entries, ([\d,]+) elements", line):
+                header["entries"], header["elements"] = int(m.group(1)), int(m.group(2).replace(",", ""))
             continue
-        key, shape, _ = line.split("\t")
-        out[key] = [int(s) for s in shape.strip("[]").split(",") if s.strip()]
-    return out
+        if not line.strip():
+            continue
+        key, shape, dtype = line.split("\t")
+        out[key] = ([int(s) for s in shape.strip("[]").split(",") if s.strip()], dtype)
+    assert len(out) == header["entries"] > 0, name
+    assert sum(math.prod(s) for s, _ in out.values()) == header["elements"], name
+    if "parameters" in header:
+        assert sum(math.prod(s) for k, (s, _) in out.items() if not k.endswith("zero_k_bias")) == \
+            header["parameters"], name
+    return out, header.get("parameters", 0)
+
+
+def _layout(module: torch.nn.Module) -> dict:
+    return {k: (list(p.shape), str(p.dtype).removeprefix("torch.")) for k, p in module.state_dict().items()}
 
 
 def test_infinity_2b_and_its_vae_have_the_official_keys_shapes_and_size():
+    """Key for key against the official constructor's lists (``keys/``): every key with its shape and
+    dtype; the only official keys the model does not hold are the all-zero ``zero_k_bias`` buffers
+    (the loader checks they are zero) and the VAE's ``lfq`` bit-weight buffers (derived constants)."""
     spec = INFINITY_PRESETS["infinity-2b"]
     with init_empty_weights():
         t = InfinityTransformer(**spec["transformer"])
         v = BSQVAE(**spec["vae"])
-    official = {k: s for k, s in _key_file("infinity_2b_keys.txt").items() if not k.endswith("zero_k_bias")}
-    assert {k: list(p.shape) for k, p in t.state_dict().items()} == official
-    assert sum(p.numel() for p in t.parameters()) == 2_204_564_032
-    vae_official = {k: s for k, s in _key_file("infinity_vae_keys.txt").items() if ".lfq." not in k}
-    assert {k: list(p.shape) for k, p in v.state_dict().items()} == vae_official
+    keys, parameters = _key_file("infinity_2b_keys.txt")
+    assert parameters == 2_204_564_032
+    official = {k: s for k, s in keys.items() if not k.endswith("zero_k_bias")}
+    assert len(keys) - len(official) == 2 * 32 + 1                    # sa and ca per block, and the text pool
+    assert _layout(t) == official
+    assert sum(p.numel() for p in t.parameters()) == parameters
+    vae_keys, _ = _key_file("infinity_vae_keys.txt")
+    vae_official = {k: s for k, s in vae_keys.items() if ".lfq." not in k}
+    assert len(vae_keys) - len(vae_official) == 2                       # quantizer.lfq.mask and its alias
+    assert _layout(v) == vae_official
 
 
-def test_infinity_8b_sizes():
+def test_infinity_8b_has_the_official_keys_shapes_and_size():
+    """The "infinity-8b" preset against the official constructor's 862 keys (``keys/infinity_8b_keys.txt``,
+    built by the official loader on the meta device): every key with its shape and dtype, and its
+    8,375,791,824 parameters."""
     with init_empty_weights():
         t = InfinityTransformer(**INFINITY_PRESETS["infinity-8b"]["transformer"])
-    assert t.text_proj_for_sos.ca.mat_q.shape == (1, 16, 224)
-    assert t.text_proj_for_sos.ca.mat_kv.weight.shape == (7168, 2048)
-    assert t.head.weight.shape == (112, 3584) and t.word_embed.weight.shape == (3584, 56)
-    assert t.blocks[0].ffn.fc1.out_features == 14336 and len(t.blocks) == 40
-    assert abs(sum(p.numel() for p in t.parameters()) / 1e9 - 8.376) < 0.01
+    keys, parameters = _key_file("infinity_8b_keys.txt")
+    assert len(keys) == 862 and parameters == 8_375_791_824
+    official = {k: s for k, s in keys.items() if not k.endswith("zero_k_bias")}
+    assert len(keys) - len(official) == 2 * 40 + 1
+    assert _layout(t) == official
+    assert sum(p.numel() for p in t.parameters()) == parameters
 
 
 def test_text_pool_heads_follow_the_t5_width_and_ffn_rounds_half_to_even():
