@@ -797,15 +797,10 @@ def interpreter_results(tmp_path_factory):
     from importlib.metadata import version
     import numpy as np
     triton_version = tuple(int(v) for v in version("triton").split(".")[:2])
-    try:
-        int(np.ones(1))
-        numpy_converts_1d = True
-    except TypeError:                   # NumPy >= 2.4 no longer turns size-1 arrays into scalars
-        numpy_converts_1d = False
-    if triton_version < (3, 9) and not numpy_converts_1d:
-        pytest.skip(f"triton {version('triton')}'s interpreter fails on runtime loop bounds with NumPy "
-                    f"{np.__version__} (int() of a 1-element array); the interpreter tests need triton >= 3.9 "
-                    f"(or NumPy < 2.4)")
+    if triton_version < (3, 8) and np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+        pytest.fail(f"triton {version('triton')}'s interpreter fails on runtime loop bounds with NumPy "
+                    f"{np.__version__} (int() of a 1-element array; triton 3.8 works): pip install 'numpy<2.4' "
+                    f"or a newer triton", pytrace=False)
     out = tmp_path_factory.mktemp("interp") / "results.json"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     t0 = time.perf_counter()
