@@ -4,10 +4,20 @@ Every file is read with ``torch.load(weights_only=True)`` (or safetensors). Keys
 explicitly (the project's module names are the official key names), derived buffers are
 regenerated instead of loaded, training statistics are dropped, and the remaining key set must
 match exactly: the official loaders accept mismatches silently, ours names them.
+
+Converted folders (``save_pretrained`` / ``sparsevar convert``) are checked before they are loaded:
+every JSON file parses, every weight file is whole (safetensors headers are read, no tensor data),
+and each component's ``config.json`` builds exactly the tensors its weights hold
+(:func:`check_pipeline_folder`). Dtype arguments of the loading entry points go through
+:func:`resolve_dtype`.
 """
 from __future__ import annotations
 
+import inspect
+import json
+import math
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -28,12 +38,106 @@ def _short(keys, n: int = 6) -> str:
     return ", ".join(keys[:n]) + more
 
 
+# ---- dtypes ------------------------------------------------------------------------------------------------
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPE_SPELLINGS = ("torch.float32, torch.float16 or torch.bfloat16, or one of the strings 'float32' ('fp32', "
+                   "'float'), 'float16' ('fp16', 'half'), 'bfloat16' ('bf16'), also with a 'torch.' prefix")
+
+
+def resolve_dtype(value, name: str, allow_none: bool = False) -> Optional[torch.dtype]:
+    """The torch dtype of a ``dtype`` / ``torch_dtype`` / ``vae_dtype`` / ``text_encoder_dtype`` argument.
+
+    Takes diffusers' spellings: ``torch.float32`` / ``torch.float16`` / ``torch.bfloat16``, or the strings
+    "float32" / "fp32" / "float", "float16" / "fp16" / "half", "bfloat16" / "bf16" (any case, with or
+    without "torch."). ``None`` is returned as is where ``allow_none``. Anything else raises a TypeError
+    naming the argument ``name``, the value and these spellings.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, torch.dtype):
+        if value in (torch.float32, torch.float16, torch.bfloat16):
+            return value
+    elif isinstance(value, str):
+        key = value.strip().lower()
+        key = key[len("torch."):] if key.startswith("torch.") else key
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise TypeError(f"{name}={value!r} is not a weight dtype; pass {DTYPE_SPELLINGS}")
+
+
+# ---- reading one file ------------------------------------------------------------------------------------
+_LFS_POINTER = b"version https://git-lfs"
+_MAX_SAFETENSORS_HEADER = 100 * 2 ** 20          # safetensors' own limit on the JSON header
+
+
+def _file_format(p: Path) -> Optional[str]:
+    """What a file holds, from its first bytes: 'empty', 'lfs' (a Git LFS pointer), 'zip' (torch.save's
+    format, possibly truncated), 'pickle' (torch's legacy format), 'safetensors', or None (none of these)."""
+    with open(p, "rb") as f:
+        head = f.read(32)
+    if not head:
+        return "empty"
+    if head.startswith(_LFS_POINTER):
+        return "lfs"
+    if head.startswith(b"PK\x03\x04") or zipfile.is_zipfile(p):
+        return "zip"
+    if head[0] == 0x80 and len(head) > 1 and 2 <= head[1] <= 5:
+        return "pickle"
+    if len(head) > 8 and 0 < int.from_bytes(head[:8], "little") <= _MAX_SAFETENSORS_HEADER and head[8:9] == b"{":
+        return "safetensors"
+    return None
+
+
+def _lfs_error(p: Path, what: str) -> ValueError:
+    return ValueError(f"{what} {p} is a Git LFS pointer ({p.stat().st_size} bytes), not the weights: the "
+                      f"repository was cloned without its large files; run `git lfs pull` there, or download the file")
+
+
+def safetensors_shapes(path, what: str = "weights") -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a safetensors file, from its header alone (no tensor data is read). A file that is
+    empty, truncated or not safetensors raises a ValueError naming it."""
+    p = Path(path)
+    size = p.stat().st_size
+    fmt = _file_format(p)
+    if fmt == "lfs":
+        raise _lfs_error(p, what)
+    if fmt == "empty":
+        raise ValueError(f"{what} {p} is empty (0 bytes): the copy or conversion did not finish; convert or "
+                         f"download it again")
+    if fmt != "safetensors":
+        kind = "those of a PyTorch (torch.save) file" if fmt in ("zip", "pickle") else \
+            "no safetensors header (nor any checkpoint format)"
+        raise ValueError(f"{what} {p} ({size:,} bytes) is not a readable safetensors file: its first bytes are "
+                         f"{kind}; the file is corrupt or misnamed — convert or download it again")
+    with open(p, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        shapes, end = {}, 0
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            shapes[k] = tuple(int(d) for d in v["shape"])
+            end = max(end, int(v["data_offsets"][1]))
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ValueError(f"{what} {p} ({size:,} bytes) is not a readable safetensors file: its header is "
+                         f"{'cut off' if len(raw) < n else 'damaged'}; convert or download it again") from None
+    if 8 + n + end > size:
+        raise ValueError(f"{what} {p} is truncated: it holds {size:,} bytes, its header describes {8 + n + end:,}; "
+                         f"the copy or conversion did not finish — convert or download it again")
+    return shapes
+
+
 def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Read a flat {name: tensor} dict from a ``.pth``/``.pt``/``.bin`` or ``.safetensors`` file.
 
-    Accepts the official flat state dicts and the VAR training checkpoint layout
-    (``{'trainer': {'var_wo_ddp': …, 'vae_local': …}}`` — the transformer's is taken unless
-    ``what`` mentions the VAE). Anything else raises a ValueError naming the file.
+    The format is read off the file's first bytes, not its name. Accepts the official flat state
+    dicts and the VAR training checkpoint layout (``{'trainer': {'var_wo_ddp': …, 'vae_local': …}}`` —
+    the transformer's is taken unless ``what`` mentions the VAE). Anything else (a file that is no
+    checkpoint, truncated, or holds Python objects besides tensors) raises a ValueError naming the file.
     """
     p = Path(path)
     if not p.exists():
@@ -41,25 +145,40 @@ def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
     if p.is_dir():
         raise ValueError(f"{what} {p} is a folder; pass the checkpoint file inside it "
                          f"(or load a converted folder with from_pretrained)")
-    if p.suffix == ".safetensors":
+    size = p.stat().st_size
+    fmt = _file_format(p)
+    if fmt == "empty":
+        raise ValueError(f"{what} {p} is empty (0 bytes): truncated or corrupt — the download or copy did not "
+                         f"finish; fetch it again")
+    if fmt == "lfs":
+        raise _lfs_error(p, what)
+    if fmt is None and p.suffix == ".safetensors":
+        safetensors_shapes(p, what)                  # raises: not a safetensors file
+    if fmt is None:
+        raise ValueError(f"{what} {p} ({size:,} bytes) is not a checkpoint: it is neither a PyTorch file (zip or "
+                         f"pickle) nor safetensors — the wrong file, or truncated or corrupt; download it again")
+    if fmt == "safetensors":
+        safetensors_shapes(p, what)                  # names a truncated or damaged file
         from safetensors.torch import load_file
         try:
             return dict(load_file(str(p)))
         except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{what} {p} is not a readable safetensors file ({e}); re-download or re-convert it") from e
-    if p.stat().st_size == 0:
-        raise ValueError(f"{what} {p} is empty (0 bytes): truncated or corrupt — the download or copy did not "
-                         f"finish; fetch it again")
+            raise ValueError(f"{what} {p} is not a readable safetensors file ({str(e).splitlines()[0][:200]}); "
+                             f"re-download or re-convert it") from e
     try:
         obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{what} {p} is not a plain state dict of tensors: it holds Python objects that the "
-                         f"safe loader refuses ({str(e).splitlines()[0][:200]}). Re-save it as "
-                         f"torch.save(model.state_dict()) or convert it to safetensors") from e
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if found is None:                            # not a Python object refused: the pickle itself is broken
+            raise ValueError(f"{what} {p} ({size:,} bytes) could not be read: its data is not a valid PyTorch "
+                             f"checkpoint — truncated or corrupt; download it again") from None
+        raise ValueError(f"{what} {p} is not a plain state dict of tensors: it holds Python objects "
+                         f"({found.group(1)}), which this loader never runs. Re-save it as "
+                         f"torch.save(model.state_dict(), path) or convert it to safetensors") from None
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
-        size = p.stat().st_size
         raise ValueError(f"{what} {p} ({size:,} bytes) could not be read — truncated or corrupt? "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Download it again") from e
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'unexpected end'}). "
+                         f"Download it again") from None
     if isinstance(obj, Mapping) and "trainer" in obj and isinstance(obj["trainer"], Mapping):
         inner = "vae_local" if "vae" in what.lower() else "var_wo_ddp"
         if inner in obj["trainer"]:
@@ -86,16 +205,39 @@ def detect_family(sd: Mapping[str, torch.Tensor]) -> str:
     return "unknown"
 
 
-def _expect_family(sd, family: str, path, what: str) -> None:
+# What each family's file is, and where it goes (the Python call, then the CLI flag).
+_FAMILY_NAMES = {
+    "var": "a VAR transformer (class-conditional, var_d*.pth)",
+    "var-vqvae": "the VAR VQVAE (vae_ch160v4096z32.pth)",
+    "infinity": "an Infinity transformer (text-to-image, infinity_*.pth)",
+    "infinity-vae": "an Infinity VAE (infinity_vae_*.pth)",
+}
+_FAMILY_USE = {
+    "var": "load it with VARPipeline.from_single_file(var_ckpt, vae_ckpt) (CLI: --var-ckpt)",
+    "var-vqvae": "pass it as VARPipeline.from_single_file's vae_ckpt (CLI: --vae-ckpt, with --var-ckpt)",
+    "infinity": "load it with InfinityPipeline.from_single_file(transformer_ckpt, vae_ckpt, text_encoder) "
+                "(CLI: generate --model FILE --vae-ckpt infinity_vae_*.pth --text-encoder FOLDER --prompt TEXT)",
+    "infinity-vae": "pass it as InfinityPipeline.from_single_file's vae_ckpt (CLI: --vae-ckpt, with an Infinity "
+                    "--model and --text-encoder)",
+}
+
+
+def _any_family(sd) -> str:
     found = detect_family(sd)
+    return found if found != "unknown" else detect_infinity_family(sd)
+
+
+def _expect_family(sd, family: str, path, what: str) -> None:
+    found = _any_family(sd)
     if found == family:
         return
-    hints = {"var": "a VAR transformer (var_d16.pth … var_d36.pth)",
-             "var-vqvae": "the VAR VQVAE (vae_ch160v4096z32.pth)"}
-    if found in hints:
-        raise ValueError(f"{path} is {hints[found]}, but it was passed as the {what}; "
+    if {found, family} == {"var", "var-vqvae"}:
+        raise ValueError(f"{path} is {_FAMILY_NAMES[found]}, but it was passed as the {what}; "
                          f"pass it as the {'VAE' if found == 'var-vqvae' else 'transformer'} file instead")
-    raise ValueError(f"{path} is not {hints[family]}: none of its {len(sd)} keys look like one "
+    if found in _FAMILY_USE:
+        raise ValueError(f"{path} is {_FAMILY_NAMES[found]}, not {_FAMILY_NAMES[family]} (passed as the {what}): "
+                         f"{_FAMILY_USE[found]}")
+    raise ValueError(f"{path} is not {_FAMILY_NAMES[family]}: none of its {len(sd)} keys look like one "
                      f"(first keys: {_short(list(sd)[:6])})")
 
 
@@ -158,6 +300,7 @@ def _load_into(model_cls, cfg: dict, sd: dict, path, what: str):
 def load_var_transformer(path, patch_nums: Optional[Sequence[int]] = None,
                          dtype: torch.dtype = torch.float32) -> VARTransformer:
     """Load an official ``var_d{16,20,24,30,36}.pth`` (or a fine-tune in the same layout)."""
+    dtype = resolve_dtype(dtype, "dtype")
     sd = read_state_dict(path, "VAR transformer checkpoint")
     _expect_family(sd, "var", path, "VAR transformer checkpoint")
     for k in list(sd):
@@ -176,6 +319,7 @@ def load_var_transformer(path, patch_nums: Optional[Sequence[int]] = None,
 def load_var_vqvae(path, patch_nums: Optional[Sequence[int]] = None,
                    dtype: torch.dtype = torch.float32) -> MultiScaleVQVAE:
     """Load the official ``vae_ch160v4096z32.pth`` (or a VQVAE in the same layout)."""
+    dtype = resolve_dtype(dtype, "vae_dtype")
     sd = read_state_dict(path, "VQVAE checkpoint")
     _expect_family(sd, "var-vqvae", path, "VQVAE checkpoint")
     for k in MultiScaleVQVAE.official_extra_keys():   # training statistics
@@ -349,18 +493,18 @@ def load_infinity_transformer(path, dtype: torch.dtype = torch.float32):
     """
     from .infinity import InfinityTransformer, _official_uncond_rows
 
+    dtype = resolve_dtype(dtype, "dtype")
     what = "Infinity transformer checkpoint"
     p = Path(path)
     if p.is_dir():
         sd = _read_sharded(p, what)
     else:
         sd = _read_nested(p, what, [("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("model",), ("state_dict",)])
-    family = detect_infinity_family(sd)
+    family = _any_family(sd)
     if family != "infinity":
-        hint = {"infinity-vae": "it is the Infinity VAE (infinity_vae_*.pth): pass it as the VAE",
-                "var": "it is a VAR transformer: load it with VARPipeline"}.get(
-            family if family != "unknown" else detect_family(sd), f"none of its {len(sd)} keys look like one "
-                                                                  f"(first keys: {_short(list(sd)[:6])})")
+        hint = {"infinity-vae": f"it is the Infinity VAE (infinity_vae_*.pth): {_FAMILY_USE['infinity-vae']}"}.get(
+            family, f"it is {_FAMILY_NAMES[family]}: {_FAMILY_USE[family]}" if family in _FAMILY_USE else
+            f"none of its {len(sd)} keys look like one (first keys: {_short(list(sd)[:6])})")
         raise ValueError(f"{p} is not an Infinity transformer checkpoint: {hint}")
     sd = _canonical_infinity_keys(sd, p)
     cfg = infinity_config_from_state_dict(sd, source=str(p))
@@ -404,12 +548,16 @@ def load_infinity_vae(path, dtype: torch.dtype = torch.float32):
     safetensors file of the same keys. The state dict is taken from the file's ``'vae'`` entry."""
     from .bsq_vae import BSQVAE
 
+    dtype = resolve_dtype(dtype, "vae_dtype")
     what = "Infinity VAE checkpoint"
     p = Path(path)
     sd = _read_nested(p, what, [("vae",), ("state_dict",)])
-    if detect_infinity_family(sd) == "infinity":
+    family = _any_family(sd)
+    if family == "infinity":
         raise ValueError(f"{p} is an Infinity transformer checkpoint, but it was passed as the VAE; pass the "
                          f"infinity_vae_*.pth file as the VAE and this one as the transformer")
+    if family in ("var", "var-vqvae"):
+        raise ValueError(f"{p} is {_FAMILY_NAMES[family]}, not an Infinity VAE: {_FAMILY_USE[family]}")
     try:
         cfg = BSQVAE.config_from_state_dict(_canonical_vae_keys(sd), source=str(p))
     except ValueError as e:
@@ -473,3 +621,373 @@ def checkpoint_family(path) -> str:
     names = dict.fromkeys(keys)
     family = detect_family(names)
     return family if family != "unknown" else detect_infinity_family(names)
+
+
+# ---- converted folders (save_pretrained / `sparsevar convert`) ----------------------------------------------
+# Weight file names as diffusers (our components) and transformers (the T5) write them: (safetensors, pickle).
+_DIFFUSERS_WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
+_TRANSFORMERS_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# What loads each pipeline folder (the Python call, then the CLI).
+_PIPELINE_USE = {
+    "VARPipeline": "VARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
+    "InfinityPipeline": "InfinityPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
+}
+_RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
+
+
+def read_json_file(path, what: str = "file") -> dict:
+    """A JSON object from ``path``; a missing file, one that is not JSON, or JSON that is not an object
+    raises FileNotFoundError / ValueError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} is missing: the {what} is incomplete; {_RECONVERT}")
+    if p.stat().st_size == 0:
+        raise ValueError(f"{p} is empty (0 bytes): the copy or conversion did not finish; {_RECONVERT}")
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p} is not a JSON text file (it holds binary data); {_RECONVERT}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file or "
+                         f"{_RECONVERT}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p} holds a JSON {type(obj).__name__}, not an object of settings; {_RECONVERT}")
+    return obj
+
+
+def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -> tuple[list[Path], dict]:
+    """(files, {key: shape}) of a component folder's weights, in the order diffusers / transformers look for
+    them: a safetensors shard index, the single safetensors file, a ``.bin`` shard index, the ``.bin`` file.
+    ``names`` = (safetensors name, bin name). Reads safetensors headers only (``.bin`` files are memory-mapped
+    with the safe loader). Missing, truncated or unreadable files raise an error naming the file."""
+    folder = Path(folder)
+    for name in names:
+        index, single = folder / f"{name}.index.json", folder / name
+        if index.is_file():
+            weight_map = read_json_file(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map (the name → shard table); {_RECONVERT}")
+            files = [folder / str(f) for f in sorted(set(weight_map.values()))]
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"shard {f} listed in {index.name} is missing; copy every shard into "
+                                            f"{folder}, or {_RECONVERT}")
+            break
+        if single.exists():
+            if not single.is_file():
+                raise ValueError(f"{single} is a folder, not a weight file; {_RECONVERT}")
+            files = [single]
+            break
+    else:
+        raise FileNotFoundError(f"{folder / names[0]} is missing: {folder} holds no weights (the folder is "
+                                f"incomplete); {_RECONVERT}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if f.name.endswith(".safetensors"):
+            shapes.update(safetensors_shapes(f, "weight file"))
+        else:
+            shapes.update({k: tuple(v.shape) for k, v in read_state_dict(f, "weight file").items()})
+    return files, shapes
+
+
+def _default(cls, name: str):
+    return inspect.signature(cls.__init__).parameters[name].default
+
+
+def _init_kwargs(cls, config: dict, cfg_path: Path, weights_say) -> dict:
+    """The constructor arguments ``config`` sets, each checked against the type of its default
+    (an int field takes an int, a float field a finite number, a flag true/false, a list a list of numbers)."""
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {}
+    for name, value in config.items():
+        if name.startswith("_") or name not in params or name == "self":
+            continue
+        default = params[name].default
+        if isinstance(default, bool):
+            ok, need = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, need = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            need = "a finite number"
+        elif isinstance(default, (tuple, list)):
+            elem = int if all(isinstance(d, int) for d in default) else (int, float)
+            ok = isinstance(value, list) and len(value) > 0 and all(
+                isinstance(v, elem) and not isinstance(v, bool) for v in value)
+            need = "a non-empty list of integers" if elem is int else "a non-empty list of numbers"
+        else:
+            ok, need = True, ""
+        if not ok:
+            said = weights_say(name)
+            fix = f"set \"{name}\": {json.dumps(said)}" if said is not None else f"fix it or {_RECONVERT}"
+            raise ValueError(f"{cfg_path}: \"{name}\": {json.dumps(value)} is not {need}; {fix}")
+        kwargs[name] = value
+    return kwargs
+
+
+def _meta_sd(shapes: Mapping[str, tuple]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+def _config_from_weights(cls, shapes: Mapping[str, tuple], config: dict, source: str) -> dict:
+    """The shape-determining constructor arguments of ``cls`` that weights of these shapes imply."""
+    sd = _meta_sd(shapes)
+    name = cls.__name__
+    if name == "VARTransformer":
+        try:
+            cfg = var_config_from_state_dict(sd, source=source)
+        except ValueError:                           # an unlisted patch schedule: check the config's own
+            cfg = var_config_from_state_dict(sd, patch_nums=config.get("patch_nums"), source=source)
+    elif name == "MultiScaleVQVAE":
+        cfg = MultiScaleVQVAE.config_from_state_dict(sd)
+    elif name == "InfinityTransformer":
+        cfg = infinity_config_from_state_dict(sd, source=source)
+        if "cfg_uncond" in shapes:
+            cfg["text_maxlen"] = shapes["cfg_uncond"][0]
+    elif name == "BSQVAE":
+        from .bsq_vae import BSQVAE
+        cfg = BSQVAE.config_from_state_dict(sd, source=source)
+    else:
+        return {}
+    cfg.pop("norm_eps", None)                        # shapes no tensor
+    return cfg
+
+
+def _differs(configured, inferred) -> bool:
+    if isinstance(inferred, bool) or isinstance(configured, bool):
+        return configured != inferred
+    if isinstance(inferred, float) and isinstance(configured, (int, float)):
+        return not math.isclose(configured, inferred, rel_tol=1e-3)
+    if isinstance(inferred, (list, tuple)) and isinstance(configured, (list, tuple)):
+        return [*configured] != [*inferred]
+    return configured != inferred
+
+
+def _shape_mismatch(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -> str:
+    missing = set(expected) - set(found)
+    unexpected = set(found) - set(expected)
+    shaped = sorted(k for k in set(expected) & set(found) if tuple(expected[k]) != tuple(found[k]))
+    parts = []
+    if shaped:
+        k = shaped[0]
+        parts.append(f"{k} is {tuple(found[k])} in the weights, {tuple(expected[k])} by the config"
+                     + (f" (and {len(shaped) - 1} more tensors differ)" if len(shaped) > 1 else ""))
+    if missing:
+        parts.append(f"the weights lack {len(missing)} tensors the config builds ({_short(missing, 3)})")
+    if unexpected:
+        parts.append(f"the weights hold {len(unexpected)} tensors the config does not build ({_short(unexpected, 3)})")
+    return "; ".join(parts)
+
+
+def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -> list[Path]:
+    """Check a diffusers component folder (``config.json`` + weights) before it is loaded: the config is
+    a JSON object naming ``cls``, its fields have the right types, the weight files are whole, and the
+    model the config builds (on the meta device) has exactly the tensors, of exactly the shapes, that
+    the weights hold. A disagreement raises a ValueError naming the file, the field, its value and what
+    the weights say. Returns the weight files."""
+    from accelerate import init_empty_weights
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    config = read_json_file(cfg_path, f"{cls.__name__} folder {folder}")
+    named = config.get("_class_name")
+    if named is not None and named != cls.__name__:
+        raise ValueError(f"{cfg_path} describes a {named!r}, but {folder.name}/ must hold a {cls.__name__}: the "
+                         f"folder's parts are mixed up; {_RECONVERT}")
+    files, shapes = component_weight_shapes(folder, names)
+    weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
+    source = "the weights"
+    inferred: Optional[dict] = None
+
+    def weights_say(field: str):
+        nonlocal inferred
+        if inferred is None:
+            try:
+                inferred = _config_from_weights(cls, shapes, {k: v for k, v in config.items()
+                                                              if k != "patch_nums" or isinstance(v, list)}, source)
+            except ValueError:
+                inferred = {}
+        value = inferred.get(field)
+        return list(value) if isinstance(value, tuple) else value
+
+    kwargs = _init_kwargs(cls, config, cfg_path, weights_say)
+    try:
+        with init_empty_weights():
+            model = cls(**kwargs)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        del model
+        build_error = None
+    except Exception as e:  # a constructor refusing the settings, in any of the ways torch / our checks do
+        expected, build_error = None, e
+    if expected is not None and expected == shapes:
+        return files
+    try:
+        implied = _config_from_weights(cls, shapes, kwargs, source)
+    except ValueError as e:                          # the weights are not a cls at all, or the schedule disagrees
+        if expected is not None or "patch_nums" in str(e):
+            raise ValueError(f"{cfg_path} does not match {weights}: {e}") from None
+        implied = {}
+    diffs = [(k, kwargs.get(k, _default(cls, k)), v) for k, v in implied.items()
+             if _differs(kwargs.get(k, _default(cls, k)), v)]
+    if diffs:
+        said = ", ".join(f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, _, v in diffs)
+        have = ", ".join(f"{k} = {json.dumps(list(c) if isinstance(c, tuple) else c)}"
+                         + ("" if k in kwargs else " (the default; the file does not set it)") for k, c, _ in diffs)
+        fix = ", ".join(f"\"{k}\": {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, _, v in diffs)
+        raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set {fix} in "
+                         f"config.json, or {_RECONVERT}")
+    if build_error is not None:
+        raise ValueError(f"{cfg_path}: these settings do not build a {cls.__name__} "
+                         f"({type(build_error).__name__}: {str(build_error).splitlines()[0][:200] if str(build_error) else ''}); "
+                         f"fix the file or {_RECONVERT}")
+    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, shapes)}; {_RECONVERT}")
+
+
+def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
+    """d_model, vocab_size, num_layers, d_ff and num_heads of T5 encoder weights of these shapes."""
+    cfg = {}
+    emb = shapes.get("shared.weight") or shapes.get("encoder.embed_tokens.weight")
+    if emb is not None and len(emb) == 2:
+        cfg["vocab_size"], cfg["d_model"] = emb
+    blocks = {k.split(".")[2] for k in shapes if k.startswith("encoder.block.")}
+    if blocks:
+        cfg["num_layers"] = len(blocks)
+    rel = shapes.get("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    if rel is not None and len(rel) == 2:
+        cfg["num_heads"] = rel[1]
+    ff = shapes.get("encoder.block.0.layer.1.DenseReluDense.wo.weight")
+    if ff is not None and len(ff) == 2:
+        cfg["d_ff"] = ff[1]
+    return cfg
+
+
+def check_text_encoder_folder(folder) -> dict:
+    """Check a saved T5 encoder folder (``config.json`` + weights) before it is loaded: the JSON parses,
+    the weights are whole, and the encoder its config builds (on the meta device) holds the tensors of
+    the weights (the shared token embedding may be stored once). Returns the config."""
+    from accelerate import init_empty_weights
+    from transformers import T5Config, T5EncoderModel
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    config = read_json_file(cfg_path, f"text encoder folder {folder}")
+    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS)
+    weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
+    try:
+        with init_empty_weights():
+            model = T5EncoderModel(T5Config.from_dict(config))
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        del model
+    except Exception as e:  # transformers refusing the settings
+        raise ValueError(f"{cfg_path}: these settings do not build a T5 encoder ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix the file or {_RECONVERT}") from None
+    tied = {"shared.weight", "encoder.embed_tokens.weight"}
+    found = {k: v for k, v in shapes.items() if not k.startswith("decoder.")}
+    bad = any(tuple(expected[k]) != tuple(v) for k, v in found.items() if k in expected) \
+        or set(found) - set(expected) or (set(expected) - set(found)) - tied or not (tied & set(found))
+    if not bad:
+        return config
+    implied = _t5_config_from_weights(shapes)
+    diffs = [(k, config.get(k), v) for k, v in implied.items() if config.get(k) != v]
+    if diffs:
+        have = ", ".join(f"{k} = {json.dumps(c)}" for k, c, _ in diffs)
+        said = ", ".join(f"{k} = {v}" for k, _, v in diffs)
+        raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set those values "
+                         f"in config.json, or {_RECONVERT}")
+    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, found)}; {_RECONVERT}")
+
+
+def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
+    """Check a pipeline folder written by ``save_pretrained`` / ``sparsevar convert`` before anything is
+    loaded, and return its ``model_index.json``.
+
+    ``components`` maps each subfolder to its class (checked with :func:`check_component_folder`), to
+    ``"text_encoder"`` (a T5 folder, :func:`check_text_encoder_folder`) or to None (present only).
+    Checks, each failing with one line naming the file: the folder and ``model_index.json`` exist (else
+    FileNotFoundError with ``official_hint``, what to pass instead), the index is a JSON object naming
+    ``pipeline`` (another pipeline's folder says which class loads it), every component subfolder is
+    there and agrees with its weights, and the components agree with each other (VAR: codebook size and
+    code width of transformer and VQVAE; Infinity: the T5 width the transformer reads).
+    """
+    path = Path(path)
+    index_path = path / "model_index.json"
+    if path.is_file():
+        raise ValueError(f"{path} is a file, not a {pipeline} folder: pass the folder written by save_pretrained / "
+                         f"`sparsevar convert`, or {official_hint}")
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a {pipeline} folder (no model_index.json). Nothing is downloaded: pass a local "
+            f"folder written by save_pretrained, or {official_hint}")
+    index = read_json_file(index_path, "pipeline folder")
+    named = index.get("_class_name")
+    if named != pipeline:
+        use = _PIPELINE_USE.get(named)
+        fix = f"load it with {use}" if use else (f"this package loads {' and '.join(_PIPELINE_USE)} folders, written "
+                                                  f"by save_pretrained / `sparsevar convert`")
+        raise ValueError(f"{index_path} names a {named!r} folder, not a {pipeline}: {fix}")
+    for sub in components:
+        if not (path / sub).is_dir():
+            raise FileNotFoundError(f"{path / sub} is missing (a {pipeline} folder has "
+                                    f"{', '.join(s + '/' for s in components)}); {_RECONVERT}")
+    configs = {}
+    for sub, cls in components.items():
+        if cls == "text_encoder":
+            configs[sub] = check_text_encoder_folder(path / sub)
+        elif cls is not None:
+            check_component_folder(path / sub, cls)
+            configs[sub] = json.loads((path / sub / "config.json").read_text())
+        else:                                        # e.g. a tokenizer: its JSON files must parse
+            for f in sorted((path / sub).glob("*.json")):
+                read_json_file(f, f"{sub} folder")
+    _check_components_agree(path, pipeline, configs)
+    return index
+
+
+def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:
+    if pipeline == "VARPipeline" and {"transformer", "vqvae"} <= set(configs):
+        from .var import VARTransformer
+        for field in ("vocab_size", "z_channels"):
+            t = configs["transformer"].get(field, _default(VARTransformer, field))
+            v = configs["vqvae"].get(field, _default(MultiScaleVQVAE, field))
+            if t != v:
+                raise ValueError(f"{path}: the transformer and the VQVAE do not match: transformer/config.json has "
+                                 f"{field} = {t}, vqvae/config.json {field} = {v}; put the VQVAE the transformer was "
+                                 f"trained with in vqvae/, or {_RECONVERT}")
+    if pipeline == "InfinityPipeline" and {"transformer", "text_encoder"} <= set(configs):
+        from .infinity import InfinityTransformer
+        t = configs["transformer"].get("text_channels", _default(InfinityTransformer, "text_channels"))
+        d = configs["text_encoder"].get("d_model")
+        if d is not None and d != t:
+            raise ValueError(f"{path}: the text encoder and the transformer do not match: text_encoder/config.json "
+                             f"has d_model = {d}, transformer/config.json reads text_channels = {t}; put the T5 the "
+                             f"model was trained with (Flan-T5-XL for the released Infinity models) in text_encoder/")
+
+
+def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[torch.dtype] = None):
+    """``cls.from_pretrained`` of a component folder that :func:`check_pipeline_folder` passed: local
+    files only, the safetensors weights when the folder has them, else its ``.bin`` (read by diffusers
+    with the safe loader, ``weights_only=True``). Frozen and in eval mode."""
+    folder = Path(root) / subfolder
+    use_safetensors = any(folder.glob(f"{_DIFFUSERS_WEIGHTS[0]}*"))
+    kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    model = cls.from_pretrained(root, subfolder=subfolder, local_files_only=True, use_safetensors=use_safetensors,
+                                **kw)
+    return model.eval().requires_grad_(False)
+
+
+def load_pretrained_text_encoder(text_encoder_folder, tokenizer_folder, dtype: torch.dtype = torch.float32):
+    """(tokenizer, T5EncoderModel) of a pipeline folder's ``tokenizer/`` and ``text_encoder/``, frozen and in
+    eval mode; a folder transformers cannot read raises a ValueError naming it."""
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
+    except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
+        raise ValueError(f"{tokenizer_folder}: the tokenizer could not be loaded ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); {_RECONVERT}") from None
+    try:
+        t5 = T5EncoderModel.from_pretrained(str(text_encoder_folder), local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"{text_encoder_folder}: the T5 encoder could not be loaded ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); {_RECONVERT}") from None
+    return tokenizer, t5.to(dtype).eval().requires_grad_(False)
