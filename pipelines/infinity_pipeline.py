@@ -79,16 +79,20 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_single_file(cls, transformer_ckpt, vae_ckpt, text_encoder, dtype: torch.dtype = torch.float32,
-                         vae_dtype: torch.dtype = torch.float32,
-                         text_encoder_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
+    def from_single_file(cls, transformer_ckpt, vae_ckpt, text_encoder, dtype: Union[torch.dtype, str] = torch.float32,
+                         vae_dtype: Union[torch.dtype, str] = torch.float32,
+                         text_encoder_dtype: Union[torch.dtype, str] = torch.float32) -> "InfinityPipeline":
         """Load the official files: the transformer (``infinity_2b_reg.pth`` or the 8B shard folder), its
         VAE (``infinity_vae_d32reg.pth`` = ``infinity_vae_d32_reg.pth``; 8B: ``infinity_vae_d56_f8_14_patchify.pth``)
         and ``text_encoder``, a local folder holding google/flan-t5-xl (weights + tokenizer).
 
         dtype: the transformer blocks' dtype (bfloat16 as in the official runs; the rest stays float32);
-        vae_dtype: the VAE's; text_encoder_dtype: the T5's (the reference runs it in float16).
+        vae_dtype: the VAE's; text_encoder_dtype: the T5's (the reference runs it in float16). Each takes
+        a torch dtype or diffusers' strings ("float16" / "fp16" / "half", "bfloat16" / "bf16", "float32" / "fp32").
         """
+        from ..models.loading import resolve_dtype
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
+        text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
         transformer = load_infinity_transformer(transformer_ckpt, dtype=dtype)
         vae = load_infinity_vae(vae_ckpt, dtype=vae_dtype)
         tokenizer, t5 = load_t5(text_encoder, dtype=text_encoder_dtype)
@@ -111,19 +115,20 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     @classmethod
     def from_random(cls, preset: str = "infinity-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
-                    dtype: torch.dtype = torch.float32, text_encoder=None,
-                    vae_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
+                    dtype: Union[torch.dtype, str] = torch.float32, text_encoder=None,
+                    vae_dtype: Union[torch.dtype, str] = torch.float32) -> "InfinityPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
 
         preset: one of ``INFINITY_PRESETS`` (infinity-tiny, infinity-2b, infinity-8b); dtype: the
         blocks' dtype; vae_dtype: the VAE's (bf16 decodes channels-last with fused norms on CUDA,
         as the reference decodes under bf16 autocast). text_encoder: a local T5 folder of the preset's width; by default a 1-layer
         random T5 of that width with a word-level tokenizer (text only has to have the right shape).
+        dtype and vae_dtype take a torch dtype or diffusers' strings, as in :meth:`from_single_file`.
         """
+        from ..models.loading import resolve_dtype
         if preset not in INFINITY_PRESETS:
             raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(INFINITY_PRESETS)}")
-        if not isinstance(vae_dtype, torch.dtype) or not vae_dtype.is_floating_point:
-            raise ValueError(f"vae_dtype={vae_dtype!r}: pass torch.float32, torch.bfloat16 or torch.float16")
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         from accelerate import init_empty_weights
 
         spec = INFINITY_PRESETS[preset]
@@ -144,26 +149,38 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                    tokenizer=tokenizer)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,
-                        vae_dtype: torch.dtype = torch.float32, text_encoder_dtype: torch.dtype = torch.float32,
-                        torch_dtype: Optional[torch.dtype] = None, **kwargs) -> "InfinityPipeline":
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Union[torch.dtype, str, None] = None,
+                        vae_dtype: Union[torch.dtype, str] = torch.float32,
+                        text_encoder_dtype: Union[torch.dtype, str] = torch.float32,
+                        torch_dtype: Union[torch.dtype, str, None] = None, **kwargs) -> "InfinityPipeline":
         """Load a folder written by :meth:`save_pretrained` (``transformer/``, ``vae/``, ``text_encoder/``,
-        ``tokenizer/``). Nothing is downloaded: the path must be a local folder."""
+        ``tokenizer/``). Nothing is downloaded: the path must be a local folder. Before any weight is read
+        the folder is checked (``models.loading.check_pipeline_folder``): each ``config.json`` must build
+        exactly the tensors its weights hold, and every file must be whole.
+
+        dtype (or diffusers' name ``torch_dtype``): the transformer blocks' (default: as saved); vae_dtype,
+        text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
+        "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
+        from ..models.loading import (check_pipeline_folder, load_pretrained_component, load_pretrained_text_encoder,
+                                      resolve_dtype)
         if kwargs:
             raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
+        dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
         dtype = dtype if dtype is not None else torch_dtype
+        vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
+        text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
         path = Path(pretrained_model_name_or_path)
-        read_pipeline_index(path, "InfinityPipeline", ("transformer", "vae", "text_encoder", "tokenizer"),
-                                    "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
-                                    "vae_ckpt, text_encoder=<flan-t5-xl folder>)")
-        transformer = InfinityTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True)
+        check_pipeline_folder(path, "InfinityPipeline", {"transformer": InfinityTransformer, "vae": BSQVAE,
+                                                         "text_encoder": "text_encoder", "tokenizer": None},
+                              "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
+                              "vae_ckpt, text_encoder=<flan-t5-xl folder>)")
+        transformer = load_pretrained_component(InfinityTransformer, path, "transformer")
         transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
-        vae = BSQVAE.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype)
-        from transformers import AutoTokenizer, T5EncoderModel
-        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-        t5 = T5EncoderModel.from_pretrained(str(path / "text_encoder"), local_files_only=True).to(text_encoder_dtype)
-        return cls(transformer=transformer.eval().requires_grad_(False), vae=vae.eval().requires_grad_(False),
-                   text_encoder=t5.eval().requires_grad_(False), tokenizer=tokenizer)
+        vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)
+        tokenizer, t5 = load_pretrained_text_encoder(path / "text_encoder", path / "tokenizer", text_encoder_dtype)
+        return cls(transformer=transformer, vae=vae, text_encoder=t5, tokenizer=tokenizer)
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """Write ``model_index.json`` + ``transformer/`` + ``vae/`` + ``text_encoder/`` + ``tokenizer/``.

@@ -72,14 +72,17 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_single_file(cls, var_ckpt, vae_ckpt, dtype: torch.dtype = torch.float32,
-                         vae_dtype: torch.dtype = torch.float32, patch_nums: Optional[Sequence[int]] = None,
+    def from_single_file(cls, var_ckpt, vae_ckpt, dtype: Union[torch.dtype, str] = torch.float32,
+                         vae_dtype: Union[torch.dtype, str] = torch.float32, patch_nums: Optional[Sequence[int]] = None,
                          id2label: Optional[dict] = None) -> "VARPipeline":
         """Load the official files: ``var_d{16,20,24,30,36}.pth`` and ``vae_ch160v4096z32.pth``.
 
         dtype: the transformer's weight dtype (bfloat16 / float16 halve memory and run faster on GPU);
-        vae_dtype: the VQVAE's (float32 keeps the latent arithmetic exact).
+        vae_dtype: the VQVAE's (float32 keeps the latent arithmetic exact). Both take a torch dtype or
+        diffusers' strings ("float16" / "fp16" / "half", "bfloat16" / "bf16", "float32" / "fp32").
         """
+        from ..models.loading import resolve_dtype
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         transformer = load_var_transformer(var_ckpt, patch_nums=patch_nums, dtype=dtype)
         vqvae = load_var_vqvae(vae_ckpt, patch_nums=transformer.config.patch_nums, dtype=vae_dtype)
         return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
@@ -105,11 +108,14 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales], rows_per_scale=rows)
 
     @classmethod
-    def from_demo(cls, dtype: torch.dtype = torch.float32) -> "VARPipeline":
+    def from_demo(cls, dtype: Union[torch.dtype, str] = torch.float32) -> "VARPipeline":
         """The demo model that ships inside the package: a small VAR (depth 8) and VQVAE trained by
         ``sparsevar train-demo`` on 12 classes of procedural scenes (disc, box, … car, fish). It
-        draws real, simple pictures on any machine in about a second, with nothing to download."""
+        draws real, simple pictures on any machine in about a second, with nothing to download.
+        dtype: the transformer's, as in :meth:`from_pretrained`."""
         from ..demo import DEMO_MODEL_DIR
+        from ..models.loading import resolve_dtype
+        dtype = resolve_dtype(dtype, "dtype")
         if not (DEMO_MODEL_DIR / "model_index.json").is_file():
             raise FileNotFoundError(
                 f"the demo model is missing from {DEMO_MODEL_DIR} (a partial install?): reinstall the package, or "
@@ -118,14 +124,17 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     @classmethod
     def from_random(cls, preset: str = "var-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
-                    dtype: torch.dtype = torch.float32, vae_ch: Optional[int] = None) -> "VARPipeline":
+                    dtype: Union[torch.dtype, str] = torch.float32, vae_ch: Optional[int] = None) -> "VARPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests). It draws noise.
 
         preset: one of ``VAR_PRESETS`` (var-tiny, var-d16 … var-d36); vae_ch: VQVAE width
-        (default 160, the official, except 32 for var-tiny).
+        (default 160, the official, except 32 for var-tiny); dtype: the transformer's, as in
+        :meth:`from_single_file`.
         """
+        from ..models.loading import resolve_dtype
         if preset not in VAR_PRESETS:
             raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(VAR_PRESETS)}")
+        dtype = resolve_dtype(dtype, "dtype")
         from accelerate import init_empty_weights
 
         cfg = dict(VAR_PRESETS[preset])
@@ -145,27 +154,36 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                    vqvae=vqvae.eval().requires_grad_(False))
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Optional[torch.dtype] = None,
-                        vae_dtype: torch.dtype = torch.float32, torch_dtype: Optional[torch.dtype] = None,
-                        **kwargs) -> "VARPipeline":
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Union[torch.dtype, str, None] = None,
+                        vae_dtype: Union[torch.dtype, str] = torch.float32,
+                        torch_dtype: Union[torch.dtype, str, None] = None, **kwargs) -> "VARPipeline":
         """Load a folder written by :meth:`save_pretrained` or ``sparsevar convert``.
 
         Components are built with this package's own classes (never resolved through module
         names), so a folder loads the same from a plain Python session and from inside ComfyUI.
-        Nothing is downloaded: the path must be a local folder.
+        Nothing is downloaded: the path must be a local folder. Before any weight is read the
+        folder is checked (``models.loading.check_pipeline_folder``): each ``config.json`` must
+        build exactly the tensors its weights hold, and every file must be whole.
+
+        dtype (or diffusers' name ``torch_dtype``): the transformer's (default: as saved);
+        vae_dtype: the VQVAE's. Each takes a torch dtype or a string such as "float16" / "fp16",
+        "bfloat16" / "bf16", "float32" / "fp32".
         """
+        from ..models.loading import check_pipeline_folder, load_pretrained_component, resolve_dtype
         if kwargs:
             raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
+        dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
         dtype = dtype if dtype is not None else torch_dtype
+        vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
         path = Path(pretrained_model_name_or_path)
-        index = read_pipeline_index(path, "VARPipeline", ("transformer", "vqvae"),
-                                    "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
-                                    "vae_ckpt) or convert them with `sparsevar convert`")
-        transformer = VARTransformer.from_pretrained(path, subfolder="transformer", local_files_only=True,
-                                                     **({"torch_dtype": dtype} if dtype is not None else {}))
-        vqvae = MultiScaleVQVAE.from_pretrained(path, subfolder="vqvae", local_files_only=True, torch_dtype=vae_dtype)
-        return cls(transformer=transformer.eval().requires_grad_(False), vqvae=vqvae.eval().requires_grad_(False),
-                   id2label=index.get("id2label"))
+        index = check_pipeline_folder(path, "VARPipeline", {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
+                                      "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
+                                      "vae_ckpt) or convert them with `sparsevar convert`")
+        transformer = load_pretrained_component(VARTransformer, path, "transformer", dtype)
+        vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
+        return cls(transformer=transformer, vqvae=vqvae, id2label=index.get("id2label"))
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """Write ``model_index.json`` + ``transformer/`` + ``vqvae/`` (safetensors).
