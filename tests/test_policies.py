@@ -3,6 +3,8 @@ sets follow the rules, excluded tokens add no K/V, batches equal their images, c
 validation errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,6 +20,14 @@ def pipe(var_official_files):
     p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
     p.set_progress_bar_config(disable=True)
     return p
+
+
+def _assert_same_codes(got, want, scales):
+    """The per-scale codes of two runs are equal scale for scale, and each run produced ``scales`` of them
+    (never vacuous: an empty or short list fails)."""
+    assert len(got) == len(want) == scales > 0, (len(got), len(want), scales)
+    for si, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"codes differ at scale {si}"
 
 
 def _run(pipe, labels=(3, 7), seeds=(1, 2), **kw):
@@ -61,7 +71,7 @@ def test_neutral_settings_are_bit_exact(pipe, enable):
     dense, dense_codes = _run(pipe)
     enable(pipe)
     out, codes = _run(pipe)
-    assert all(torch.equal(a, b) for a, b in zip(codes, dense_codes))
+    _assert_same_codes(codes, dense_codes, pipe.transformer.schedule.num_scales)
     assert torch.equal(out.images, dense.images)
 
 
@@ -134,8 +144,10 @@ def test_sparsevar_excluded_tokens_add_no_kv_and_get_zero_or_anchor_hidden(pipe)
         roles = st.token_maps[si].view(-1)
         assert int((roles == TOKEN_KEPT).sum() + (roles == TOKEN_ANCHOR).sum()) == st.scales[si].tokens_computed
         zero = roles == TOKEN_EXCLUDED
+        assert zero.any() and (~zero).any(), si
         assert torch.all(probe.residual[si][0, zero] == 0) and torch.all(probe.residual[si][0, ~zero] != 0)
         copied = (roles == TOKEN_COPIED).nonzero().view(-1)
+        assert len(copied) > 0, si
         h = probe.hidden[si]
         for i in copied.tolist():                       # each copied token equals some anchor of its cell
             h_, w_ = sch.hw[si]
@@ -151,7 +163,7 @@ def test_sparsevar_batch_with_different_token_counts_equals_its_images(pipe):
     assert any(c[0] != c[1] for c in counts.values()), "the two images should keep different counts"
     for b, (label, seed) in enumerate(((3, 1), (7, 2))):
         alone, alone_codes = _run(pipe, labels=(label,), seeds=(seed,))
-        assert all(torch.equal(a[b:b + 1], c) for a, c in zip(batch_codes, alone_codes))
+        _assert_same_codes([a[b:b + 1] for a in batch_codes], alone_codes, pipe.transformer.schedule.num_scales)
         torch.testing.assert_close(batch.images[b:b + 1], alone.images, atol=1e-5, rtol=0)
 
 
@@ -185,7 +197,8 @@ def test_fastvar_wraps_the_sub_layers_only_where_it_works(pipe):
     assert probe.wraps == {si: si >= S - 3 for si in range(S)}           # cache scale, then the two pruned ones
     pipe.disable_fastvar().remove_policy("wrap-probe")
     _, dense_codes = _run(pipe)
-    assert all(torch.equal(a, b) for a, b in zip(codes[:S - 2], dense_codes[:S - 2]))
+    assert len(codes) == len(dense_codes) == S
+    _assert_same_codes(codes[:S - 2], dense_codes[:S - 2], S - 2)
 
 
 def test_which_scales_can_replay_whole_with_their_policies(pipe):
@@ -233,7 +246,7 @@ def test_fastvar_layers_outside_its_range_run_chained(pipe, monkeypatch):
     assert N >= 2 and all(probe.wraps[si] == [si >= S - 3 and i == 1 for i in range(N)] for si in range(S))
     monkeypatch.setattr(FastVARPolicy, "wraps_layer", lambda self, si, layer, run: True)   # every layer wrapped
     out_all, codes_all = _run(pipe)
-    assert all(torch.equal(a, b) for a, b in zip(codes, codes_all))
+    _assert_same_codes(codes, codes_all, S)
     torch.testing.assert_close(out.images, out_all.images, atol=0, rtol=0)
 
 
@@ -265,7 +278,9 @@ def test_stats_add_up(pipe):
     st = out.stats[0]
     assert st.tokens_computed == pytest.approx(sum(s.tokens_computed for s in st.scales))
     assert st.tokens == pipe.transformer.schedule.total_tokens
+    assert len(st.scales) == pipe.transformer.schedule.num_scales
     assert all(s.tokens_computed <= s.tokens for s in st.scales)
+    assert st.token_maps
     for si, m in st.token_maps.items():
         assert m.shape == (2, *pipe.transformer.schedule.hw[si])
 
@@ -312,7 +327,7 @@ def test_invalid_settings_name_the_value_and_the_range(pipe, call, match):
 
 def test_config_objects_are_frozen_and_typed():
     cfg = SparseVARConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.tau = 0.1
     assert FastVARConfig(ratios=[0.5, 0.75]).ratios == (0.5, 0.75)
     with pytest.raises(TypeError, match="SparseVARConfig"):
