@@ -18,6 +18,7 @@ import json
 import math
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -166,7 +167,9 @@ def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
             raise ValueError(f"{what} {p} is not a readable safetensors file ({str(e).splitlines()[0][:200]}); "
                              f"re-download or re-convert it") from e
     try:
-        obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
+        with warnings.catch_warnings():              # torch's "file an issue" note on pickle protocols > 2
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         if found is None:                            # not a Python object refused: the pickle itself is broken
@@ -235,8 +238,7 @@ def _expect_family(sd, family: str, path, what: str) -> None:
         raise ValueError(f"{path} is {_FAMILY_NAMES[found]}, but it was passed as the {what}; "
                          f"pass it as the {'VAE' if found == 'var-vqvae' else 'transformer'} file instead")
     if found in _FAMILY_USE:
-        raise ValueError(f"{path} is {_FAMILY_NAMES[found]}, not {_FAMILY_NAMES[family]} (passed as the {what}): "
-                         f"{_FAMILY_USE[found]}")
+        raise ValueError(f"{path} is {_FAMILY_NAMES[found]}, not {_FAMILY_NAMES[family]}: {_FAMILY_USE[found]}")
     raise ValueError(f"{path} is not {_FAMILY_NAMES[family]}: none of its {len(sd)} keys look like one "
                      f"(first keys: {_short(list(sd)[:6])})")
 
@@ -333,32 +335,28 @@ def load_var_vqvae(path, patch_nums: Optional[Sequence[int]] = None,
 
 
 def describe_checkpoint(path) -> dict:
-    """What a file or a converted folder is: family, configuration, parameter count (for ``info``)."""
+    """What a file or a folder is, for ``sparsevar info``: family, configuration, parameter count.
+
+    Covers every family: official VAR and Infinity files, Infinity shard folders, and converted
+    pipeline folders (whose weights may be safetensors, sharded or ``.bin``; each component is
+    checked like :func:`check_component_folder` does before a load, so a folder that would not load
+    raises the same one-line error here). A file of no known family is described as 'unknown'."""
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found — pass the path of a checkpoint file or a model folder")
     if p.is_dir():
-        import json
-        index = p / "model_index.json"
-        if not index.exists():
-            raise ValueError(f"{p} is a folder without model_index.json; pass a checkpoint file or a folder "
-                             f"written by `sparsevar convert` / save_pretrained")
-        from safetensors import safe_open
-        pipeline = json.loads(index.read_text()).get("_class_name")
-        info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
-                "family": {"VARPipeline": "var", "InfinityPipeline": "infinity"}.get(pipeline, "unknown"),
-                "parameters": 0}
-        for sub in ("transformer", "vqvae", "vae"):
-            cfg_path = p / sub / "config.json"
-            if cfg_path.exists():
-                info[sub] = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
-            for f in sorted((p / sub).glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as st:
-                    n = 0
-                    for k in st.keys():
-                        n += int(torch.Size(st.get_slice(k).get_shape()).numel())
-                info["parameters"] += n
-        return info
-    sd = read_state_dict(p, "checkpoint")
-    family = detect_family(sd)
+        if (p / "model_index.json").exists():
+            return _describe_pipeline_folder(p)
+        if any(p.glob("*.index.json")) or any(p.glob("*.safetensors")) or any(p.glob("*.pth")) \
+                or any(p.glob("*.bin")):
+            return describe_infinity_checkpoint(p)      # a shard folder (the 8B release)
+        raise ValueError(f"{p} is a folder without model_index.json; pass a checkpoint file or a folder "
+                         f"written by `sparsevar convert` / save_pretrained")
+    sd = _read_nested(p, "checkpoint", [("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("vae",), ("model",),
+                                        ("state_dict",)])
+    family = _any_family(sd)
+    if family in ("infinity", "infinity-vae"):
+        return _describe_infinity(p, sd)
     n_params = sum(v.numel() for k, v in sd.items()
                    if k not in _VAR_DERIVED and not k.endswith(_VAR_DERIVED_SUFFIX)
                    and k not in MultiScaleVQVAE.official_extra_keys())
@@ -372,6 +370,30 @@ def describe_checkpoint(path) -> dict:
     elif family == "var-vqvae":
         info.update(MultiScaleVQVAE.config_from_state_dict(
             {k: v for k, v in sd.items() if k not in MultiScaleVQVAE.official_extra_keys()}))
+    return info
+
+
+def _describe_pipeline_folder(p: Path) -> dict:
+    from .bsq_vae import BSQVAE
+    from .infinity import InfinityTransformer
+    from .var import VARTransformer
+
+    pipeline = read_json_file(p / "model_index.json", "pipeline folder").get("_class_name")
+    classes = {"VARPipeline": {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
+               "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE}}.get(pipeline, {})
+    info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
+            "family": {"VARPipeline": "var", "InfinityPipeline": "infinity"}.get(pipeline, "unknown"),
+            "parameters": 0}
+    for sub in ("transformer", "vqvae", "vae"):
+        if not (p / sub).is_dir():
+            continue
+        if sub in classes:
+            check_component_folder(p / sub, classes[sub])
+        config = read_json_file(p / sub / "config.json", f"{sub} folder")
+        info[sub] = {k: v for k, v in config.items() if not k.startswith("_")}
+        files, shapes = component_weight_shapes(p / sub)
+        info["parameters"] += sum(math.prod(s) for s in shapes.values())
+        info.setdefault("weights", []).extend(str(f.relative_to(p)) for f in files)
     return info
 
 
@@ -416,8 +438,6 @@ def _read_nested(path, what: str, inner: Sequence[Sequence[str]]) -> dict[str, t
 
 def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
     """A Hugging Face style shard folder (``*.index.json`` + shards), like the 8B release."""
-    import json
-
     indexes = sorted(folder.glob("*.index.json"))
     if not indexes:
         singles = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pth"))
@@ -425,7 +445,10 @@ def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
             return read_state_dict(singles[0], what)
         raise ValueError(f"{what} {folder} is a folder without a shard index (*.index.json); pass the checkpoint "
                          f"file, or the folder of the sharded release (index json + shards)")
-    weight_map = json.loads(indexes[0].read_text()).get("weight_map", {})
+    weight_map = read_json_file(indexes[0], "shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{indexes[0]} has no weight_map (the name → shard table); copy the release's index file "
+                         f"again")
     sd: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         part = folder / shard
@@ -574,8 +597,13 @@ def describe_infinity_checkpoint(path) -> dict:
     Raises ValueError for files of other families (``describe_checkpoint`` covers VAR)."""
     p = Path(path)
     sd = _read_sharded(p, "checkpoint") if p.is_dir() else _read_nested(p, "checkpoint", [("vae",), ("trainer", "gpt_fsdp")])
+    return _describe_infinity(p, sd)
+
+
+def _describe_infinity(p: Path, sd: dict) -> dict:
     family = detect_infinity_family(sd)
-    info = {"path": str(p), "family": family, "dtype": str(next(iter(sd.values())).dtype).replace("torch.", "")}
+    info = {"path": str(p), "family": family,
+            "dtype": str(next(iter(sd.values())).dtype).replace("torch.", "") if sd else None}
     if family == "infinity":
         sd = _canonical_infinity_keys(sd, p)
         info.update(infinity_config_from_state_dict(sd, source=str(p)))
@@ -596,23 +624,16 @@ def checkpoint_family(path) -> str:
     'infinity-vae' or 'unknown'. Reads no tensor data where the format allows it (a shard folder's
     index, safetensors headers, memory-mapped ``.pth`` zip files), so a multi-gigabyte file costs
     little to recognise before it is loaded."""
-    import json
-
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p} — put the file there or pass its path")
     indexes = sorted(p.glob("*.index.json")) if p.is_dir() else []
     if indexes:                                      # the same index _read_sharded reads
-        keys = list(json.loads(indexes[0].read_text()).get("weight_map", {}))
+        keys = list(read_json_file(indexes[0], "shard index").get("weight_map") or {})
     elif p.is_dir():
         keys = list(_read_sharded(p, "checkpoint"))
-    elif p.suffix == ".safetensors":
-        from safetensors import safe_open
-        try:
-            with safe_open(str(p), framework="pt") as st:
-                keys = list(st.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{p} is not a readable safetensors file ({e}); re-download or re-convert it") from e
+    elif _file_format(p) == "safetensors":
+        keys = list(safetensors_shapes(p, "checkpoint"))
     else:
         keys = list(_read_nested(p, "checkpoint", [("vae",), ("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("model",),
                                                    ("state_dict",)]))
@@ -892,8 +913,9 @@ def check_text_encoder_folder(folder) -> dict:
     if diffs:
         have = ", ".join(f"{k} = {json.dumps(c)}" for k, c, _ in diffs)
         said = ", ".join(f"{k} = {v}" for k, _, v in diffs)
-        raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set those values "
-                         f"in config.json, or {_RECONVERT}")
+        fix = ", ".join(f"\"{k}\": {v}" for k, _, v in diffs)
+        raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set {fix} in "
+                         f"config.json, or {_RECONVERT}")
     raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, found)}; {_RECONVERT}")
 
 
@@ -924,7 +946,7 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
         use = _PIPELINE_USE.get(named)
         fix = f"load it with {use}" if use else (f"this package loads {' and '.join(_PIPELINE_USE)} folders, written "
                                                   f"by save_pretrained / `sparsevar convert`")
-        raise ValueError(f"{index_path} names a {named!r} folder, not a {pipeline}: {fix}")
+        raise ValueError(f"{index_path} names the pipeline {named!r}, not {pipeline}: {fix}")
     for sub in components:
         if not (path / sub).is_dir():
             raise FileNotFoundError(f"{path / sub} is missing (a {pipeline} folder has "
