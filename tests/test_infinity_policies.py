@@ -3,6 +3,8 @@ reproduces dense generation bit for bit; active settings run on the bitwise head
 cross-attention sub-layer and the block groups, and compute fewer tokens."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,17 @@ def pipe(modules) -> InfinityPipeline:
     p = InfinityPipeline(*modules)
     p.set_progress_bar_config(disable=True)
     return p
+
+
+SCALES = (1, 2, 4, 6, 8, 12, 16)      # 256x256 (1:1, "0.06M"): square maps of these sides, 521 tokens
+
+
+def _assert_same_codes(got, want, scales):
+    """The per-scale codes of two runs are equal scale for scale, and each run produced ``scales`` of them
+    (never vacuous: an empty or short list fails)."""
+    assert len(got) == len(want) == scales > 0, (len(got), len(want), scales)
+    for si, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"codes differ at scale {si}"
 
 
 def _run(pipe, **kw):
@@ -42,33 +55,43 @@ def test_neutral_settings_are_bit_exact(pipe, enable):
     dense, dense_codes = _run(pipe)
     enable(pipe)
     out, codes = _run(pipe)
-    assert all(torch.equal(a, b) for a, b in zip(codes, dense_codes))
+    _assert_same_codes(codes, dense_codes, len(SCALES))
     assert torch.equal(out.images, dense.images)
 
 
-@pytest.mark.parametrize("enable", [
-    lambda p: p.enable_sparsevar(keep_ratio=0.4, start_scale=-2, granularity="group", block=1),
-    lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-2, granularity="layer", block=2),
-    lambda p: p.enable_fastvar(ratios=(0.5, 0.5), layer_range=(1, 2)),
+# The last two scales' tokens computed per image, from each method's rule (the scales before run whole):
+# SparseVAR keep_ratio r keeps ceil(r·n) tokens of an n-token map, anchors included (12x12 has 16 anchors
+# at stride 4, 16x16 has 25: fewer than the budget), on every layer; FastVAR prunes ratio r of the map
+# (n - floor(r·n) tokens stay) on its layer range only, and the count is the mean over the model's 4 layers.
+@pytest.mark.parametrize("enable, last_two", [
+    (lambda p: p.enable_sparsevar(keep_ratio=0.4, start_scale=-2, granularity="group", block=1),
+     [math.ceil(0.4 * 144), math.ceil(0.4 * 256)]),                                      # 58, 103
+    (lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-2, granularity="layer", block=2),
+     [72, 128]),
+    (lambda p: p.enable_fastvar(ratios=(0.5, 0.5), layer_range=(1, 2)),
+     [(2 * 144 + 2 * (144 - 72)) / 4, (2 * 256 + 2 * (256 - 128)) / 4]),                # 108, 192
 ], ids=["sparsevar-group", "sparsevar-keep", "fastvar"])
-def test_active_policies_compute_fewer_tokens(pipe, enable):
+def test_active_policies_compute_the_tokens_their_rule_says(pipe, enable, last_two):
     dense, _ = _run(pipe)
     enable(pipe)
     out, codes = _run(pipe)
     assert out.images.shape == dense.images.shape and torch.isfinite(out.images).all()
-    assert out.stats[0].tokens_computed < dense.stats[0].tokens_computed
+    assert [s.tokens_computed for s in dense.stats[0].scales] == [n * n for n in SCALES]
+    assert [s.tokens_computed for s in out.stats[0].scales] == [n * n for n in SCALES[:-2]] + last_two
+    assert len(codes) == len(SCALES)
 
 
 def test_skip_and_cond_only(pipe):
     dense, _ = _run(pipe)
     pipe.enable_scale_skip(skip_last=2)
     out, codes = _run(pipe)
-    assert len(codes) == 5 and sum(s.skipped for s in out.stats[0].scales) == 2
+    assert len(codes) == 5 and [s.skipped for s in out.stats[0].scales] == [False] * 5 + [True] * 2
     assert out.images.shape == dense.images.shape
     pipe.disable_scale_skip().enable_scale_skip(cond_only_from=0)
     cond_only, codes = _run(pipe)
+    assert [s.rows for s in cond_only.stats[0].scales] == [1] * len(SCALES)
     ref_codes = []
     InfinityPipeline(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer)(
         ["w3 w4 w5", "w9"], height=256, width=256, guidance_scale=1.0, top_k=1, generator=torch.Generator().manual_seed(0),
         output_type="latent", callback_on_step_end=lambda p, si, t, d: ref_codes.append(d["codes"]) or d)
-    assert all(torch.equal(a, b) for a, b in zip(codes, ref_codes))      # cond-only from the start = guidance off
+    _assert_same_codes(codes, ref_codes, len(SCALES))                # cond-only from the start = guidance off
