@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -199,7 +200,7 @@ def official_vae_sd(infinity_official_files):
 
 def _same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return len(sa) > 0 and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_missing_and_unexpected_transformer_keys_are_named(official_sd, tmp_path):
@@ -307,7 +308,7 @@ def test_text_encoder_width_must_match(infinity_official_files):
     (dict(output_type="jpeg"), r"output_type must be one of"),
     (dict(prompt=["a", "b"], generator=[torch.Generator()] * 3), r"got 3 generators for 2 images"),
     (dict(callback_on_step_end_tensor_inputs=["codes", "hidden"]), r"has \['hidden'\]"),
-    (dict(height=256, width=-3), r"width must be a positive int"),
+    (dict(height=256, width=-3), r"width=-3: give a positive number of pixels"),
 ])
 def test_invalid_arguments_are_named(tiny, kwargs, message):
     kw = dict(prompt="w3 w4", height=256, width=256)
@@ -316,9 +317,11 @@ def test_invalid_arguments_are_named(tiny, kwargs, message):
         tiny(**kw)
 
 
-def test_from_random_names_a_bad_vae_dtype():
-    with pytest.raises(ValueError, match=r"vae_dtype='bf16': pass torch.float32, torch.bfloat16"):
-        InfinityPipeline.from_random("infinity-tiny", vae_dtype="bf16")
+def test_from_random_takes_diffusers_dtype_strings_and_names_a_bad_one():
+    p = InfinityPipeline.from_random("infinity-tiny", vae_dtype="bf16")
+    assert {prm.dtype for prm in p.vae.parameters()} == {torch.bfloat16}
+    with pytest.raises(TypeError, match=r"vae_dtype='int8' is not a weight dtype; pass torch.float32"):
+        InfinityPipeline.from_random("infinity-tiny", vae_dtype="int8")
 
 
 # ---- generation -----------------------------------------------------------------------------------------------
@@ -494,9 +497,39 @@ def test_shared_last_scale_tail_of_the_kv_cache_changes_nothing(tiny):
         _bits(tiny, "w3", height=256, width=256)                       # the next run works
 
 
-def test_flop_model_counts_the_dense_loop(tiny):
+def test_flop_model_counts_the_dense_loop_and_the_tokens_a_policy_drops(tiny):
     out = tiny("w3", height=256, width=256, generator=_g(0), output_type="latent")
-    assert math.isclose(tiny.flop_speedup(out.stats[0], 256, 256), 1.0)
+    assert tiny.flop_speedup(out.stats[0], 256, 256, text_tokens=64) == 1.0
+    tiny.enable_sparsevar(keep_ratio=0.5, start_scale=-2, granularity="layer", block=2)
+    try:
+        kept = tiny("w3", height=256, width=256, generator=_g(0), output_type="latent").stats[0]
+    finally:
+        tiny.disable_sparsevar()
+    sides = (1, 2, 4, 6, 8, 12, 16)                                            # 256x256: 7 square scales
+    computed = [n * n for n in sides[:-2]] + [72, 128]                          # keep half of 12² and 16²
+    assert [s.tokens_computed for s in kept.scales] == computed
+    # The expectation from first principles (2 FLOPs per multiply-add), infinity-tiny, guidance (2 rows):
+    C, hidden, V, depth, T = 128, 512, 2 * 32, 4, 64                            # V: two logits per bit
+    cfg = tiny.transformer.config
+    assert (cfg.embed_dim, cfg.depth, 2 * cfg.token_dim, tiny.transformer.blocks[0].ffn.fc1.out_features) == \
+        (C, depth, V, hidden)
+
+    def loop(tokens):
+        total = 2 * depth * T * 2 * (2 * C * C)                   # text K and V, once per layer and row
+        cached = 0
+        for side, n in zip(sides, tokens):
+            cached += n                                           # attends to every token computed so far
+            per_layer = n * 2 * (4 * C * C)                       # self-attention q, k, v, output
+            per_layer += n * 2 * (2 * C * C)                      # cross-attention q, output
+            per_layer += n * 2 * (2 * C * hidden)                 # FFN
+            per_layer += 2 * (2 * n * cached * C) + 2 * (2 * n * T * C)   # q·kᵀ, attention·v: self, cross
+            total += 2 * (depth * per_layer + 2 * side * side * C * V)    # the head on the whole map
+        return total
+
+    expected = Fraction(loop([n * n for n in sides]), loop(computed))
+    assert expected == Fraction(694209, 385657)                                # ≈ 1.8001
+    # integers below 2**53 summed in float64 are exact; the one division is correctly rounded
+    assert tiny.flop_speedup(kept, 256, 256, text_tokens=64) == float(expected)
 
 
 def test_sharded_folder_like_the_8b_release(infinity_official_files, official_sd, tmp_path):

@@ -180,7 +180,9 @@ def test_batch_with_one_generator_per_image_equals_single_runs(pipe):
     for b, (label, seed) in enumerate([(3, 1), (5, 2)]):
         singles.append(pipe([label], generator=_g(seed), output_type="pt",
                             callback_on_step_end=_record(single_codes[b])).images)
-    for si in range(pipe.num_timesteps):
+    scales = len(pipe.transformer.config.patch_nums)
+    assert len(batch_codes) == len(single_codes[0]) == len(single_codes[1]) == scales > 0
+    for si in range(scales):
         codes = batch_codes[si][2]["codes"]
         assert torch.equal(codes[0:1], single_codes[0][si][2]["codes"]), f"image 0, scale {si}"
         assert torch.equal(codes[1:2], single_codes[1][si][2]["codes"]), f"image 1, scale {si}"
@@ -287,6 +289,7 @@ def test_callback_is_called_once_per_scale_with_the_requested_tensors(pipe):
 
     only_codes = []
     pipe([2], generator=_g(0), output_type="latent", callback_on_step_end=_record(only_codes))
+    assert [si for si, _, _ in only_codes] == list(range(sched.num_scales))
     assert all(set(kw) == {"codes"} for _, _, kw in only_codes)       # default: codes only
 
 
