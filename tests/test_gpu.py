@@ -15,6 +15,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")]
 
 
+def _assert_same_steps(got: list, want: list) -> None:
+    """Per-scale tensors equal bit for bit, and both runs produced the same, non-zero number of scales."""
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    for si, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"scale {si} differs"
+
+
 def _codes(pipe, labels, seed, **kw):
     got = []
     out = pipe(labels, generator=torch.Generator("cuda").manual_seed(seed), output_type="pt",
@@ -64,7 +71,7 @@ def test_cuda_graphs_give_the_same_images_as_eager_in_bfloat16():
     eager_codes, eager = _codes(pipe, [1, 2, 3], 7, use_cuda_graphs=False)
     for _ in range(2):                               # first call captures, second replays
         codes, images = _codes(pipe, [1, 2, 3], 7, use_cuda_graphs=True)
-        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        _assert_same_steps(codes, eager_codes)
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
 
 
@@ -128,7 +135,7 @@ def test_policies_with_cuda_graphs_match_eager(enable):
     eager_codes, eager = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
     for _ in range(2):
         codes, images = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
-        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        _assert_same_steps(codes, eager_codes)
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
 
 
@@ -145,7 +152,7 @@ def test_sparsevar_whole_scale_replays_read_this_generations_plan():
     for labels, seed in (([5, 7], 3), ([0, 9], 4)):
         codes, images = _codes(pipe, labels, seed, use_cuda_graphs=True)  # replay
         eager_codes, eager = _codes(pipe, labels, seed, use_cuda_graphs=False)
-        assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+        _assert_same_steps(codes, eager_codes)
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
     ws = next(iter(pipe.adapter()._workspaces.values()))
     before = {k for k in ws.graphs if k[0] == "scale" and len(k) > 2}
@@ -153,7 +160,7 @@ def test_sparsevar_whole_scale_replays_read_this_generations_plan():
     pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0)       # another observed layer
     codes, _ = _codes(pipe, [5, 7], 3, use_cuda_graphs=True)
     eager_codes, _ = _codes(pipe, [5, 7], 3, use_cuda_graphs=False)
-    assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+    _assert_same_steps(codes, eager_codes)
     assert {k for k in ws.graphs if k[0] == "scale" and len(k) > 2} - before, "the new setting was not recaptured"
     pipe.release_memory()
 
@@ -175,7 +182,7 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
         eager_codes, eager = _codes(pipe, [1, 2], 11, use_cuda_graphs=False, **kw)
         for _ in range(2):                           # capture, replay
             codes, images = _codes(pipe, [1, 2], 11, use_cuda_graphs=True, **kw)
-            assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+            _assert_same_steps(codes, eager_codes)
             torch.testing.assert_close(images, eager, atol=0, rtol=0)
         ws = next(iter(pipe.adapter()._workspaces.values()))
         whole = sorted(k[1] for k in ws.graphs if k[0] == "scale")
@@ -199,14 +206,14 @@ def test_fastvar_after_a_replayed_cache_scale_runs_later_scales_eagerly():
     pipe.enable_scale_skip(cond_only_from=-1)
     codes, images = _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
     eager_codes, eager = _codes(pipe, [1, 2], 5, use_cuda_graphs=False)
-    assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+    _assert_same_steps(codes, eager_codes)
     torch.testing.assert_close(images, eager, atol=0, rtol=0)
     pipe.disable_scale_skip().enable_scale_skip(skip_last=1)          # a shorter call, then the full one
     _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
     pipe.disable_scale_skip()
     full, full_images = _codes(pipe, [1, 2], 5, use_cuda_graphs=True)
     ref, ref_images = _codes(pipe, [1, 2], 5, use_cuda_graphs=False)
-    assert all(torch.equal(a, b) for a, b in zip(full, ref))
+    _assert_same_steps(full, ref)
 
 
 def test_graphs_are_recaptured_after_the_weights_move():
@@ -218,7 +225,7 @@ def test_graphs_are_recaptured_after_the_weights_move():
     pipe.to("cpu")
     pipe.to("cuda")
     after_codes, after = _codes(pipe, [3], 9, use_cuda_graphs=True)
-    assert all(torch.equal(a, b) for a, b in zip(before_codes, after_codes))
+    _assert_same_steps(before_codes, after_codes)
     torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 

@@ -375,6 +375,7 @@ def _select_case(shape, prev_hw, device):
     for budget in (None, max(math.ceil(0.3 * L), anchor_count(h, w, 4)), L):
         got = sl.select_kept(change, src, anchors, 0.6, budget)
         want = ref.select_kept(change, src, anchors, 0.6, budget)
+        assert len(got) == len(want) == 3
         for a, b, what in zip(got, want, ("idx", "count", "keep")):
             assert a.dtype == b.dtype and torch.equal(a, b), f"select_kept budget={budget}: {what} differs"
 
@@ -1126,7 +1127,9 @@ def test_policies_on_triton_kernels_replay_from_cuda_graphs_exactly(setup):
 
     eager = codes(False)
     for _ in range(2):                                             # capture, then replay
-        assert all(torch.equal(a, b) for a, b in zip(codes(True), eager))
+        got = codes(True)
+        assert len(got) == len(eager) == pipe.num_timesteps
+        assert all(torch.equal(a, b) for a, b in zip(got, eager))
 
 
 
