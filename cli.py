@@ -1,29 +1,55 @@
-"""``sparsevar generate | convert | info | bench`` — argument parsing only; the work is library calls."""
+"""``sparsevar generate | convert | info | bench | train-demo`` — argument parsing and checks of the
+arguments (each before any model is loaded or any file written); the work is library calls."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SEED_MAX = 2 ** 64 - 1                          # torch.Generator.manual_seed takes 64-bit seeds
+IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+DEMO_TRAIN_DIR = Path("sparsevar-demo")         # `sparsevar train-demo` writes here unless --out says otherwise
 
 
 class CLIError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def _device(name: str):
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that every
+    ``except BaseException`` / ``finally`` clean-up runs before the process exits."""
+
+
+# ---- checks of arguments, before any work ----------------------------------------------------------
+def _device(name: str, flag: str = "--device"):
     import torch
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {name}: no CUDA device is available on this machine; use --device cpu")
-    return dev
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"{flag} {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError(f"{flag} {name}: no CUDA device is available on this machine; use {flag} cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise CLIError(f"{flag} {name}: this machine has {n} CUDA device(s): use cuda:0 … cuda:{n - 1}")
+        return dev
+    if dev.type == "mps" and torch.backends.mps.is_available():
+        return dev
+    raise CLIError(f"{flag} {name}: sparsevar runs on cpu or cuda (cuda:N); {dev.type!r} is not available here")
 
 
 def _dtype(name: str, device):
@@ -31,6 +57,195 @@ def _dtype(name: str, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def _at_least(value, low, flag: str, what: str) -> None:
+    if value is not None and value < low:
+        raise CLIError(f"{flag} {value}: {what}")
+
+
+def _number_in(value, flag: str, ok, what: str) -> None:
+    if value is not None and (not math.isfinite(value) or not ok(value)):
+        raise CLIError(f"{flag} {value}: {what}")
+
+
+def _can_write_under(folder: Path) -> bool:
+    """Whether a file can be created in the existing ``folder``: the permission bits, then a real
+    file created and removed (root passes every permission check, a read-only mount fails the probe)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".sparsevar-write-test-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _check_writable(path: Path, flag: str, folder: bool = False) -> None:
+    """That ``path`` (a file, or with ``folder`` a folder) can be created or replaced: nothing in the
+    way, and its nearest existing folder writable. Creates nothing."""
+    path = Path(path)
+    if path.is_dir() and not folder:
+        raise CLIError(f"{flag} {path}: that is a folder; give a file name (e.g. {path / 'out.png'})")
+    if path.exists() and not path.is_dir() and folder:
+        raise CLIError(f"{flag} {path}: that is a file; give a folder name")
+    base = path if folder and path.is_dir() else path.absolute().parent
+    while not base.exists():
+        if base.is_symlink():
+            raise CLIError(f"{flag} {path}: {base} is a broken symbolic link; choose another path")
+        base = base.parent
+    if not base.is_dir():
+        raise CLIError(f"{flag} {path}: {base} is a file, so nothing can be written under it; choose another path")
+    if not _can_write_under(base):
+        raise CLIError(f"{flag} {path}: cannot write in {base} (no permission, or a read-only file system); "
+                       f"choose a folder you can write to")
+
+
+def _check_beside(out: Path) -> None:
+    """For a folder written as ``.<name>.partial`` beside ``out`` and renamed: that its parent,
+    when ``out`` already exists, can take the new folder."""
+    parent = out.absolute().parent
+    if out.is_dir() and not _can_write_under(parent):
+        raise CLIError(f"--out {out}: cannot write in {parent}, where the new folder is made before it replaces "
+                       f"{out.name}; choose a folder you can write to")
+
+
+def _file_arg(value: str) -> Path:
+    """argparse type of a file path: one ending in a separator names a folder (Path would drop it)."""
+    if value.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{value} names a folder; give a file name, e.g. {value}out.png")
+    return Path(value)
+
+
+def _image_paths(out: Path, count: int) -> list[Path]:
+    """Where ``count`` images go: ``out`` itself for one, ``out_0``, ``out_1``, … for several."""
+    if count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(count)]
+
+
+def _check_image_out(out: Path, count: int) -> str:
+    """The PIL format of ``--out``, after checking that every image path can be written."""
+    import PIL.Image
+    fmt = IMAGE_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise CLIError(f"--out {out}: use a .png, .jpg or .webp file name")
+    PIL.Image.init()
+    if fmt not in PIL.Image.SAVE:
+        raise CLIError(f"--out {out}: this Pillow cannot write {fmt} files; use a .png or .jpg file name")
+    for p in _image_paths(out, count):
+        _check_writable(p, "--out")
+    return fmt
+
+
+# ---- generate -------------------------------------------------------------------------------------
+SPARSEVAR_FLAGS = (("tau", "--tau"), ("keep_ratio", "--keep-ratio"), ("start_scale", "--start-scale"),
+                   ("block", "--block"), ("alpha", "--alpha"), ("beta", "--beta"))
+
+
+def _check_generate_args(args, text: bool) -> None:
+    """Every check that needs no model: which flags go together, the range of each number, the
+    output paths. Raises CLIError naming the flag."""
+    if text and args.class_labels is not None:
+        raise CLIError("--class is for class-conditional VAR models and --prompt for text-to-image (Infinity): "
+                       "give one of them")
+    if not text:
+        extra = [f for f, v in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
+                                ("--height", args.height), ("--width", args.width),
+                                ("--temperature", args.temperature)) if v is not None]
+        if extra:
+            raise CLIError(f"{' / '.join(extra)} {'is' if len(extra) == 1 else 'are'} for text-to-image: add --prompt")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise CLIError(f"--seed {args.seed}: seeds are 0 … {SEED_MAX} (64 bits)")
+    _at_least(args.num, 1, "--num", f"give the number of images per {'prompt' if text else 'class'}, 1 or more")
+    _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
+    _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1] (0 disables "
+                                                                    "nucleus sampling)")
+    _number_in(args.cfg, "--cfg", lambda v: v >= 0.0, f"give a guidance scale >= 0 ({1 if text else 0} "
+                                                        f"disables guidance)")
+    _number_in(args.temperature, "--temperature", lambda v: v > 0.0, "give a temperature > 0 (official: 0.5 for "
+                                                                       "Infinity-2B, 1.0 for 8B)")
+    if text:
+        _check_size(args)
+    _at_least(args.skip_last, 0, "--skip-last", "give the number of final scales to skip, 0 or more")
+    given = [flag for key, flag in SPARSEVAR_FLAGS if getattr(args, key) is not None]
+    if given and not args.sparsevar:
+        raise CLIError(f"{', '.join(given)} set SparseVAR options: add --sparsevar")
+    if args.save_token_maps and not args.sparsevar:
+        raise CLIError("--save-token-maps shows SparseVAR's token maps: add --sparsevar")
+    if args.sparsevar and args.fastvar is not None:
+        raise CLIError("--sparsevar and --fastvar cannot be combined (both choose the tokens each scale computes): "
+                       "give one of them")
+    count = (len(args.prompt) if text else len(args.class_labels or ["0"])) * args.num
+    _check_image_out(args.out, count)
+    if args.save_token_maps:
+        _check_writable(args.save_token_maps, "--save-token-maps", folder=True)
+
+
+def _check_size(args) -> None:
+    from .models.infinity import infinity_resolution, PN_SCALES
+    square = ", ".join(f"{r.height}x{r.width}" for r in (infinity_resolution(1.0, pn) for pn in PN_SCALES))
+    for flag, v in (("--height", args.height), ("--width", args.width)):
+        if v is not None and v <= 0:
+            raise CLIError(f"{flag} {v}: give a positive number of pixels, an Infinity size (height x width): "
+                           f"{square} for 1:1, or any other size to be shown the valid ones of its aspect ratio")
+    from .models.infinity import resolve_resolution
+    h, w = args.height or 1024, args.width or 1024
+    try:
+        resolve_resolution(h, w)
+    except ValueError as e:
+        raise CLIError(f"--height {h} --width {w}: {e}") from None
+
+
+def _policy_configs(args, family: str) -> list:
+    """(flags, enable method name, config) of the acceleration asked for, each config built (and its
+    ranges checked) before the model is loaded; the model-dependent checks come when it is enabled."""
+    from dataclasses import replace
+    out = []
+    if args.sparsevar:
+        from .policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig
+        sv = {key: getattr(args, key) for key, _ in SPARSEVAR_FLAGS if getattr(args, key) is not None}
+        flags = " ".join(["--sparsevar"] + [f"{flag} {getattr(args, key)}" for key, flag in SPARSEVAR_FLAGS
+                                            if key in sv])
+        try:
+            out.append((flags, "enable_sparsevar", replace(SPARSEVAR_PRESETS.get(family, SparseVARConfig()), **sv)))
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    if args.fastvar is not None:
+        from .policies.fastvar import FASTVAR_PRESETS, FastVARConfig
+        flags = " ".join(["--fastvar"] + [f"{r:g}" for r in args.fastvar])
+        cfg = FASTVAR_PRESETS.get(family, FastVARConfig())
+        try:
+            out.append((flags, "enable_fastvar", replace(cfg, ratios=tuple(args.fastvar)) if args.fastvar else cfg))
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    if args.skip_last or args.cond_only_from is not None:
+        from .policies.scale_skip import ScaleSkipConfig
+        flags = " ".join(f"{flag} {v}" for flag, v in (("--skip-last", args.skip_last),
+                                                       ("--cond-only-from", args.cond_only_from)) if v)
+        try:
+            out.append((flags, "enable_scale_skip", ScaleSkipConfig(skip_last=args.skip_last,
+                                                                    cond_only_from=args.cond_only_from)))
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    return out
+
+
+def _apply_acceleration(pipe, args, configs) -> None:
+    """The configs of :func:`_policy_configs` → the pipeline's enable_* calls; what this model cannot
+    take is reported under the flags that asked for it."""
+    for flags, method, cfg in configs:
+        try:
+            getattr(pipe, method)(cfg)
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    if args.compile:
+        try:
+            pipe.enable_compiled_elementwise()
+        except ValueError as e:
+            raise CLIError(f"--compile: {e}") from None
 
 
 def _load_pipeline(args, device, dtype, say):
@@ -72,48 +287,113 @@ def _load_infinity(args, device, dtype, say):
     return pipe.to(device)
 
 
-def _save_images(images, out: Path, say) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if len(images) == 1:
-        paths = [out]
-    else:
-        paths = [out.with_name(f"{out.stem}_{i}{out.suffix or '.png'}") for i in range(len(images))]
-    for img, p in zip(images, paths):
-        tmp = p.with_name(f".{p.name}.tmp")
-        img.save(tmp, format=(p.suffix.lstrip(".") or "png").upper().replace("JPG", "JPEG"))
-        os.replace(tmp, p)                          # never leave a half-written image behind
-    return paths
+def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
+    """``--class`` values → class ids; an unknown name is reported with what the command line offers."""
+    from .pipelines.var_pipeline import ClassLabelError
+    model = args.model or args.var_ckpt
+    ids = []
+    for lab in labels:
+        value = int(lab) if lab.strip().lstrip("-").isdigit() else lab
+        try:
+            ids += pipe.get_label_ids(value)
+        except ClassLabelError as e:
+            n = pipe.num_classes
+            if pipe.labels:
+                fix = (f"`sparsevar info --labels{' ' + str(model) if model else ''}` lists all {len(pipe.labels)} "
+                       f"names; or give a class id 0..{n - 1}")
+            else:
+                fix = f"give a class id 0..{n - 1}"
+            problem = e.problem if e.problem.endswith((".", "?")) else e.problem + "."
+            raise CLIError(f"--class {lab}: {problem} {fix[0].upper() + fix[1:]}") from None
+        except ValueError as e:
+            raise CLIError(f"--class {lab}: {e}") from None
+    return ids
+
+
+def _save_images(images, paths: Sequence[Path], fmt: str) -> None:
+    """Write every image under a temporary name, then rename them all: a failure (or Ctrl-C,
+    SIGTERM) leaves neither a temporary file nor a folder this call created."""
+    made = []
+    folder = paths[0].absolute().parent
+    while not folder.exists():
+        made.append(folder)
+        folder = folder.parent
+    tmps = []
+    try:
+        for d in reversed(made):
+            d.mkdir()
+        for img, p in zip(images, paths):
+            tmps.append(p.with_name(f".{p.name}.tmp"))
+            img.save(tmps[-1], format=fmt)
+        for tmp, p in zip(tmps, paths):
+            os.replace(tmp, p)
+    except BaseException:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        for d in made:                                # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    import torch
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def cmd_generate(args) -> int:
     import torch
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
-    if args.out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
-        raise CLIError(f"--out {args.out}: use a .png, .jpg or .webp file name")
     text = args.prompt is not None
-    if text and args.class_labels is not None:
-        raise CLIError("--class is for class-conditional VAR models and --prompt for text-to-image (Infinity): "
-                       "give one of them")
-    if not text and (args.negative_prompt or args.text_encoder or args.height or args.width):
-        raise CLIError("--negative-prompt / --text-encoder / --height / --width are for text-to-image: add --prompt")
+    _check_generate_args(args, text)
+    fmt = IMAGE_FORMATS[args.out.suffix.lower()]
     device = _device(args.device)
+    if args.compile and device.type != "cuda":
+        raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
+                       f"--device cuda")
     dtype = _dtype(args.dtype, device)
+    from .pipelines.infinity_pipeline import InfinityPipeline
+    from .pipelines.var_pipeline import VARPipeline, check_memory
+    configs = _policy_configs(args, InfinityPipeline.PRESET_FAMILY if text else VARPipeline.PRESET_FAMILY)
     pipe = (_load_infinity if text else _load_pipeline)(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
-    _apply_acceleration(pipe, args)
+    _apply_acceleration(pipe, args, configs)
     gen = torch.Generator(device).manual_seed(args.seed)
-    t0 = time.perf_counter()
     if text:
-        out = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height or 1024,
-                   width=args.width or 1024, guidance_scale=3.0 if args.cfg is None else args.cfg,
-                   temperature=args.temperature, top_k=args.top_k, top_p=0.97 if args.top_p is None else args.top_p,
-                   num_images_per_prompt=args.num, generator=gen)
+        height, width = args.height or 1024, args.width or 1024
+        n = len(args.prompt)
+        needed = pipe.memory_needed(n * args.num, height=height, width=width)
+        call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
+                    guidance_scale=3.0 if args.cfg is None else args.cfg, temperature=args.temperature,
+                    top_k=args.top_k, top_p=0.97 if args.top_p is None else args.top_p)
+        what = f"{n} prompt(s)"
     else:
-        labels = [int(c) if c.strip().lstrip("-").isdigit() else c for c in (args.class_labels or ["0"])]
-        out = pipe(labels, guidance_scale=4.0 if args.cfg is None else args.cfg, top_k=args.top_k,
-                   top_p=0.95 if args.top_p is None else args.top_p, num_images_per_prompt=args.num, generator=gen)
+        ids = _class_ids(pipe, args.class_labels or ["0"], args)
+        n = len(ids)
+        needed = pipe.memory_needed(n * args.num)
+        call = dict(class_labels=ids, guidance_scale=4.0 if args.cfg is None else args.cfg, top_k=args.top_k,
+                    top_p=0.95 if args.top_p is None else args.top_p)
+        what = f"{n} class(es)"
+    B = n * args.num
+    try:
+        check_memory(pipe, needed, B, f"--num {args.num} × {what} = {B} images in one run",
+                     "lower --num, or split the run")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        out = pipe(**call, num_images_per_prompt=args.num, generator=gen)
+    except (RuntimeError, MemoryError) as e:
+        if not (_is_out_of_memory(e) or isinstance(e, MemoryError)):
+            raise
+        raise CLIError(f"--num {args.num}: out of memory generating {B} images at once on {device} "
+                       f"({str(e).splitlines()[0][:120]}); lower --num, or split the run") from None
     dt = time.perf_counter() - t0
-    paths = _save_images(out.images, args.out, say)
+    paths = _image_paths(args.out, len(out.images))
+    _save_images(out.images, paths, fmt)
     st = out.stats[0]
     print(f"{len(paths)} image(s) → {', '.join(str(p) for p in paths)} | {dt * 1e3:.0f} ms | {st.summary()}")
     if args.save_token_maps:
@@ -125,38 +405,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _apply_acceleration(pipe, args) -> None:
-    """--sparsevar / --fastvar / --skip-last / --cond-only-from → the pipeline's enable_* calls."""
-    sv = {k: v for k, v in (("tau", args.tau), ("keep_ratio", args.keep_ratio), ("start_scale", args.start_scale),
-                            ("block", args.block), ("alpha", args.alpha), ("beta", args.beta)) if v is not None}
-    if sv and not args.sparsevar:
-        raise CLIError(f"{', '.join('--' + k.replace('_', '-') for k in sv)} set SparseVAR options: add --sparsevar")
-    if args.save_token_maps and not args.sparsevar:
-        raise CLIError("--save-token-maps shows SparseVAR's token maps: add --sparsevar")
-    if args.sparsevar:
-        pipe.enable_sparsevar(**sv)
-    if args.fastvar is not None:
-        pipe.enable_fastvar(**({"ratios": tuple(args.fastvar)} if args.fastvar else {}))
-    if args.skip_last or args.cond_only_from is not None:
-        pipe.enable_scale_skip(skip_last=args.skip_last or 0, cond_only_from=args.cond_only_from)
-    if args.compile:
-        pipe.enable_compiled_elementwise()
-
-
+# ---- convert, info --------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
     """Official files → a safetensors pipeline folder, written to ``.<out>.partial`` and renamed at the
-    end, so a failure (or Ctrl-C) leaves nothing behind. The family is read off the checkpoint's keys."""
+    end, so a failure, Ctrl-C or SIGTERM leaves nothing behind. The family is read off the checkpoint's keys."""
     import shutil
 
     import torch
     from .models.loading import checkpoint_family
 
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    dtype_name = str(dtype).replace("torch.", "")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} is a file; give a folder name")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
+    _check_writable(out, "--out", folder=True)
+    _check_beside(out)
     family = checkpoint_family(args.ckpt)
     if family == "var":
         from .pipelines.var_pipeline import VARPipeline
@@ -164,7 +430,7 @@ def cmd_convert(args) -> int:
             raise CLIError(f"--text-encoder is for Infinity; {args.ckpt} is a class-conditional VAR transformer")
         pipe = VARPipeline.from_single_file(args.ckpt, args.vae_ckpt, dtype=dtype)
         cfg = pipe.transformer.config
-        what = f"VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {args.dtype}"
+        what = f"VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {dtype_name}"
         usage = f"VARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --class 0`"
     elif family == "infinity":
         from .pipelines.infinity_pipeline import InfinityPipeline
@@ -174,7 +440,7 @@ def cmd_convert(args) -> int:
         pipe = InfinityPipeline.from_single_file(args.ckpt, args.vae_ckpt, text_encoder=args.text_encoder,
                                                  dtype=dtype)
         cfg = pipe.transformer.config
-        what = f"Infinity {cfg.depth} layers × {cfg.embed_dim}, {args.dtype}, with its T5 text encoder"
+        what = f"Infinity {cfg.depth} layers × {cfg.embed_dim}, {dtype_name}, with its T5 text encoder"
         usage = (f"InfinityPipeline.from_pretrained({str(out)!r}) or "
                  f"`sparsevar generate --model {out} --prompt \"...\"`")
     else:
@@ -188,6 +454,11 @@ def cmd_convert(args) -> int:
     for leftover in (tmp, old):
         if leftover.exists():
             shutil.rmtree(leftover)
+    made = []                                       # parent folders this call creates
+    folder = out.absolute().parent
+    while not folder.exists():
+        made.append(folder)
+        folder = folder.parent
     try:
         pipe.save_pretrained(tmp)
         if out.exists():
@@ -197,20 +468,59 @@ def cmd_convert(args) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             os.replace(old, out)
+        for d in made:                              # deepest first; only if left empty
+            try:
+                d.rmdir()
+            except OSError:
+                pass
         raise
     shutil.rmtree(old, ignore_errors=True)
     print(f"converted → {out} ({what}); load it with {usage}")
     return 0
 
 
+def _labels(path: Optional[str]) -> tuple[dict, int, str]:
+    """(class id → name, number of classes, what the model is) of a VAR model folder or official
+    transformer file (the demo model when ``path`` is None), read without loading its weights."""
+    from .models.loading import describe_checkpoint
+    if path is None:
+        from .demo import DEMO_MODEL_DIR
+        path, what = DEMO_MODEL_DIR, "the built-in demo model"
+    else:
+        what = str(path)
+    info = describe_checkpoint(path)
+    if info.get("family") != "var":
+        raise CLIError(f"--labels: {path} is {'an' if str(info.get('family'))[0] in 'aeiou' else 'a'} "
+                       f"{info.get('family')} model, not a class-conditional VAR one (Infinity takes text prompts)")
+    n = int((info.get("transformer") or info).get("num_classes", 0))
+    names: dict = {}
+    index = Path(path) / "model_index.json"
+    if index.is_file():
+        names = {int(k): str(v) for k, v in (json.loads(index.read_text()).get("id2label") or {}).items()}
+    if not names and n == 1000:
+        from .pipelines._imagenet_classes import IMAGENET_CLASSES
+        names = dict(enumerate(IMAGENET_CLASSES))
+    return names, n, what
+
+
 def cmd_info(args) -> int:
     if args.backends:
         from .sparse_ops.attention import describe_backends
         print(describe_backends())
-        if not args.path:
+        if not args.path and not args.labels:
             return 0
+    if args.labels:
+        names, n, what = _labels(args.path)
+        if args.json:
+            print(json.dumps({"num_classes": n, "labels": {str(k): v for k, v in sorted(names.items())}}, indent=2))
+        elif not names:
+            print(f"{what} has {n} classes and no class names: pass ids 0..{n - 1} to --class")
+        else:
+            print("\n".join(f"{i}: {names[i]}" for i in sorted(names)))
+        return 0
     if not args.path:
-        raise CLIError("info needs a checkpoint file or model folder (or --backends)")
+        raise CLIError("info needs a checkpoint file or model folder (or --backends, or --labels for the demo "
+                       "model's class names)")
     from .models.loading import describe_checkpoint, describe_infinity_checkpoint
     info = describe_checkpoint(args.path)
     if info.get("family") == "unknown":
@@ -231,17 +541,28 @@ def cmd_info(args) -> int:
     return 0
 
 
+# ---- bench, train-demo ----------------------------------------------------------------------------
 def cmd_bench_quality(args) -> int:
     from .benchmarks.bench_quality import describe_settings, run_from_args
     if args.list_settings:
         print(describe_settings())
         return 0
+    _device(args.device)
+    _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
+    _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1]")
+    _number_in(args.cfg, "--cfg", lambda v: v >= 0.0, "give a guidance scale >= 0 (0 disables guidance)")
+    _at_least(args.warmup, 0, "--warmup", "give the number of untimed generations, 0 or more")
+    _at_least(args.grid_seeds, 1, "--grid-seeds", "give the number of grid rows, 1 or more")
+    _check_writable(args.out, "--out", folder=True)
     run_from_args(args)
     return 0
 
 
 def cmd_bench_ops(args) -> int:
     import torch
+    _at_least(args.runs, 1, "--runs", "time each op at least once (e.g. --runs 50)")
+    if args.out is not None:
+        _check_writable(args.out, "--out")
     from .benchmarks.bench_ops import run_ops
     if not torch.cuda.is_available():
         raise CLIError("bench ops times the GPU kernels: no CUDA device is available on this machine "
@@ -249,6 +570,7 @@ def cmd_bench_ops(args) -> int:
     out = args.out
     if out is None:
         out = Path("benchmarks/results") / f"ops_{torch.cuda.get_device_name().replace(' ', '_')}.csv"
+        _check_writable(out, "--out")
     run_ops(out=out, runs=args.runs, ops=args.ops)
     return 0
 
@@ -264,16 +586,31 @@ def cmd_bench_gemm_rows(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "speed":
-        from .benchmarks.bench_speed import run_speed
+        from .benchmarks.bench_speed import METHODS, run_speed
+        from .models.infinity import INFINITY_PRESETS
+        from .models.var import VAR_PRESETS
+        _device(args.device)
+        for b in args.batch:
+            _at_least(b, 1, "--batch", "give batch sizes of 1 or more")
+        _at_least(args.runs, 1, "--runs", "time each setting at least once")
+        _at_least(args.warmup, 0, "--warmup", "give the number of untimed runs, 0 or more")
+        _at_least(args.resolution, 1, "--resolution", "give a positive image side in pixels (Infinity: 1024)")
+        unknown = [m for m in args.models if m not in VAR_PRESETS and m not in INFINITY_PRESETS]
+        if unknown:
+            raise CLIError(f"--models {' '.join(unknown)}: unknown; choose from "
+                           f"{', '.join(sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS))}")
+        methods = args.methods
+        if methods == ["all"]:
+            methods = list(METHODS)
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise CLIError(f"--methods {' '.join(unknown)}: unknown; choose from {', '.join(METHODS)} or all")
         out = args.out
         if out is None:
             import torch
             gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
             out = Path("benchmarks/results") / f"speed_{gpu}.csv"
-        methods = args.methods
-        if methods == ["all"]:
-            from .benchmarks.bench_speed import METHODS
-            methods = list(METHODS)
+        _check_writable(out, "--out")
         run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
                   dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
                   vae_dtype=args.vae_dtype)
@@ -284,9 +621,13 @@ def cmd_bench(args) -> int:
 def cmd_train_demo(args) -> int:
     from dataclasses import replace
 
-    from .demo import DEMO_MODEL_DIR
     from .demo.train import DemoTrainConfig, train_demo
 
+    out = Path(args.out) if args.out else DEMO_TRAIN_DIR
+    _check_writable(out, "--out", folder=True)
+    _check_beside(out)
+    if not 0 <= args.seed <= SEED_MAX:
+        raise CLIError(f"--seed {args.seed}: seeds are 0 … {SEED_MAX} (64 bits)")
     cfg = DemoTrainConfig(seed=args.seed)
     if args.quick:
         cfg = cfg.quick()
@@ -294,12 +635,13 @@ def cmd_train_demo(args) -> int:
                                ("cls_steps", args.cls_steps), ("var_data", args.var_data),
                                ("cls_data", args.cls_data)) if v is not None}
     cfg = replace(cfg, **steps)
-    out = Path(args.out) if args.out else DEMO_MODEL_DIR
     device = _device(args.device)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
     t0 = time.perf_counter()
     train_demo(out, cfg, stages=args.stages, device=device, log=say)
-    print(f"demo model ({', '.join(args.stages)}) → {out} in {time.perf_counter() - t0:.0f} s")
+    use = f"; generate with `sparsevar generate --model {out} --class tree`" if (out / "model_index.json").is_file() \
+        else ""
+    print(f"demo model ({', '.join(args.stages)}) → {out} in {time.perf_counter() - t0:.0f} s{use}")
     return 0
 
 
@@ -315,24 +657,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--class", dest="class_labels", nargs="+",
                    help="class ids or names (the model's labels: ImageNet names, or the demo's 'tree', 'car', …; "
                         "default 0)")
-    g.add_argument("--prompt", nargs="+", help="text prompt(s): text-to-image with an Infinity model")
+    g.add_argument("--prompt", nargs="+", help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is two): "
+                                                 "text-to-image with an Infinity model")
     g.add_argument("--negative-prompt", help="Infinity: what to steer away from")
     g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer)")
-    g.add_argument("--height", type=int, help="Infinity: image height (default 1024; see the valid sizes)")
+    g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
+                                              "768 or 1024 for 1:1 (another size lists those of its aspect ratio)")
     g.add_argument("--width", type=int, help="Infinity: image width (default 1024)")
     g.add_argument("--temperature", type=float, help="Infinity: sampling temperature (default 0.5, 1.0 for 8B)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="0 … 2^64-1 (default 0)")
     g.add_argument("--cfg", type=float, help="guidance scale (VAR default 4, ramped over scales; Infinity 3)")
-    g.add_argument("--top-k", type=int, default=900)
-    g.add_argument("--top-p", type=float, help="nucleus sampling (VAR default 0.95, Infinity 0.97)")
-    g.add_argument("--num", type=int, default=1, help="images per class")
-    g.add_argument("--out", type=Path, default=Path("out.png"), help="image path; several images get _0, _1, …")
-    g.add_argument("--device", default="auto")
+    g.add_argument("--top-k", type=int, default=900, help="codes kept per token before sampling (0: all, 1: greedy)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling in [0, 1] (VAR default 0.95, Infinity 0.97; 0: off)")
+    g.add_argument("--num", type=int, default=1, help="images per class (per prompt)")
+    g.add_argument("--out", type=_file_arg, default=Path("out.png"), help="image path; several images get _0, _1, …")
+    g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--stats", action="store_true", help="print the per-scale table")
     a = g.add_argument_group("acceleration")
-    a.add_argument("--sparsevar", action="store_true", help="SparseVAR token exclusion (family preset)")
+    a.add_argument("--sparsevar", action="store_true", help="SparseVAR token exclusion (family preset); not with "
+                                                             "--fastvar")
     a.add_argument("--tau", type=float, help="SparseVAR change threshold in [0, 1)")
     a.add_argument("--keep-ratio", type=float, help="SparseVAR: fixed share of tokens computed per scale, (0, 1]")
     a.add_argument("--start-scale", type=int, help="SparseVAR: first pruned scale (negative: from the end)")
@@ -341,10 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--beta", type=float, help="SparseVAR: anchor-copy similarity threshold")
     a.add_argument("--save-token-maps", type=Path, metavar="DIR", help="write SparseVAR's token maps as PNGs")
     a.add_argument("--fastvar", type=float, nargs="*", metavar="RATIO",
-                   help="FastVAR; optional prune ratios of the last scales, earliest first (1.0 skips)")
-    a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales")
+                   help="FastVAR; optional prune ratios in [0, 1] of the last scales, earliest first (1.0 skips); "
+                        "not with --sparsevar")
+    a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
-    a.add_argument("--compile", action="store_true", help="fuse elementwise steps with torch.compile (CUDA)")
+    a.add_argument("--compile", action="store_true", help="fuse elementwise steps into Triton kernels (CUDA)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder (VAR, or Infinity with "
@@ -362,17 +708,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("info", help="what a checkpoint file or model folder is")
-    i.add_argument("path", nargs="?")
+    i.add_argument("path", nargs="?", help="a checkpoint file or model folder")
     i.add_argument("--json", action="store_true")
     i.add_argument("--backends", action="store_true", help="attention / kernel backends available here")
+    i.add_argument("--labels", action="store_true", help="the class names `generate --class` takes, of the VAR "
+                                                        "model at PATH (default: the built-in demo model)")
     i.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train-demo", help="train the embedded demo model on procedural scenes (≈15 min on an H100)")
-    t.add_argument("--out", help="model folder to write (default: the package's demo/weights)")
+    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 18 min on one H100)")
+    t.add_argument("--out", help=f"model folder to write (default: ./{DEMO_TRAIN_DIR}); the demo model that ships "
+                                 f"with the package is left as it is")
     t.add_argument("--stages", nargs="+", default=["vqvae", "var", "classifier"],
                    choices=["vqvae", "var", "classifier"], help="stages to run; later ones read earlier ones from --out")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0, help="0 … 2^64-1 (default 0)")
+    t.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     t.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test; no real pictures)")
     t.add_argument("--vq-steps", type=int)
     t.add_argument("--var-steps", type=int)
@@ -392,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = bsub.add_parser("ops", help="each sparse op (Triton and its torch twin) in GB/s or TFLOP/s against the roof (GPU)")
     o.add_argument("--ops", nargs="+", help="ops to run (default: all)")
     o.add_argument("--runs", type=int, default=50)
-    o.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
+    o.add_argument("--out", type=_file_arg, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
     o.set_defaults(func=cmd_bench_ops)
     g = bsub.add_parser("gemm-rows", help="sweep cuBLAS over row counts for the layer products and write this GPU's "
                                           "row padding table (GPU; a few minutes)")
@@ -414,18 +763,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     b.add_argument("--vae-dtype", default="float32", choices=DTYPES[1:],
                    help="Infinity models: the VAE's dtype (bfloat16: channels-last decode with fused norms)")
-    b.add_argument("--device", default="cuda")
-    b.add_argument("--out", type=Path, default=None)
+    b.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a functional run; its numbers mean "
+                                                     "nothing)")
+    b.add_argument("--out", type=_file_arg, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
     b.set_defaults(func=cmd_bench)
     return p
 
 
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the clean-up that follows runs to its end
+    raise _Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command. User mistakes print one line, ``sparsevar <command>: error: …``, and return 2;
+    an error of the system (a full disk, …) the same way with status 1. Ctrl-C and SIGTERM stop the
+    command after its clean-up (nothing half-written is left) with status 130 / 143.
+    ``SPARSEVAR_DEBUG=1`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    debug = bool(os.environ.get("SPARSEVAR_DEBUG"))
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return args.func(args)
-    except (CLIError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("SPARSEVAR_DEBUG"):
+    except (CLIError, ValueError, TypeError, FileNotFoundError) as e:
+        if debug:
             raise
         print(f"sparsevar {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if debug:
+            raise
+        print(f"sparsevar {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"sparsevar {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"sparsevar {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return 143
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

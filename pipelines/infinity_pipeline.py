@@ -33,6 +33,7 @@ from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, 
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
 from ..policies.base import Policy, PolicyStack
+from .var_pipeline import _finish_bar, check_memory
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,25 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return dense / infinity_loop_flops(cfg, hw, text_tokens, tokens_per_scale=[s.tokens_computed for s in stats.scales],
                                            rows_per_scale=rows)
 
+    def memory_needed(self, batch_size: int, height: int = 1024, width: int = 1024) -> dict[str, int]:
+        """A lower bound of the bytes one call of ``batch_size`` images at ``height`` × ``width``
+        allocates, by part: the KV cache ([cond; uncond] rows; the smaller of its two layouts, with
+        and without the last scale's shared tail, see ``kv_tail_needed``), the last scale's
+        float32 bit logits, and the VAE decoder's full-resolution activation with the output images.
+        Compared with what the device has before a call (check_inputs)."""
+        res = resolve_resolution(height, width)
+        cfg = self.transformer.config
+        R, el = 2 * batch_size, self.adapter().dtype.itemsize
+        L = sum(h * w for h, w in res.hw)
+        last = res.hw[-1][0] * res.hw[-1][1]
+        full = cfg.depth * R * L * (2 * cfg.embed_dim * el + 8)
+        tail = cfg.depth * R * (L - last) * (2 * cfg.embed_dim * el + 8) + R * L * (2 * cfg.embed_dim * el + 8)
+        vae = self.vae.config
+        return {"KV cache": min(full, tail),
+                "logits": R * last * 2 * cfg.token_dim * 4,
+                "decoder": batch_size * res.height * res.width * (vae.base_ch * vae.ch_mult[0] *
+                                                                  self.vae.dtype.itemsize + 3 * 4)}
+
     # ---- call -------------------------------------------------------------------------------------
     @staticmethod
     def _prompt_list(prompt, name: str) -> list[str]:
@@ -260,6 +280,11 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 raise ValueError("pass either negative_prompt or negative_prompt_features, not both")
         if negative_prompt_features is not None and negative_prompt_features.batch not in (1, n):
             raise ValueError(f"negative_prompt_features holds {negative_prompt_features.batch} prompts for {n} prompts")
+        for v, name in ((height, "height"), (width, "width")):
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v <= 0:
+                square = ", ".join(f"{h}x{w}" for h, w in self.valid_sizes(1.0))
+                raise ValueError(f"{name}={v}: give a positive number of pixels, an official size (height x width): "
+                                 f"{square} for 1:1; InfinityPipeline.valid_sizes() lists those of every aspect ratio")
         resolution = resolve_resolution(height, width)
         if resolution.pn in ZERO_SHOT_PN:
             logger.warning("%dx%d is a zero-shot size: %d scales past the %d the model was trained on (FastVAR's "
@@ -286,6 +311,10 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        check_memory(self, self.memory_needed(B, resolution.height, resolution.width), B,
+                     f"num_images_per_prompt={num_images_per_prompt} × {n} prompt(s) = {B} images at "
+                     f"{resolution.height}x{resolution.width}",
+                     "lower num_images_per_prompt, or split the prompts over several calls")
         return resolution, n
 
     @torch.no_grad()
@@ -376,6 +405,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             result = generate(adapter, cond, B, settings=settings, generator=generator, policies=stack,
                               callback=on_scale, decode=output_type != "latent", stop=lambda: self._interrupt,
                               schedule=sched, cuda_graphs=use_cuda_graphs, graph_max_tokens=graph_max_tokens)
+            _finish_bar(pbar, result.stats, self._interrupt)
         self._current_scale = None
         images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
         self.maybe_free_model_hooks()

@@ -48,6 +48,65 @@ def _imagenet_classes() -> tuple[str, ...]:
     return IMAGENET_CLASSES
 
 
+class ClassLabelError(ValueError):
+    """A class name the model does not have: ``problem`` says what is wrong with it; the message
+    adds what to do from Python (the command line says it in its own terms)."""
+
+    def __init__(self, problem: str, advice: str):
+        super().__init__(f"{problem}{advice}")
+        self.problem = problem
+
+
+def _gb(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> int:
+    """Bytes a generation on ``device`` can count on: on a GPU, what the driver has free plus what
+    PyTorch's allocator holds beyond the weights of ``modules``; on the CPU, the memory and swap the
+    system has available plus what this process holds beyond those weights (the workspaces of
+    earlier calls, which a new call reuses or frees first). Generous on purpose: it bounds what
+    cannot fit, not what surely fits."""
+    device = torch.device(device)
+    weights = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())
+                  if t.device.type == device.type)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + max(0, torch.cuda.memory_reserved(device) - weights))
+    import psutil
+    rss = psutil.Process().memory_info().rss
+    return int(psutil.virtual_memory().available + psutil.swap_memory().free + max(0, rss - weights))
+
+
+def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str) -> None:
+    """Raise a ValueError before anything is allocated when ``needed`` (bytes by part, a lower bound
+    of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
+    :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
+    and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags)."""
+    adapter = pipe.adapter()
+    total = sum(needed.values())
+    available = memory_available(adapter.device, [c for c in pipe.components.values()
+                                                  if isinstance(c, torch.nn.Module)])
+    if total <= available:
+        return
+    fit = int(available // (total / batch_size))
+    parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
+    raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {adapter.device.type}, and "
+                     f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
+
+
+def _finish_bar(pbar, stats: GenerationStats, interrupted: bool) -> None:
+    """Scales a policy skipped (scale skipping, FastVAR's ratio 1.0) are done too: the bar ends at the
+    schedule's end and says how many were skipped. An interrupted run's bar stays where it stopped."""
+    skipped = sum(s.skipped for s in stats.scales)
+    if skipped and not interrupted:
+        pbar.set_postfix_str(f"{skipped} skipped", refresh=False)
+        pbar.update(skipped)
+
+
 class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     """Class-conditional next-scale prediction (VAR d16–d36) with pluggable acceleration policies.
 
@@ -239,8 +298,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if name.isdigit():
             return self.get_label_ids(int(name))[0]
         if not names:
-            raise ValueError(f"class name {name!r} given, but this model has no class names; pass a class id "
-                             f"0..{self.num_classes - 1} (or construct the pipeline with id2label=...)")
+            raise ClassLabelError(f"class name {name!r} given, but this model has no class names",
+                                  f"; pass a class id 0..{self.num_classes - 1} (or construct the pipeline with "
+                                  f"id2label=...)")
         key = name.lower()
         full = [i for i, v in names.items() if v.lower() == key]
         if len(full) == 1:
@@ -250,12 +310,12 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             return syn[0]
         if len(syn) > 1:
             opts = "; ".join(f"{i} = {names[i]!r}" for i in syn)
-            raise ValueError(f"class name {name!r} is ambiguous: {opts}. Pass the id instead")
+            raise ClassLabelError(f"class name {name!r} is ambiguous: {opts}", ". Pass the id instead")
         vocab = {s.strip().lower(): i for i, v in names.items() for s in v.split(",")}
         close = difflib.get_close_matches(key, list(vocab), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"unknown class name {name!r}.{hint} See pipe.labels for all {len(names)} names, "
-                         f"or pass a class id")
+        raise ClassLabelError(f"unknown class name {name!r}.{hint}",
+                              f" See pipe.labels for all {len(names)} names, or pass a class id")
 
     # ---- diffusers-style properties ----------------------------------------------------------------
     @property
@@ -269,6 +329,21 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             a = self._adapter = VARAdapter(self.transformer, self.vqvae)
         a.set_compiled_elementwise(self._compiled_elementwise)
         return a
+
+    def memory_needed(self, batch_size: int) -> dict[str, int]:
+        """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV cache
+        (keys, values and positions of every layer for [cond; uncond] rows, the engine's
+        ``KVCache``), the last scale's logits, and the VQVAE decoder's full-resolution activation
+        with the output images. Compared with what the device has before a call (check_inputs)."""
+        cfg, sch = self.transformer.config, self.transformer.schedule
+        R, L, el = 2 * batch_size, sch.total_tokens, self.adapter().dtype.itemsize
+        h, w = sch.hw[-1]
+        vq = self.vqvae.config
+        side = 2 ** (len(vq.ch_mult) - 1)                 # latent → pixels
+        pixels = h * side * w * side
+        return {"KV cache": cfg.depth * R * L * (2 * cfg.embed_dim * el + 8),
+                "logits": R * h * w * cfg.vocab_size * el,
+                "decoder": batch_size * pixels * (vq.ch * vq.ch_mult[0] * self.vqvae.dtype.itemsize + 3 * 4)}
 
     # ---- call -------------------------------------------------------------------------------------
     def check_inputs(self, class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
@@ -298,6 +373,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        check_memory(self, self.memory_needed(B), B,
+                     f"num_images_per_prompt={num_images_per_prompt} × {len(ids)} class label(s) = {B} images",
+                     "lower num_images_per_prompt, or split the labels over several calls")
         return ids
 
     @torch.no_grad()
@@ -355,6 +433,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=stack,
                               callback=on_scale, cuda_graphs=use_cuda_graphs, decode=output_type != "latent",
                               stop=lambda: self._interrupt)
+            _finish_bar(pbar, result.stats, self._interrupt)
         self._current_scale = None
         images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
         self.maybe_free_model_hooks()
