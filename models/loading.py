@@ -949,7 +949,7 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
         raise ValueError(f"{index_path} names the pipeline {named!r}, not {pipeline}: {fix}")
     for sub in components:
         if not (path / sub).is_dir():
-            raise FileNotFoundError(f"{path / sub} is missing (a {pipeline} folder has "
+            raise FileNotFoundError(f"{path / sub} is missing or not a folder (a {pipeline} folder has "
                                     f"{', '.join(s + '/' for s in components)}); {_RECONVERT}")
     configs = {}
     for sub, cls in components.items():

@@ -176,7 +176,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         check_pipeline_folder(path, "InfinityPipeline", {"transformer": InfinityTransformer, "vae": BSQVAE,
                                                          "text_encoder": "text_encoder", "tokenizer": None},
                               "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
-                              "vae_ckpt, text_encoder=<flan-t5-xl folder>)")
+                              "vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
+                              "--text-encoder FOLDER)")
         transformer = load_pretrained_component(InfinityTransformer, path, "transformer")
         transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
         vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)

@@ -239,7 +239,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         path = Path(pretrained_model_name_or_path)
         index = check_pipeline_folder(path, "VARPipeline", {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
                                       "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
-                                      "vae_ckpt) or convert them with `sparsevar convert`")
+                                      "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
+                                      "`sparsevar convert`")
         transformer = load_pretrained_component(VARTransformer, path, "transformer", dtype)
         vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
         return cls(transformer=transformer, vqvae=vqvae, id2label=index.get("id2label"))
