@@ -721,7 +721,7 @@ def _init_kwargs(cls, config: dict, cfg_path: Path, weights_say) -> dict:
     params = inspect.signature(cls.__init__).parameters
     kwargs = {}
     for name, value in config.items():
-        if name.startswith("_") or name not in params or name == "self":
+        if name.startswith("_") or name not in params:
             continue
         default = params[name].default
         if isinstance(default, bool):
@@ -882,10 +882,11 @@ def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
     return cfg
 
 
-def check_text_encoder_folder(folder) -> dict:
+def check_saved_text_encoder(folder) -> dict:
     """Check a saved T5 encoder folder (``config.json`` + weights) before it is loaded: the JSON parses,
     the weights are whole, and the encoder its config builds (on the meta device) holds the tensors of
-    the weights (the shared token embedding may be stored once). Returns the config."""
+    the weights (the shared token embedding may be stored once; a full T5's decoder and LM head, which
+    the encoder leaves out, are ignored). Returns the config."""
     from accelerate import init_empty_weights
     from transformers import T5Config, T5EncoderModel
 
@@ -903,7 +904,7 @@ def check_text_encoder_folder(folder) -> dict:
         raise ValueError(f"{cfg_path}: these settings do not build a T5 encoder ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix the file or {_RECONVERT}") from None
     tied = {"shared.weight", "encoder.embed_tokens.weight"}
-    found = {k: v for k, v in shapes.items() if not k.startswith("decoder.")}
+    found = {k: v for k, v in shapes.items() if not k.startswith(("decoder.", "lm_head."))}
     bad = any(tuple(expected[k]) != tuple(v) for k, v in found.items() if k in expected) \
         or set(found) - set(expected) or (set(expected) - set(found)) - tied or not (tied & set(found))
     if not bad:
@@ -924,7 +925,7 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
     loaded, and return its ``model_index.json``.
 
     ``components`` maps each subfolder to its class (checked with :func:`check_component_folder`), to
-    ``"text_encoder"`` (a T5 folder, :func:`check_text_encoder_folder`) or to None (present only).
+    ``"text_encoder"`` (a T5 folder, :func:`check_saved_text_encoder`) or to None (its JSON files must parse).
     Checks, each failing with one line naming the file: the folder and ``model_index.json`` exist (else
     FileNotFoundError with ``official_hint``, what to pass instead), the index is a JSON object naming
     ``pipeline`` (another pipeline's folder says which class loads it), every component subfolder is
@@ -954,7 +955,7 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
     configs = {}
     for sub, cls in components.items():
         if cls == "text_encoder":
-            configs[sub] = check_text_encoder_folder(path / sub)
+            configs[sub] = check_saved_text_encoder(path / sub)
         elif cls is not None:
             check_component_folder(path / sub, cls)
             configs[sub] = json.loads((path / sub / "config.json").read_text())
