@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -112,13 +113,6 @@ def _check_beside(out: Path) -> None:
                        f"{out.name}; choose a folder you can write to")
 
 
-def _file_arg(value: str) -> Path:
-    """argparse type of a file path: one ending in a separator names a folder (Path would drop it)."""
-    if value.endswith(("/", os.sep)):
-        raise argparse.ArgumentTypeError(f"{value} names a folder; give a file name, e.g. {value}out.png")
-    return Path(value)
-
-
 def _image_paths(out: Path, count: int) -> list[Path]:
     """Where ``count`` images go: ``out`` itself for one, ``out_0``, ``out_1``, … for several."""
     if count == 1:
@@ -127,16 +121,27 @@ def _image_paths(out: Path, count: int) -> list[Path]:
 
 
 def _check_image_out(out: Path, count: int) -> str:
-    """The PIL format of ``--out``, after checking that every image path can be written."""
+    """The PIL format of ``--out``, after checking that every image path can be written: the
+    folder once, and among what it holds, no folder in the way of one of the ``count`` names."""
     import PIL.Image
+    if str(out).endswith(("/", os.sep)):
+        raise CLIError(f"--out {out}: that names a folder; give a file name (e.g. {out}out.png)")
+    out = Path(out)
     fmt = IMAGE_FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise CLIError(f"--out {out}: use a .png, .jpg or .webp file name")
     PIL.Image.init()
     if fmt not in PIL.Image.SAVE:
         raise CLIError(f"--out {out}: this Pillow cannot write {fmt} files; use a .png or .jpg file name")
-    for p in _image_paths(out, count):
-        _check_writable(p, "--out")
+    _check_writable(out, "--out")
+    if count > 1 and out.parent.is_dir():
+        pattern = re.compile(rf"{re.escape(out.stem)}_(\d+){re.escape(out.suffix)}")
+        for entry in os.scandir(out.parent):
+            m = pattern.fullmatch(entry.name)
+            if m and int(m.group(1)) < count and entry.is_dir():
+                raise CLIError(f"--out {out}: {count} images go to {out.stem}_0{out.suffix} … "
+                               f"{out.stem}_{count - 1}{out.suffix}, and {out.parent / entry.name} is a folder; "
+                               f"choose another name")
     return fmt
 
 
@@ -349,6 +354,7 @@ def cmd_generate(args) -> int:
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     text = args.prompt is not None
     _check_generate_args(args, text)
+    args.out = Path(args.out)
     fmt = IMAGE_FORMATS[args.out.suffix.lower()]
     device = _device(args.device)
     if args.compile and device.type != "cuda":
@@ -670,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=900, help="codes kept per token before sampling (0: all, 1: greedy)")
     g.add_argument("--top-p", type=float, help="nucleus sampling in [0, 1] (VAR default 0.95, Infinity 0.97; 0: off)")
     g.add_argument("--num", type=int, default=1, help="images per class (per prompt)")
-    g.add_argument("--out", type=_file_arg, default=Path("out.png"), help="image path; several images get _0, _1, …")
+    g.add_argument("--out", default="out.png", help="image path; several images get _0, _1, …")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quiet", action="store_true")
@@ -715,7 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "model at PATH (default: the built-in demo model)")
     i.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 18 min on one H100)")
+    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 18 min on one H100)",
+                       description=f"Train the demo model again on procedural scenes (about 18 min on one H100), "
+                                   f"into ./{DEMO_TRAIN_DIR} unless --out says otherwise.")
     t.add_argument("--out", help=f"model folder to write (default: ./{DEMO_TRAIN_DIR}); the demo model that ships "
                                  f"with the package is left as it is")
     t.add_argument("--stages", nargs="+", default=["vqvae", "var", "classifier"],
@@ -741,7 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = bsub.add_parser("ops", help="each sparse op (Triton and its torch twin) in GB/s or TFLOP/s against the roof (GPU)")
     o.add_argument("--ops", nargs="+", help="ops to run (default: all)")
     o.add_argument("--runs", type=int, default=50)
-    o.add_argument("--out", type=_file_arg, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
+    o.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/ops_<GPU>.csv)")
     o.set_defaults(func=cmd_bench_ops)
     g = bsub.add_parser("gemm-rows", help="sweep cuBLAS over row counts for the layer products and write this GPU's "
                                           "row padding table (GPU; a few minutes)")
@@ -765,7 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Infinity models: the VAE's dtype (bfloat16: channels-last decode with fused norms)")
     b.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a functional run; its numbers mean "
                                                      "nothing)")
-    b.add_argument("--out", type=_file_arg, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
+    b.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
     b.set_defaults(func=cmd_bench)
     return p
 
