@@ -15,6 +15,7 @@ import torch
 
 from ..policies.base import PolicyStack, persistent_copy
 from .adapter import ModelAdapter
+from .memory import trim_host_heap
 from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
 
@@ -254,9 +255,11 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     stop: polled after every scale; when it returns True the remaining scales are skipped and the
         latent accumulated so far is decoded (an interrupt that still returns an image).
     keep_workspace: keep the workspace (KV cache, graphs) for the next call of the same batch size;
-        an adapter may still free its KV cache before decoding (Infinity does when it runs without
-        graphs, to lend that memory to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the workspace is
-        always released.
+        an adapter keeps one workspace at a time (a call of another batch size replaces it) and may
+        still free its KV cache before decoding (Infinity does when it runs without graphs, to lend
+        that memory to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the
+        workspace is always released. On the CPU, the memory the call freed is handed back to the
+        operating system at its end (``trim_host_heap``).
     schedule: the scales of this generation, for families whose output size is chosen per call
         (Infinity); default ``adapter.schedule``. Policies see it in ``run.schedule`` / ``run.info``.
     """
@@ -376,3 +379,4 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         return GenerationResult(images=images, latent=adapter.latent(run).clone(), stats=run.stats)
     finally:
         adapter.end(run, keep_workspace=keep_workspace and ok)
+        trim_host_heap(run.device)      # CPU: this call's freed activations back to the OS (engine/memory.py)

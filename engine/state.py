@@ -1,5 +1,6 @@
 """Per-generation state. The engine creates a fresh ``RunState`` for every call; nothing outlives it
-except the adapter's reusable workspace (static buffers and CUDA graphs, keyed by batch shape)."""
+except the adapter's reusable workspace (static buffers and CUDA graphs): one, that of the last call's
+batch shape, replaced when a call of another shape comes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,11 +49,19 @@ class SamplingSettings:
     top_p: float = 0.95
 
 
+def _format_count(n: float) -> str:
+    """A token count as printed in the stats: an integer when whole ("404"), else one decimal
+    ("85.1"; a mean over images or layers)."""
+    return f"{n:.0f}" if float(n).is_integer() else f"{n:.1f}"
+
+
 @dataclass
 class ScaleStats:
     """What one scale cost. ``tokens_computed`` counts token rows that ran through the transformer
-    per image (the CFG half is not counted twice); ``rows`` says how many rows per image ran: 2 with
-    guidance, 1 in cond-only mode or without guidance."""
+    per image (the CFG half is not counted twice): the mean over the batch's images where they
+    keep different counts, and over the layers where layers keep different counts (FastVAR), so
+    it may be fractional. ``rows`` says how many rows per image ran: 2 with guidance, 1 in
+    cond-only mode or without guidance."""
 
     si: int
     h: int
@@ -81,7 +90,8 @@ class GenerationStats:
         return sum(s.tokens for s in self.scales)
 
     @property
-    def tokens_computed(self) -> int:
+    def tokens_computed(self) -> float:
+        """Token rows computed per image over every scale (see :class:`ScaleStats`)."""
         return sum(s.tokens_computed for s in self.scales)
 
     @property
@@ -92,14 +102,14 @@ class GenerationStats:
         kept = self.tokens_computed / max(self.tokens, 1)
         decode = "" if self.decode_ms != self.decode_ms else f", decode {self.decode_ms:.1f} ms"   # NaN: not decoded
         return (f"{len([s for s in self.scales if not s.skipped])}/{len(self.scales)} scales, "
-                f"{self.tokens_computed}/{self.tokens} tokens computed ({kept:.0%}), "
+                f"{_format_count(self.tokens_computed)}/{self.tokens} tokens computed per image ({kept:.0%}), "
                 f"scale loop {self.transformer_ms:.1f} ms{decode}")
 
     def table(self) -> str:
         lines = ["scale   size     tokens  computed  kept    ms"]
         for s in self.scales:
             ms = "skipped" if s.skipped else f"{s.ms:7.2f}"
-            lines.append(f"{s.si:>5}  {s.h:>3}x{s.w:<3}  {s.tokens:>6}  {s.tokens_computed:>8}  "
+            lines.append(f"{s.si:>5}  {s.h:>3}x{s.w:<3}  {s.tokens:>6}  {_format_count(s.tokens_computed):>8}  "
                          f"{s.kept_ratio:4.0%}  {ms}")
         return "\n".join(lines)
 

@@ -36,6 +36,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
+from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
@@ -733,7 +734,8 @@ def kv_tail_needed(full_bytes: int, device: torch.device) -> bool:
 
 
 class _InfinityWorkspace:
-    """Buffers of one batch size and schedule, reused across generations of the same shape."""
+    """Buffers of one batch size and schedule, reused across generations of the same shape. The adapter
+    keeps one at a time (``InfinityAdapter.begin``): a call of another shape frees it first."""
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
                  patchify: bool, device, dtype, kv_tail="auto"):
@@ -936,12 +938,20 @@ class InfinityAdapter:
                          sublayers=("self_attn", "cross_attn", "ffn"))
 
     def release(self) -> None:
-        """Free the workspace (KV cache)."""
-        self._workspace, self._workspace_key = None, None
+        """Free the workspace (KV cache, CUDA graphs); on the CPU, hand the freed memory back to the
+        operating system (engine/memory.py)."""
+        ws, self._workspace, self._workspace_key = self._workspace, None, None
+        if ws is not None:
+            device = ws.summed_BdHW.device
+            del ws
+            trim_host_heap(device)
 
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, run: RunState, cond: InfinityConditioning) -> None:
+        """Set up a generation. One workspace is kept at a time: the last call's, reused when the
+        batch size, resolution, device, dtype and ``kv_tail`` match, else freed before the new one
+        is made (memory is bounded by the largest shape in flight, not by every shape seen)."""
         m, B = self.transformer, run.batch_size
         if not isinstance(cond, InfinityConditioning):
             raise TypeError(f"Infinity conditioning must be an InfinityConditioning, got {type(cond).__name__}")
@@ -954,7 +964,7 @@ class InfinityAdapter:
         res = cond.resolution
         key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail)
         if self._workspace_key != key:
-            self._workspace = None                   # one workspace at a time: a KV cache can be gigabytes
+            self.release()                           # one workspace at a time: a KV cache can be gigabytes
             self._workspace = _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
                                                  self.device, self.dtype, self.kv_tail)
             self._workspace_key = key
@@ -1135,9 +1145,9 @@ class InfinityAdapter:
         return out.add_(1).mul_(0.5).clone()                                         # [-1, 1] → [0, 1]
 
     def end(self, run: RunState, keep_workspace: bool) -> None:
+        run.workspace = None
         if not keep_workspace:
             self.release()
-        run.workspace = None
 
 
 __all__ = ["InfinityTransformer", "InfinityAdapter", "InfinityConditioning", "InfinityResolution", "INFINITY_PRESETS",

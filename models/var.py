@@ -28,6 +28,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
+from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
@@ -356,7 +357,11 @@ def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None, rows_pe
 
 
 class _VARWorkspace:
-    """Static buffers of one batch size, reused across generations (CUDA graphs capture them)."""
+    """Static buffers of one batch size, reused across generations (CUDA graphs capture them).
+
+    What it holds, for batch B: the KV cache (2·B rows × the schedule's tokens × depth, the bulk: 22 MB
+    per image on the demo model in float32), the latent, the per-row conditioning, and — once the
+    engine replays from CUDA graphs — the graphs with their memory pool (engine/sampler.py)."""
 
     def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
         self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
@@ -373,7 +378,6 @@ class _VARWorkspace:
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
         self.static_index: dict = {}     # token-index buffers read by captured layer stacks, by graph key
-        self.weights: tuple = ()         # weight addresses the captured graphs were made with
         self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)
 
 
@@ -403,7 +407,9 @@ class VARAdapter:
         self.transformer, self.vqvae = transformer, vqvae
         self.schedule = transformer.schedule
         self.num_layers = transformer.config.depth
-        self._workspaces: dict = {}
+        # one workspace at a time (see begin): the last batch size's, kept for the next call
+        self._workspace: Optional[_VARWorkspace] = None
+        self._workspace_key = None
         self.ops = EAGER_OPS
 
     def set_compiled_elementwise(self, enabled) -> None:
@@ -427,24 +433,33 @@ class VARAdapter:
         return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers, layer_groups=0)
 
     def release(self) -> None:
-        """Free every workspace (KV caches, CUDA graphs)."""
-        self._workspaces.clear()
+        """Free the workspace (KV cache, CUDA graphs); on the CPU, hand the freed memory back to the
+        operating system (engine/memory.py)."""
+        ws, self._workspace, self._workspace_key = self._workspace, None, None
+        if ws is not None:
+            device = ws.f_hat_BChw.device
+            del ws
+            trim_host_heap(device)
 
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, run: RunState, class_labels_B: torch.Tensor) -> None:
+        """Set up a generation in the workspace of this batch size, device and dtype.
+
+        One workspace is kept at a time: the last call's, reused when the next call has the same
+        batch size, device, dtype and weights, else freed before the new one is made (so memory is
+        bounded by the largest batch in flight, not by the sum over every batch size seen; a
+        workspace's CUDA graphs are captured for its batch size and are not reused by another).
+        Alternating batch sizes therefore re-allocate (and, with graphs, re-capture) each time."""
         m, B = self.transformer, run.batch_size
-        key = (B, self.device, self.dtype)
-        ws = self._workspaces.get(key)
         # captured graphs hold the weights' addresses: a model moved away and back (ComfyUI offloading,
         # a dtype round trip) has new storage, so its old workspace and graphs must go
-        fingerprint = tuple(p.data_ptr() for p in m.parameters())
-        if ws is not None and ws.weights != fingerprint:
-            del self._workspaces[key]
-            ws = None
-        if ws is None:
-            ws = self._workspaces[key] = _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype)
-            ws.weights = fingerprint
+        key = (B, self.device, self.dtype, tuple(p.data_ptr() for p in m.parameters()))
+        if self._workspace_key != key:
+            self.release()                           # the old one goes first: its memory can serve the new one
+            self._workspace = _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype)
+            self._workspace_key = key
+        ws = self._workspace
         labels_B = class_labels_B.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
         first_l = self.schedule.tokens(0)
@@ -617,6 +632,6 @@ class VARAdapter:
         return (img + 1) * 0.5                                                         # [-1, 1] → [0, 1]
 
     def end(self, run: RunState, keep_workspace: bool) -> None:
-        if not keep_workspace:
-            self._workspaces.pop((run.batch_size, self.device, self.dtype), None)
         run.workspace = None
+        if not keep_workspace:
+            self.release()

@@ -1,0 +1,95 @@
+"""What a pipeline keeps between calls is bounded: one workspace (KV cache, graphs) at a time, and
+on the CPU the memory a call frees goes back to the operating system (engine/memory.py).
+
+The CPU case is measured in a fresh process (its resident memory, nothing else running in it), on
+the demo model a new user starts with."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+MB = 2 ** 20
+
+# Batches of 6, then 1, 2, … 6; resident memory (psutil) after the first 6, after the last 6 and after
+# release_memory(); the images' bytes of both batches of 6 (same labels and seed) to compare.
+_CPU_SCRIPT = r"""
+import hashlib, json, psutil, torch
+from sparsevar import VARPipeline
+
+proc = psutil.Process()
+pipe = VARPipeline.from_demo()
+pipe.set_progress_bar_config(disable=True)
+cfg = pipe.transformer.config
+
+def run(b):
+    labels = [i % cfg.num_classes for i in range(b)]
+    out = pipe(labels, generator=torch.Generator().manual_seed(b), output_type="pt")
+    return hashlib.sha256(out.images.numpy().tobytes()).hexdigest()
+
+first = run(6)
+after_first = proc.memory_info().rss
+last = [run(b) for b in range(1, 7)][-1]
+after_last = proc.memory_info().rss
+pipe.release_memory()
+released = proc.memory_info().rss
+print(json.dumps(dict(after_first=after_first, after_last=after_last, released=released,
+                      same_images=first == last, depth=cfg.depth, embed_dim=cfg.embed_dim,
+                      patch_nums=list(cfg.patch_nums))))
+"""
+
+
+def test_cpu_memory_after_batches_of_every_size_stays_that_of_the_largest():
+    """After a batch of 6 then batches of 1, 2, … 6 the process holds at most 150 MB more than after
+    the batch of 6 alone (290 MB more when a workspace was kept per batch size; 7 MB now), the last
+    batch draws the same images as the first, and release_memory() gives back at least the batch's
+    KV cache."""
+    res = subprocess.run([sys.executable, "-c", _CPU_SCRIPT], capture_output=True, text=True, timeout=800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads(res.stdout.strip().splitlines()[-1])
+    grown = (m["after_last"] - m["after_first"]) / MB
+    assert grown <= 150, f"{grown:.0f} MB more after batches of 1..6 than after one batch of 6"
+    assert m["same_images"], "a batch of 6 in a workspace made again drew other images"
+    # K and V, float32: depth × 2·6 rows (cond, uncond) × every token of the schedule × embed_dim
+    kv_bytes = 2 * m["depth"] * 2 * 6 * sum(p * p for p in m["patch_nums"]) * m["embed_dim"] * 4
+    freed = m["after_last"] - m["released"]
+    assert freed >= 0.9 * kv_bytes, f"release_memory() gave back {freed / MB:.0f} MB of a {kv_bytes / MB:.0f} MB KV cache"
+
+
+@pytest.mark.gpu
+def test_cuda_memory_after_batches_of_every_size_stays_that_of_the_largest():
+    """The same on CUDA, with CUDA graphs (captured per workspace): after batches of 6, then 1 … 6,
+    the memory allocated is what the first batch of 6 left (its workspace and graphs; the caching
+    allocator may keep more reserved), the re-captured graphs replay the eager images bit for bit,
+    and release_memory() brings the allocation back to where it was before the first call."""
+    from sparsevar import VARPipeline
+
+    pipe = VARPipeline.from_demo().to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(b, graphs=True):
+        labels = [i % pipe.transformer.config.num_classes for i in range(b)]
+        return pipe(labels, generator=torch.Generator("cuda").manual_seed(b), output_type="pt",
+                    use_cuda_graphs=graphs).images
+
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated()
+    first = run(6)
+    del first
+    torch.cuda.synchronize()
+    after_first = torch.cuda.memory_allocated()
+    assert after_first > loaded
+    for b in range(1, 7):
+        last = run(b)
+    eager = run(6, graphs=False)                 # eager in the same workspace: replay == eager
+    torch.testing.assert_close(last, eager, atol=0, rtol=0)
+    del last, eager
+    torch.cuda.synchronize()
+    after_last = torch.cuda.memory_allocated()
+    assert after_last - after_first <= 1 * MB, (after_first, after_last)
+    pipe.release_memory()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - loaded <= 1 * MB, (loaded, torch.cuda.memory_allocated())
