@@ -86,13 +86,21 @@ def _can_write_under(folder: Path) -> bool:
 
 def _check_writable(path: Path, flag: str, folder: bool = False) -> None:
     """That ``path`` (a file, or with ``folder`` a folder) can be created or replaced: nothing in the
-    way, and its nearest existing folder writable. Creates nothing."""
+    way, its nearest existing folder writable, no name too long (with the temporary names written
+    first). Creates nothing."""
     path = Path(path)
+    try:
+        _check_writable_path(path, flag, folder)
+    except OSError as e:                               # e.g. a name too long to even look up
+        raise CLIError(f"{flag} {path}: {e.strerror or e}; choose another path") from None
+
+
+def _check_writable_path(path: Path, flag: str, folder: bool) -> None:
     if path.is_dir() and not folder:
         raise CLIError(f"{flag} {path}: that is a folder; give a file name (e.g. {path / 'out.png'})")
     if path.exists() and not path.is_dir() and folder:
         raise CLIError(f"{flag} {path}: that is a file; give a folder name")
-    base = path if folder and path.is_dir() else path.absolute().parent
+    base = path.absolute() if folder and path.is_dir() else path.absolute().parent
     while not base.exists():
         if base.is_symlink():
             raise CLIError(f"{flag} {path}: {base} is a broken symbolic link; choose another path")
@@ -102,11 +110,24 @@ def _check_writable(path: Path, flag: str, folder: bool = False) -> None:
     if not _can_write_under(base):
         raise CLIError(f"{flag} {path}: cannot write in {base} (no permission, or a read-only file system); "
                        f"choose a folder you can write to")
+    try:
+        name_max = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):      # no such limit here
+        return
+    temporary = f".{path.name}.partial" if folder else f".{path.name}.tmp"      # what is written first
+    longest = max((p for p in (*path.absolute().relative_to(base).parts, temporary)),
+                  key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > name_max:
+        raise CLIError(f"{flag} {path}: a name in it is too long for this file system ({len(os.fsencode(longest))} "
+                       f"bytes, at most {name_max}, temporary name included); choose a shorter one")
 
 
 def _check_beside(out: Path) -> None:
-    """For a folder written as ``.<name>.partial`` beside ``out`` and renamed: that its parent,
-    when ``out`` already exists, can take the new folder."""
+    """For a folder written as ``.<name>.partial`` beside ``out`` and renamed: that ``out`` has a
+    name, and that its parent, when ``out`` already exists, can take the new folder."""
+    if out.name in ("", ".", ".."):
+        raise CLIError(f"--out {out}: give the new folder a name (e.g. {out / 'model'}); "
+                       f"'.', '..' and '/' cannot be replaced")
     parent = out.absolute().parent
     if out.is_dir() and not _can_write_under(parent):
         raise CLIError(f"--out {out}: cannot write in {parent}, where the new folder is made before it replaces "
@@ -133,8 +154,9 @@ def _check_image_out(out: Path, count: int) -> str:
     PIL.Image.init()
     if fmt not in PIL.Image.SAVE:
         raise CLIError(f"--out {out}: this Pillow cannot write {fmt} files; use a .png or .jpg file name")
-    _check_writable(out, "--out")
-    if count > 1 and out.parent.is_dir():
+    if count == 1:
+        _check_writable(out, "--out")
+    elif out.parent.is_dir():
         pattern = re.compile(rf"{re.escape(out.stem)}_(\d+){re.escape(out.suffix)}")
         for entry in os.scandir(out.parent):
             m = pattern.fullmatch(entry.name)
@@ -142,6 +164,8 @@ def _check_image_out(out: Path, count: int) -> str:
                 raise CLIError(f"--out {out}: {count} images go to {out.stem}_0{out.suffix} … "
                                f"{out.stem}_{count - 1}{out.suffix}, and {out.parent / entry.name} is a folder; "
                                f"choose another name")
+    if count > 1:
+        _check_writable(out.with_name(f"{out.stem}_{count - 1}{out.suffix}"), "--out")     # the longest name
     return fmt
 
 
@@ -218,12 +242,17 @@ def _policy_configs(args, family: str) -> list:
             out.append((flags, "enable_sparsevar", replace(SPARSEVAR_PRESETS.get(family, SparseVARConfig()), **sv)))
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
+    if args.fastvar_layers is not None and args.fastvar is None:
+        raise CLIError("--fastvar-layers sets FastVAR's pruning layers: add --fastvar")
     if args.fastvar is not None:
         from .policies.fastvar import FASTVAR_PRESETS, FastVARConfig
         flags = " ".join(["--fastvar"] + [f"{r:g}" for r in args.fastvar])
-        cfg = FASTVAR_PRESETS.get(family, FastVARConfig())
+        fields = {"ratios": tuple(args.fastvar)} if args.fastvar else {}
+        if args.fastvar_layers is not None:
+            flags += " --fastvar-layers " + " ".join(map(str, args.fastvar_layers))
+            fields["layer_range"] = tuple(args.fastvar_layers)
         try:
-            out.append((flags, "enable_fastvar", replace(cfg, ratios=tuple(args.fastvar)) if args.fastvar else cfg))
+            out.append((flags, "enable_fastvar", replace(FASTVAR_PRESETS.get(family, FastVARConfig()), **fields)))
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
     if args.skip_last or args.cond_only_from is not None:
@@ -245,7 +274,8 @@ def _apply_acceleration(pipe, args, configs) -> None:
         try:
             getattr(pipe, method)(cfg)
         except ValueError as e:
-            raise CLIError(f"{flags}: {e}") from None
+            hint = " (--fastvar-layers FIRST LAST)" if "layer_range" in str(e) and method == "enable_fastvar" else ""
+            raise CLIError(f"{flags}: {e}{hint}") from None
     if args.compile:
         try:
             pipe.enable_compiled_elementwise()
@@ -398,9 +428,12 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--num {args.num}: out of memory generating {B} images at once on {device} "
                        f"({str(e).splitlines()[0][:120]}); lower --num, or split the run") from None
     dt = time.perf_counter() - t0
+    st = out.stats[0]
+    if args.save_token_maps and not st.token_maps:
+        raise CLIError("--save-token-maps: SparseVAR left every token in (no scale was pruned: --tau 0 or "
+                       "--keep-ratio 1, or its scales were skipped), so there is no map to show; nothing was written")
     paths = _image_paths(args.out, len(out.images))
     _save_images(out.images, paths, fmt)
-    st = out.stats[0]
     print(f"{len(paths)} image(s) → {', '.join(str(p) for p in paths)} | {dt * 1e3:.0f} ms | {st.summary()}")
     if args.save_token_maps:
         from .viz import save_token_maps
@@ -560,7 +593,13 @@ def cmd_bench_quality(args) -> int:
     _at_least(args.warmup, 0, "--warmup", "give the number of untimed generations, 0 or more")
     _at_least(args.grid_seeds, 1, "--grid-seeds", "give the number of grid rows, 1 or more")
     _check_writable(args.out, "--out", folder=True)
-    run_from_args(args)
+    from .pipelines.var_pipeline import ClassLabelError
+    try:
+        run_from_args(args)
+    except ClassLabelError as e:
+        problem = e.problem if e.problem.endswith((".", "?")) else e.problem + "."
+        labels = f"`sparsevar info --labels{' ' + str(args.model) if args.model else ''}` lists the names"
+        raise CLIError(f"--classes {' '.join(args.classes or [])}: {problem} {labels}; or give class ids") from None
     return 0
 
 
@@ -601,6 +640,12 @@ def cmd_bench(args) -> int:
         _at_least(args.runs, 1, "--runs", "time each setting at least once")
         _at_least(args.warmup, 0, "--warmup", "give the number of untimed runs, 0 or more")
         _at_least(args.resolution, 1, "--resolution", "give a positive image side in pixels (Infinity: 1024)")
+        if args.resolution is not None and any(m in INFINITY_PRESETS for m in args.models):
+            from .models.infinity import resolve_resolution
+            try:
+                resolve_resolution(args.resolution, args.resolution)
+            except ValueError as e:
+                raise CLIError(f"--resolution {args.resolution}: {e}") from None
         unknown = [m for m in args.models if m not in VAR_PRESETS and m not in INFINITY_PRESETS]
         if unknown:
             raise CLIError(f"--models {' '.join(unknown)}: unknown; choose from "
@@ -617,9 +662,11 @@ def cmd_bench(args) -> int:
             gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
             out = Path("benchmarks/results") / f"speed_{gpu}.csv"
         _check_writable(out, "--out")
-        run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
-                  dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
-                  vae_dtype=args.vae_dtype)
+        rows = run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
+                         dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
+                         vae_dtype=args.vae_dtype)
+        if not rows:
+            raise CLIError("no setting could run (the lines above say why); nothing was written")
         return 0
     raise CLIError(f"unknown benchmark {args.what!r}")
 
@@ -694,6 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--fastvar", type=float, nargs="*", metavar="RATIO",
                    help="FastVAR; optional prune ratios in [0, 1] of the last scales, earliest first (1.0 skips); "
                         "not with --sparsevar")
+    a.add_argument("--fastvar-layers", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                   help="FastVAR: first and last layer that prune (default: the family preset; Infinity-2B 3 27)")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
     a.add_argument("--compile", action="store_true", help="fuse elementwise steps into Triton kernels (CUDA)")

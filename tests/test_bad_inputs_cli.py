@@ -50,8 +50,16 @@ def _fails(argv, capsys, command: str, *messages: str, rc: int = 2) -> str:
     (["train-demo", "--quick", "--out", "{tmp}/a_file/demo"], "{tmp}/a_file is a file"),
     (["bench", "speed", "--device", "cpu", "--models", "var-tiny", "--out", "{tmp}/folder.png"], "that is a folder"),
     (["bench", "quality", "--device", "cpu", "--out", "{tmp}/a_file"], "--out {tmp}/a_file: that is a file"),
+    # the second campaign: names the file system cannot hold (the temporary name is 5 bytes longer), no name
+    (["generate", "--out", "{tmp}/" + "a" * 252 + ".png"], "File name too long; choose another path"),
+    (["generate", "--out", "{tmp}/" + "a" * 250 + ".png"], "a name in it is too long for this file system (259 "
+                                                           "bytes, at most 255, temporary name included)"),
+    (["convert", "--ckpt", "x.pth", "--vae-ckpt", "y.pth", "--out", ".", "--overwrite"],
+     "--out .: give the new folder a name (e.g. model)"),
+    (["train-demo", "--out", "{tmp}/..", "--quick"], "'.', '..' and '/' cannot be replaced"),
 ])
-def test_output_paths_are_checked_before_any_work(tmp_path, capsys, argv, message):
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "folder.png").mkdir()
     (tmp_path / "img_1.png").mkdir()
     (tmp_path / "a_file").write_text("x")
@@ -109,6 +117,14 @@ def test_images_are_written_whole_with_no_temporary_file_left(tmp_path, var_offi
     (["bench", "ops", "--runs", "0"], "--runs 0: time each op at least once"),
     (["train-demo", "--seed", "-5"], "--seed -5: seeds are 0 …"),
     (["train-demo", "--device", "bogus"], "--device bogus: not a device"),
+    # the second campaign
+    (["generate", "--device", "meta"], "--device meta: sparsevar runs on cpu or cuda (cuda:N); 'meta' is not "
+                                       "available here"),
+    (["generate", "--fastvar-layers", "3", "27"], "--fastvar-layers sets FastVAR's pruning layers: add --fastvar"),
+    (["generate", "--fastvar", "--fastvar-layers", "3", "1"], "--fastvar --fastvar-layers 3 1: layer_range must be "
+                                                              "(first, last) ints with first <= last"),
+    (["bench", "speed", "--device", "cpu", "--models", "infinity-tiny", "--resolution", "300"],
+     "--resolution 300: height=300, width=300 is not an Infinity size"),
 ])
 def test_impossible_values_are_refused_naming_the_flag(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)                               # where every default output would go
@@ -132,6 +148,22 @@ def test_values_the_model_cannot_take_are_refused_before_generating(tmp_path, va
     if "--num" in argv:                                        # the estimate, and what this machine has
         assert re.search(r"needs at least [\d.]+ TB \(KV cache [\d.]+ TB, .*\) on cpu, and [\d.]+ [GT]B is "
                          r"available: at most \d+ image\(s\) fit in one run; lower --num", line), line
+    assert _files(tmp_path) == set()
+
+
+def test_nothing_is_written_when_nothing_could_be_made(tmp_path, var_official_files, capsys, monkeypatch):
+    """Found by the second campaign: token maps asked of a SparseVAR that pruned nothing (the image
+    used to be written, then exit 2 with Python advice), and a benchmark whose every setting
+    failed (exit 0 with nothing measured)."""
+    f = var_official_files
+    line = _fails(["generate", "--var-ckpt", str(f["var"]), "--vae-ckpt", str(f["vae"]), "--sparsevar", "--tau", "0",
+                   "--save-token-maps", str(tmp_path / "maps"), "--out", str(tmp_path / "x.png"), "--quiet"],
+                  capsys, "generate", "--save-token-maps: SparseVAR left every token in", "nothing was written")
+    assert "pipe." not in line
+    monkeypatch.chdir(tmp_path)
+    _fails(["bench", "speed", "--device", "cpu", "--models", "var-tiny", "--batch", str(10 ** 8), "--runs", "1",
+            "--warmup", "0", "--methods", "dense", "--out", "speed.csv"], capsys, "bench",
+           "no setting could run (the lines above say why); nothing was written")
     assert _files(tmp_path) == set()
 
 
@@ -206,6 +238,13 @@ def test_errors_name_the_flags_not_the_python_api(tmp_path, var_official_files, 
     assert capsys.readouterr().out.strip() == f"{f['var']} has 10 classes and no class names: pass ids 0..9 to --class"
     _fails(["info", "--labels", str(tiny_infinity_files()["transformer"])], capsys, "info",
            "is an infinity model, not a class-conditional VAR one")
+    _fails(["bench", "quality", "--device", "cpu", "--classes", "tre", "--seeds", "1", "--out", str(tmp_path / "q")],
+           capsys, "bench", "--classes tre: unknown class name 'tre'. Did you mean 'tree'? `sparsevar info --labels` "
+                            "lists the names")
+    # a preset the flags cannot reach is named with the flag that can: Infinity-2B's FastVAR layers on a 4-layer model
+    _fails(["generate", "--prompt", "a fox", "--height", "256", "--width", "256", "--fastvar", *out], capsys,
+           "generate", "--fastvar: layer_range=(3, 27) is outside this model's layers: use indices 0..3 "
+                       "(--fastvar-layers FIRST LAST)")
     assert _files(tmp_path) == set()
 
 
