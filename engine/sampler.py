@@ -241,11 +241,12 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              graph_max_tokens: Optional[int] = None) -> GenerationResult:
     """Run every scale of one generation and decode the result.
 
-    cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured at the first call of a
-        given batch size). A scale a policy changes replays its layer stack from a graph when the
-        subset size is fixed by the settings and the policy's in-layer hooks are capturable, else
-        runs eagerly. Where the adapter supports it (``supports_scale_graphs``), a scale at which
-        no policy acts after the head — or whose policies can be captured with it
+    cuda_graphs: replay dense scales from CUDA graphs (CUDA only; captured in the workspace at the
+        first call of a batch size, again after a call of another size replaced it). A scale a
+        policy changes replays its layer stack from a graph when the subset size is fixed by the
+        settings and the policy's in-layer hooks are capturable, else runs eagerly. Where the
+        adapter supports it (``supports_scale_graphs``), a scale at which no policy acts after the
+        head — or whose policies can be captured with it
         (``PolicyStack.scale_capturable``; their plan runs before) — replays whole: compute,
         guidance, sampling and latent update, with the sampler's noise drawn just before the
         replay by the same call, so the codes equal the eager path's.

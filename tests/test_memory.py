@@ -62,9 +62,12 @@ def test_cpu_memory_after_batches_of_every_size_stays_that_of_the_largest():
 @pytest.mark.gpu
 def test_cuda_memory_after_batches_of_every_size_stays_that_of_the_largest():
     """The same on CUDA, with CUDA graphs (captured per workspace): after batches of 6, then 1 … 6,
-    the memory allocated is what the first batch of 6 left (its workspace and graphs; the caching
+    the memory in use is what the first batch of 6 left (its workspace and graphs; the caching
     allocator may keep more reserved), the re-captured graphs replay the eager images bit for bit,
-    and release_memory() brings the allocation back to where it was before the first call."""
+    and release_memory() brings the allocation back to where it was before.
+
+    In use = bytes requested by live tensors: ``memory_allocated`` also counts the remainder (up to
+    1 MB) of a cached block it did not split, which varies with where the allocator placed a tensor."""
     from sparsevar import VARPipeline
 
     pipe = VARPipeline.from_demo().to("cuda")
@@ -75,21 +78,23 @@ def test_cuda_memory_after_batches_of_every_size_stays_that_of_the_largest():
         return pipe(labels, generator=torch.Generator("cuda").manual_seed(b), output_type="pt",
                     use_cuda_graphs=graphs).images
 
-    torch.cuda.synchronize()
-    loaded = torch.cuda.memory_allocated()
-    first = run(6)
-    del first
-    torch.cuda.synchronize()
-    after_first = torch.cuda.memory_allocated()
-    assert after_first > loaded
+    def in_use():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
+    run(1)                                       # the streams' cuBLAS workspaces, kept by torch for its handles
+    pipe.release_memory()
+    base = in_use()
+    run(6)
+    after_first = in_use()
+    cfg = pipe.transformer.config                # K and V, float32: depth × 2·6 rows × every token × embed_dim
+    assert after_first - base >= 2 * cfg.depth * 12 * sum(p * p for p in cfg.patch_nums) * cfg.embed_dim * 4
     for b in range(1, 7):
         last = run(b)
+    after_last = in_use() - last.numel() * last.element_size()
+    assert after_last == after_first, (after_first, after_last)
     eager = run(6, graphs=False)                 # eager in the same workspace: replay == eager
     torch.testing.assert_close(last, eager, atol=0, rtol=0)
     del last, eager
-    torch.cuda.synchronize()
-    after_last = torch.cuda.memory_allocated()
-    assert after_last - after_first <= 1 * MB, (after_first, after_last)
     pipe.release_memory()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - loaded <= 1 * MB, (loaded, torch.cuda.memory_allocated())
+    assert in_use() == base, (base, in_use())
