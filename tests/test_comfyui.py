@@ -134,7 +134,7 @@ def _is_infinity(prompt: dict, sampler: dict) -> bool:
 
 
 def _stats(text: str) -> dict:
-    """The sampler's stats line: '6/7 scales, 85.06/521 tokens computed (16%), …'."""
+    """The sampler's stats line: '6/7 scales, 85.1/521 tokens computed per image (16%), …'."""
     m = re.match(r"(\d+)/(\d+) scales, ([\d.]+)/(\d+) tokens computed", text)
     assert m, text
     return {"scales_run": int(m[1]), "scales": int(m[2]), "computed": float(m[3]), "tokens": int(m[4])}

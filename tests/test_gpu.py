@@ -154,7 +154,7 @@ def test_sparsevar_whole_scale_replays_read_this_generations_plan():
         eager_codes, eager = _codes(pipe, labels, seed, use_cuda_graphs=False)
         _assert_same_steps(codes, eager_codes)
         torch.testing.assert_close(images, eager, atol=0, rtol=0)
-    ws = next(iter(pipe.adapter()._workspaces.values()))
+    ws = pipe.adapter()._workspace
     before = {k for k in ws.graphs if k[0] == "scale" and len(k) > 2}
     assert before, "SparseVAR's scales were not captured whole"
     pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0)       # another observed layer
@@ -184,7 +184,7 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
             codes, images = _codes(pipe, [1, 2], 11, use_cuda_graphs=True, **kw)
             _assert_same_steps(codes, eager_codes)
             torch.testing.assert_close(images, eager, atol=0, rtol=0)
-        ws = next(iter(pipe.adapter()._workspaces.values()))
+        ws = pipe.adapter()._workspace
         whole = sorted(k[1] for k in ws.graphs if k[0] == "scale")
         S = pipe.adapter().schedule.num_scales
         # SparseVAR's hooks are captured with their scales (the feeding one and the three pruned
