@@ -276,3 +276,59 @@ def test_bicubic_operator_is_torch_bicubic(hw, size):
     want = F.interpolate(x, size=size, mode="bicubic", align_corners=False)
     got = (x.reshape(12, hw[0] * hw[1]) @ bicubic_operator(hw, size, "cpu")).view(4, 3, *size)
     assert (got - want).abs().max().item() <= 4e-6 * want.abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# the decode side's options (the demo model's decoder)
+# ------------------------------------------------------------------------------------------------
+def test_channel_norm_normalises_each_pixel_over_its_channels():
+    from sparsevar.models.vqvae import ChannelNorm
+    g = torch.Generator().manual_seed(0)
+    norm = ChannelNorm(6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(6, generator=g))
+        norm.bias.copy_(torch.randn(6, generator=g))
+    x = torch.randn(2, 6, 5, 7, generator=g) * 4 + 3
+    got = norm(x)
+    x64 = x.double()
+    for b, y, xx in ((0, 0, 0), (1, 4, 6), (1, 2, 3)):                      # pixel by pixel, in float64
+        v = x64[b, :, y, xx]
+        want = (v - v.mean()) / torch.sqrt(((v - v.mean()) ** 2).mean() + 1e-6)
+        want = want * norm.weight.double() + norm.bias.double()
+        assert torch.allclose(got[b, :, y, xx].double(), want, atol=1e-5)
+    shifted = x.clone()
+    shifted[0, :, 0, 0] += 1e4                                               # a spike in one pixel ...
+    assert torch.equal(norm(shifted)[0, :, 1:], got[0, :, 1:])              # ... leaves the others alone
+
+
+def test_demo_decode_side_keeps_flat_latents_flat_up_to_the_corners():
+    """With per-pixel norm and replicate padding a constant latent decodes to a constant picture,
+    whatever the weights: no corner or border can differ. The official decode side (GroupNorm, zero
+    padding) does not have this property, which is how the demo's first decoder could paint a
+    smudge into the top-left corner of every picture."""
+    latent = torch.randn(1, 32, 1, 1, generator=torch.Generator().manual_seed(1)).expand(2, 32, 8, 8).contiguous()
+    spreads = {}
+    for norm, padding in (("channel", "replicate"), ("group", "zeros")):
+        torch.manual_seed(0)
+        m = MultiScaleVQVAE(vocab_size=16, ch=32, ch_mult=(1, 2), num_res_blocks=1, patch_nums=(1, 2, 8),
+                            decoder_norm=norm, decoder_padding=padding).eval()
+        with torch.no_grad():
+            for p in m.parameters():                                         # every weight random, norms too
+                p.normal_(0, 0.3)
+            img = m.decoder(m.post_quant_conv(latent))
+        assert img.shape == (2, 3, 16, 16)
+        spreads[norm] = (img - img[:, :, :1, :1]).abs().max().item()
+    assert spreads["channel"] <= 1e-5 and spreads["group"] > 1e-2, spreads
+
+
+def test_decode_side_options_keep_the_keys_and_are_validated():
+    kw = dict(vocab_size=16, ch=32, ch_mult=(1, 2), num_res_blocks=1, patch_nums=(1, 2, 4))
+    official = MultiScaleVQVAE(**kw).state_dict()
+    demo = MultiScaleVQVAE(**kw, decoder_norm="channel", decoder_padding="replicate")
+    assert {k: v.shape for k, v in demo.state_dict().items()} == {k: v.shape for k, v in official.items()}
+    demo.load_state_dict(official, strict=True)                             # warm start from a GroupNorm decoder
+    assert demo.encoder.down[0].block[0].norm1.__class__ is torch.nn.GroupNorm      # the encoder is official
+    with pytest.raises(ValueError, match="decoder_norm='layer'.*'group', 'channel'"):
+        MultiScaleVQVAE(**kw, decoder_norm="layer")
+    with pytest.raises(ValueError, match="decoder_padding='reflect'.*'zeros', 'replicate'"):
+        MultiScaleVQVAE(**kw, decoder_padding="reflect")
