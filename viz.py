@@ -5,6 +5,7 @@ computed, which it left out (zero residual), which copied an anchor, and the anc
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -23,7 +24,8 @@ ROLE_STYLE = {
     TOKEN_KEPT: ((0, 0, 0), 0.0),
     TOKEN_ANCHOR: ((230, 40, 40), 0.80),
 }
-LEGEND = "dark: excluded (zero residual) · blue: copied from an anchor · clear: computed · red: anchors"
+LEGEND_ITEMS = ("dark: excluded (zero residual)", "blue: copied from an anchor", "clear: computed", "red: anchors")
+LEGEND = " · ".join(LEGEND_ITEMS)
 
 
 def _as_rgb(image, size: int) -> np.ndarray:
@@ -54,23 +56,45 @@ def token_map_panel(roles_hw: torch.Tensor, image=None, size: int = 256) -> PIL.
     return PIL.Image.fromarray(out.round().clip(0, 255).astype(np.uint8))
 
 
+def _legend_lines(draw: PIL.ImageDraw.ImageDraw, max_width: float) -> list[str]:
+    """The legend's items packed into as few lines as fit ``max_width`` pixels (one item per line at
+    the least), measured in the font ``draw`` writes with."""
+    lines: list[str] = []
+    for item in LEGEND_ITEMS:
+        if lines and draw.textlength(f"{lines[-1]} · {item}") <= max_width:
+            lines[-1] = f"{lines[-1]} · {item}"
+        else:
+            lines.append(item)
+    return lines
+
+
 def token_map_figure(stats: GenerationStats, image=None, batch_index: int = 0, size: int = 192) -> PIL.Image.Image:
-    """All pruned scales of one image side by side, each titled with its size and kept share."""
+    """All pruned scales of one image side by side, each titled with its size and kept share, and the
+    legend below them, wrapped to the figure's width. The layout depends only on the scales, not on
+    the image, so the figures of one batch have one size."""
     if not stats.token_maps:
         raise ValueError("these stats hold no token maps: enable SparseVAR (pipe.enable_sparsevar()) and generate "
                          "again; token maps exist for the scales it pruned")
     scales = sorted(stats.token_maps)
     pad, title = 8, 18
-    fig = PIL.Image.new("RGB", (pad + len(scales) * (size + pad), title + size + pad + 16), (255, 255, 255))
+    measure = PIL.ImageDraw.Draw(PIL.Image.new("RGB", (1, 1)))
+    titles = {si: "scale {}: {}x{}, computed {{:.0%}}".format(si, *stats.token_maps[si].shape[-2:]) for si in scales}
+    col = max([size] + [int(math.ceil(measure.textlength(t.format(1.0)))) for t in titles.values()])
+    widest_item = max(int(math.ceil(measure.textlength(item))) for item in LEGEND_ITEMS)
+    width = max(pad + len(scales) * (col + pad), widest_item + 2 * pad)
+    lines = _legend_lines(measure, width - 2 * pad)
+    left, top, right, bottom = measure.textbbox((0, 0), "Ag")
+    line_h = bottom + 3
+    fig = PIL.Image.new("RGB", (width, title + size + pad + len(lines) * line_h + pad), (255, 255, 255))
     draw = PIL.ImageDraw.Draw(fig)
     for j, si in enumerate(scales):
         roles = stats.token_maps[si][batch_index]
-        h, w = roles.shape
         kept = float((roles >= TOKEN_KEPT).float().mean())
-        x0 = pad + j * (size + pad)
+        x0 = pad + j * (col + pad)
         fig.paste(token_map_panel(roles, image, size), (x0, title))
-        draw.text((x0, 3), f"scale {si}: {h}x{w}, computed {kept:.0%}", fill=(0, 0, 0))
-    draw.text((pad, title + size + 3), LEGEND, fill=(60, 60, 60))
+        draw.text((x0, 3), titles[si].format(kept), fill=(0, 0, 0))
+    for i, line in enumerate(lines):
+        draw.text((pad, title + size + pad + i * line_h), line, fill=(60, 60, 60))
     return fig
 
 

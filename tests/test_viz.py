@@ -8,7 +8,8 @@ import torch
 from sparsevar import VARPipeline
 from sparsevar.cli import main
 from sparsevar.policies.sparsevar import TOKEN_ANCHOR, TOKEN_EXCLUDED
-from sparsevar.viz import ROLE_STYLE, save_token_maps, token_map_figure, token_map_panel
+from sparsevar.engine.state import GenerationStats
+from sparsevar.viz import LEGEND_ITEMS, ROLE_STYLE, save_token_maps, token_map_figure, token_map_panel
 
 
 def test_panel_tints_each_token_by_its_role():
@@ -20,6 +21,34 @@ def test_panel_tints_each_token_by_its_role():
     for xy, rgb, a in (((1, 1), rgb_x, a_x), ((6, 6), rgb_a, a_a)):          # ±1: float32 blending
         expected = [(1 - a) * 255 + a * c for c in rgb]
         assert all(abs(got - e) <= 1 for got, e in zip(px(panel, xy), expected))
+
+
+def _ink(img: PIL.Image.Image):
+    """Mask of the pixels text darkened (anything clearly off white), as a uint8 numpy array."""
+    import numpy as np
+    return (np.asarray(img.convert("L")) < 200).astype(np.uint8)
+
+
+@pytest.mark.parametrize("num_scales", [1, 2, 3])
+def test_figure_legend_fits_the_figure(num_scales):
+    """Issue #27: with one or two pruned scales the legend ran off the figure ("red: anch"). Every
+    legend item, measured in PIL's default font, fits the figure's width, and the legend drawn
+    below the panels holds all of their ink with nothing touching the right edge."""
+    import PIL.ImageDraw
+    roles = torch.randint(0, 4, (2, 10, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    stats = GenerationStats(token_maps={9 - k: roles for k in range(num_scales)})
+    fig = token_map_figure(stats, size=192)
+    measure = PIL.ImageDraw.Draw(PIL.Image.new("RGB", (1, 1)))
+    assert all(measure.textlength(item) <= fig.width for item in LEGEND_ITEMS)
+    band = _ink(fig.crop((0, 18 + 192 + 1, fig.width, fig.height)))     # below the panels: the legend alone
+    assert band[:, -4:].sum() == 0                                          # no glyph reaches the right edge
+    expected = 0
+    for item in LEGEND_ITEMS:                                               # each item alone, on a wide canvas
+        canvas = PIL.Image.new("RGB", (1200, 30), (255, 255, 255))
+        PIL.ImageDraw.Draw(canvas).text((4, 4), item, fill=(60, 60, 60))
+        expected += int(_ink(canvas).sum())
+    assert expected > 0 and band.sum() >= 0.97 * expected, (band.sum(), expected)
+    assert token_map_figure(stats, batch_index=1).size == fig.size          # a batch's figures stack
 
 
 def test_save_token_maps_writes_one_png_per_image(tmp_path, var_official_files):
