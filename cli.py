@@ -391,9 +391,12 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
                        f"--device cuda")
     dtype = _dtype(args.dtype, device)
-    from .pipelines.infinity_pipeline import InfinityPipeline
-    from .pipelines.var_pipeline import VARPipeline, check_memory
-    configs = _policy_configs(args, InfinityPipeline.PRESET_FAMILY if text else VARPipeline.PRESET_FAMILY)
+    if text:
+        from .pipelines.infinity_pipeline import InfinityPipeline as family
+    else:
+        from .pipelines.var_pipeline import VARPipeline as family
+    from .pipelines.var_pipeline import check_memory
+    configs = _policy_configs(args, family.PRESET_FAMILY)
     pipe = (_load_infinity if text else _load_pipeline)(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
     _apply_acceleration(pipe, args, configs)

@@ -33,7 +33,7 @@ from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, 
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
 from ..policies.base import Policy, PolicyStack
-from .var_pipeline import _finish_bar, check_memory
+from .var_pipeline import _dtype_of, _finish_bar, check_memory
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         and without the last scale's shared tail, see ``kv_tail_needed``), the last scale's
         float32 bit logits, and the VAE decoder's full-resolution activation with the output images.
         Compared with what the device has before a call (check_inputs)."""
-        res = resolve_resolution(height, width)
+        return self._memory_needed(batch_size, resolve_resolution(height, width))
+
+    def _memory_needed(self, batch_size: int, res: InfinityResolution) -> dict[str, int]:
         cfg = self.transformer.config
         R, el = 2 * batch_size, self.adapter().dtype.itemsize
         L = sum(h * w for h, w in res.hw)
@@ -254,7 +256,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return {"KV cache": min(full, tail),
                 "logits": R * last * 2 * cfg.token_dim * 4,
                 "decoder": batch_size * res.height * res.width * (vae.base_ch * vae.ch_mult[0] *
-                                                                  self.vae.dtype.itemsize + 3 * 4)}
+                                                                  _dtype_of(self.vae).itemsize + 3 * 4)}
 
     # ---- call -------------------------------------------------------------------------------------
     @staticmethod
@@ -312,7 +314,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
-        check_memory(self, self.memory_needed(B, resolution.height, resolution.width), B,
+        check_memory(self, self._memory_needed(B, resolution), B,
                      f"num_images_per_prompt={num_images_per_prompt} × {n} prompt(s) = {B} images at "
                      f"{resolution.height}x{resolution.width}",
                      "lower num_images_per_prompt, or split the prompts over several calls")
