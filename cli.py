@@ -204,6 +204,8 @@ def _check_generate_args(args, text: bool) -> None:
         raise CLIError(f"{', '.join(given)} set SparseVAR options: add --sparsevar")
     if args.save_token_maps and not args.sparsevar:
         raise CLIError("--save-token-maps shows SparseVAR's token maps: add --sparsevar")
+    if args.fastvar_layers is not None and args.fastvar is None:
+        raise CLIError("--fastvar-layers sets FastVAR's pruning layers: add --fastvar")
     if args.sparsevar and args.fastvar is not None:
         raise CLIError("--sparsevar and --fastvar cannot be combined (both choose the tokens each scale computes): "
                        "give one of them")
@@ -242,8 +244,6 @@ def _policy_configs(args, family: str) -> list:
             out.append((flags, "enable_sparsevar", replace(SPARSEVAR_PRESETS.get(family, SparseVARConfig()), **sv)))
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
-    if args.fastvar_layers is not None and args.fastvar is None:
-        raise CLIError("--fastvar-layers sets FastVAR's pruning layers: add --fastvar")
     if args.fastvar is not None:
         from .policies.fastvar import FASTVAR_PRESETS, FastVARConfig
         flags = " ".join(["--fastvar"] + [f"{r:g}" for r in args.fastvar])
