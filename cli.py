@@ -713,8 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--class", dest="class_labels", nargs="+",
                    help="class ids or names (the model's labels: ImageNet names, or the demo's 'tree', 'car', …; "
                         "default 0)")
-    g.add_argument("--prompt", nargs="+", help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is two): "
-                                                 "text-to-image with an Infinity model")
+    g.add_argument("--prompt", nargs="+", help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is "
+                                                 "two): text-to-image with an Infinity model")
     g.add_argument("--negative-prompt", help="Infinity: what to steer away from")
     g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer)")
     g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
