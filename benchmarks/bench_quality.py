@@ -492,9 +492,64 @@ def nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
     return [round(first + k * step, 10) for k in range(int((hi - first) / step + 1e-9) + 1)]
 
 
+Box = tuple[float, float, float, float]      # (left, top, right, bottom) in pixels
+
+
+def _overlaps(a: Box, b: Box, gap: float = 2.0) -> bool:
+    """Whether boxes ``a`` and ``b`` come closer than ``gap`` pixels."""
+    return a[0] < b[2] + gap and b[0] < a[2] + gap and a[1] < b[3] + gap and b[1] < a[3] + gap
+
+
+def place_labels(anchors: Sequence[tuple[float, float]], sizes: Sequence[tuple[float, float]],
+                 obstacles: Sequence[Box], area: Box, offset: float = 10.0) -> list[tuple[Box, bool]]:
+    """Boxes for point labels that overlap neither each other nor ``obstacles`` (markers, legend,
+    fixed texts) and stay inside ``area``: per label, in order, the first free spot of right, left,
+    above, below and the four diagonals of its point, then spots further up and down the plot
+    (``True`` in the result: far from the point, draw a leader line). A label with no free spot
+    anywhere goes right of its point (only when the plot is full)."""
+    placed: list[Box] = []
+    out: list[tuple[Box, bool]] = []
+    ax0, ay0, ax1, ay1 = area
+    for (cx, cy), (w, h) in zip(anchors, sizes):
+        near = [(cx + offset, cy - h / 2), (cx - offset - w, cy - h / 2), (cx - w / 2, cy - offset - h),
+                (cx - w / 2, cy + offset), (cx + offset * 0.7, cy - offset * 0.7 - h), (cx + offset * 0.7, cy + offset * 0.7),
+                (cx - offset * 0.7 - w, cy - offset * 0.7 - h), (cx - offset * 0.7 - w, cy + offset * 0.7)]
+        far = []
+        step = h + 3
+        for k in range(1, int((ay1 - ay0) / step) + 2):
+            for dy in (-k * step, k * step):
+                far += [(cx + offset, cy - h / 2 + dy), (cx - offset - w, cy - h / 2 + dy)]
+        choice = None
+        for is_far, spots in ((False, near), (True, far)):
+            for x, y in spots:
+                box = (x, y, x + w, y + h)
+                if box[0] < ax0 or box[1] < ay0 or box[2] > ax1 or box[3] > ay1:
+                    continue
+                if any(_overlaps(box, o) for o in obstacles) or any(_overlaps(box, q) for q in placed):
+                    continue
+                choice = (box, is_far)
+                break
+            if choice is not None:
+                break
+        if choice is None:
+            choice = ((cx + offset, cy - h / 2, cx + offset + w, cy + h / 2), False)
+        placed.append(choice[0])
+        out.append(choice)
+    return out
+
+
 def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, height: int = 640) -> PIL.Image.Image:
     """PSNR (y) against measured speed-up (x), one marker and colour per family, labelled points.
-    Identical-to-dense points (PSNR inf) sit on a band at the top marked "inf"."""
+    Identical-to-dense points (PSNR inf) sit on a band at the top marked "inf". Labels never overlap
+    each other, a marker or the legend (:func:`place_labels`; :func:`plot_quality_layout` returns
+    their boxes)."""
+    return plot_quality_layout(rows, title, width, height)[0]
+
+
+def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000,
+                        height: int = 640) -> tuple[PIL.Image.Image, dict[str, Box], list[Box]]:
+    """:func:`plot_quality`'s picture, each setting's label box and the boxes labels must keep clear
+    of (the markers, the legend and the plot's own texts), all in pixels."""
     img = PIL.Image.new("RGB", (width, height), "white")
     d = PIL.ImageDraw.Draw(img)
     f_small, f_mid, f_big = _font(12), _font(14), _font(17)
@@ -521,8 +576,22 @@ def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, heigh
 
     def py(v):
         if not math.isfinite(v):
-            return y0 + 12
+            return y0 + 13
         return y1 - (v - ylo) / (yhi - ylo) * (y1 - y_plot_top)
+
+    obstacles: list[Box] = []
+    r_marker = 6
+    centres = [(px(sx), py(sy)) for sx, sy, _, _ in pts]
+    markers = [(cx - r_marker - 2, cy - r_marker - 2, cx + r_marker + 2, cy + r_marker + 2) for cx, cy in centres]
+
+    def fixed_text(spots, text, font, fill):
+        """Draw ``text`` at the first of ``spots`` ((xy, anchor) pairs) clear of every marker."""
+        for xy, anchor in spots:
+            box = d.textbbox(xy, text, font=font, anchor=anchor)
+            if not any(_overlaps(box, m) for m in markers):
+                break
+        d.text(xy, text, fill=fill, font=font, anchor=anchor)
+        obstacles.append(box)
 
     for t in nice_ticks(xlo, xhi, n=8):                                       # grid and ticks
         if xlo <= t <= xhi:
@@ -534,23 +603,42 @@ def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, heigh
             d.line((x0, py(t), x1, py(t)), fill=(232, 232, 232))
             d.line((x0 - 5, py(t), x0, py(t)), fill=(0, 0, 0))
             d.text((x0 - 8, py(t)), f"{t:g}", fill=(0, 0, 0), font=f_small, anchor="rm")
-    if inf_band:
-        d.line((x0, y_plot_top - 6, x1, y_plot_top - 6), fill=(180, 180, 180))
+    if inf_band:                                                          # the band above the finite values
+        d.line((x0, y_plot_top - 1, x1, y_plot_top - 1), fill=(180, 180, 180))
+        obstacles.append((x0, y_plot_top - 1, x1, y_plot_top - 1))
         d.text((x0 - 8, py(math.inf)), "inf", fill=(0, 0, 0), font=f_small, anchor="rm")
-        d.text((x0 + 6, y_plot_top - 8), "identical to dense", fill=(120, 120, 120), font=f_small, anchor="lb")
+        fixed_text((((x0 + 6, y_plot_top - 6), "lb"), ((x1 - 6, y_plot_top - 6), "rb")), "identical to dense",
+                   f_small, (120, 120, 120))
     if xlo <= 1.0 <= xhi:                                                # dense = speed-up 1
         for yy in range(int(y0), int(y1), 8):
             d.line((px(1.0), yy, px(1.0), min(yy + 4, y1)), fill=(150, 150, 150))
-        d.text((px(1.0) + 4, y1 - 4), "dense", fill=(120, 120, 120), font=f_small, anchor="lb")
+        fixed_text((((px(1.0) + 4, y1 - 4), "lb"), ((px(1.0) - 4, y1 - 4), "rb")), "dense", f_small, (120, 120, 120))
     d.rectangle((x0, y0, x1, y1), outline=(0, 0, 0))
-    for sx, sy, label, fam in pts:
+
+    present = [f for f in FAMILY_STYLE if any(p[3] == f for p in pts)] or list(FAMILY_STYLE)
+    lw = max(int(d.textlength(FAMILY_STYLE[f][0], font=f_small)) for f in present) + 40
+    lx, ly = x1 - lw - 10, y_plot_top + 10
+    legend: Box = (lx, ly, lx + lw, ly + 8 + 20 * len(present))
+    obstacles.append(legend)
+    obstacles += markers
+    sizes = []
+    for _, _, label, _ in pts:
+        bl, bt, br, bb = d.textbbox((0, 0), label, font=f_small, anchor="lt")
+        sizes.append((br - bl, bb - bt))
+    spots = place_labels(centres, sizes, obstacles, (x0 + 2, y0 + 2, x1 - 2, y1 - 2))
+
+    boxes: dict[str, Box] = {}
+    for (sx, sy, label, fam), (cx, cy), (box, far) in zip(pts, centres, spots):
+        if far:                                                          # a leader line to a label moved away
+            ex = box[0] if box[0] > cx else box[2]
+            d.line((cx, cy, ex, (box[1] + box[3]) / 2), fill=(150, 150, 150))
+    for (sx, sy, label, fam), (cx, cy), (box, far) in zip(pts, centres, spots):
         _, colour, kind = FAMILY_STYLE.get(fam, FAMILY_STYLE["combo"])
-        cx, cy = px(sx), py(sy)
-        _marker(d, cx, cy, kind, colour)
-        if cx + 10 + d.textlength(label, font=f_small) < x1 - 4:           # label right of the point, or left
-            d.text((cx + 10, cy), label, fill=(40, 40, 40), font=f_small, anchor="lm")
-        else:
-            d.text((cx - 10, cy), label, fill=(40, 40, 40), font=f_small, anchor="rm")
+        _marker(d, cx, cy, kind, colour, r=r_marker)
+        bl, bt, _, _ = d.textbbox((0, 0), label, font=f_small, anchor="lt")
+        d.text((box[0] - bl, box[1] - bt), label, fill=(40, 40, 40), font=f_small, anchor="lt")
+        boxes[label] = d.textbbox((box[0] - bl, box[1] - bt), label, font=f_small, anchor="lt")
+
     d.text((width / 2, 12), title or "PSNR against measured speed-up", fill=(0, 0, 0), font=f_big, anchor="ma")
     d.text(((x0 + x1) / 2, height - 22), "measured speed-up of the scale loop (dense / accelerated)",
            fill=(0, 0, 0), font=f_mid, anchor="ma")
@@ -560,15 +648,12 @@ def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, heigh
     PIL.ImageDraw.Draw(lab).text((2, 2), ylabel, fill=(0, 0, 0), font=f_mid)
     lab = lab.rotate(90, expand=True)
     img.paste(lab, (6, int((y0 + y1) / 2 - lab.height / 2)))
-    present = [f for f in FAMILY_STYLE if any(p[3] == f for p in pts)] or list(FAMILY_STYLE)
-    lw = max(int(d.textlength(FAMILY_STYLE[f][0], font=f_small)) for f in present) + 40
-    lx, ly = x1 - lw - 10, y_plot_top + 10
-    d.rectangle((lx, ly, lx + lw, ly + 8 + 20 * len(present)), fill=(255, 255, 255), outline=(120, 120, 120))
+    d.rectangle(legend, fill=(255, 255, 255), outline=(120, 120, 120))
     for k, f in enumerate(present):
         label, colour, kind = FAMILY_STYLE[f]
         _marker(d, lx + 14, ly + 14 + 20 * k, kind, colour, r=5)
         d.text((lx + 28, ly + 14 + 20 * k), label, fill=(0, 0, 0), font=f_small, anchor="lm")
-    return img
+    return img, boxes, obstacles
 
 
 def _to_pil(x_13HW: torch.Tensor) -> PIL.Image.Image:
@@ -604,7 +689,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The arguments of ``sparsevar bench quality`` (also this module's own ``main``)."""
-    p.add_argument("--model", help="VARPipeline folder (default: the demo model; run `sparsevar train-demo` first)")
+    p.add_argument("--model", help="VARPipeline folder (default: the demo model that ships with the package)")
     p.add_argument("--settings", nargs="+", default=None, metavar="NAME",
                    help="settings to compare with dense, parts joined with '+' (e.g. sparsevar-keep0.5+skip-last-1); "
                         "default: the README sweep; 'all': every registered one; see --list-settings")
@@ -656,8 +741,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["DEFAULT_SETTINGS", "SETTINGS", "SETTING_FORMS", "QualitySetting", "add_arguments", "describe_settings",
-           "image_grid", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "plot_quality",
-           "run_from_args", "run_quality"]
+           "image_grid", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "place_labels",
+           "plot_quality", "plot_quality_layout", "run_from_args", "run_quality"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -208,6 +208,41 @@ def test_plot_and_ticks():
     assert bq.nice_ticks(0.7, 5.3, n=6) == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
+def _row(setting, family, psnr_db, speedup):
+    return dict(setting=setting, family=family, psnr_db=psnr_db, speedup=speedup)
+
+
+# The README's CPU sweep (benchmarks/results/quality_demo_cpu, 8 seeds), whose labels overlapped, and a
+# crowd: ten settings within 0.02x and 0.2 dB of each other, one identical to dense.
+README_ROWS = [_row("sparsevar-keep0.7", "sparsevar", 26.801, 1.172), _row("sparsevar-keep0.5", "sparsevar", 25.556, 1.304),
+               _row("sparsevar-keep0.3", "sparsevar", 24.878, 1.535), _row("sparsevar-tau0.3", "sparsevar", math.inf, 1.125),
+               _row("sparsevar-preset", "sparsevar", 26.702, 1.328), _row("sparsevar-tau0.8", "sparsevar", 25.598, 1.461),
+               _row("fastvar-preset", "fastvar", 27.349, 1.147), _row("skip-last-1", "skip", 27.27, 1.466),
+               _row("skip-last-2", "skip", 26.107, 2.046), _row("sparsevar-keep0.5+skip-last-1", "combo", 25.843, 1.688),
+               _row("sparsevar-preset+cond-only-last-2", "combo", 26.588, 1.348)]
+CROWD_ROWS = [_row(f"setting-{k}", ("sparsevar", "fastvar", "skip", "combo")[k % 4], 25.0 + 0.02 * k, 1.30 + 0.002 * k)
+              for k in range(10)] + [_row("neutral", "sparsevar", math.inf, 1.0), _row("far", "skip", 20.0, 2.0)]
+
+
+@pytest.mark.parametrize("rows", [README_ROWS, CROWD_ROWS], ids=["readme", "crowd"])
+def test_plot_labels_do_not_overlap(rows):
+    """Issue #27: labels overlapped in quality.png. Every label box is inside the picture, clear of the
+    others, of every marker, of the legend and of the plot's own texts, and holds its label's ink."""
+    import numpy as np
+    img, boxes, obstacles = bq.plot_quality_layout(rows, title="t")
+    assert sorted(boxes) == sorted(r["setting"] for r in rows)
+    items = list(boxes.items())
+    for i, (name, (l, t, r, b)) in enumerate(items):
+        assert 0 <= l < r <= img.width and 0 <= t < b <= img.height, name
+        for other, (l2, t2, r2, b2) in items[i + 1:]:
+            assert r <= l2 or r2 <= l or b <= t2 or b2 <= t, (name, other)   # no shared pixel
+        for ol, ot, orr, ob in obstacles:
+            assert r <= ol or orr <= l or b <= ot or ob <= t, (name, (ol, ot, orr, ob))
+        ink = np.asarray(img.crop((int(l), int(t), int(math.ceil(r)), int(math.ceil(b)))).convert("L")) < 128
+        assert ink.mean() > 0.05, name                                              # the text is drawn there
+    assert len(obstacles) >= len(rows) + 1                                            # markers and the legend
+
+
 def test_main_lists_settings_and_reports_errors(capsys):
     assert bq.main(["--list-settings"]) == 0
     assert "sparsevar-keep<R>" in capsys.readouterr().out
