@@ -563,13 +563,8 @@ def cmd_info(args) -> int:
     if not args.path:
         raise CLIError("info needs a checkpoint file or model folder (or --backends, or --labels for the demo "
                        "model's class names)")
-    from .models.loading import describe_checkpoint, describe_infinity_checkpoint
+    from .models.loading import describe_checkpoint
     info = describe_checkpoint(args.path)
-    if info.get("family") == "unknown":
-        try:
-            info = describe_infinity_checkpoint(args.path)
-        except ValueError:
-            pass
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0

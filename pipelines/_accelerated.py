@@ -4,10 +4,8 @@ adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` 
 """
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import PIL.Image
@@ -20,25 +18,6 @@ from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPo
 from ..sparse_ops._backend import resolve_backend
 
 logger = logging.getLogger(__name__)
-
-
-def read_pipeline_index(path, pipeline: str, subfolders: Sequence[str], official_hint: str) -> dict:
-    """``model_index.json`` of a local folder written by ``save_pretrained``, after checking that it
-    holds a ``pipeline`` and every component subfolder; errors say what to pass instead."""
-    path = Path(path)
-    index_path = path / "model_index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(
-            f"{path} is not a {pipeline} folder (no model_index.json). Nothing is downloaded: pass a local "
-            f"folder written by save_pretrained, or {official_hint}")
-    index = json.loads(index_path.read_text())
-    if index.get("_class_name") != pipeline:
-        raise ValueError(f"{path} holds a {index.get('_class_name')!r}, not a {pipeline}")
-    for sub in subfolders:
-        if not (path / sub).is_dir():
-            raise FileNotFoundError(f"{path / sub} is missing (a {pipeline} folder has "
-                                    f"{', '.join(s + '/' for s in subfolders)})")
-    return index
 
 
 class AcceleratedPipelineMixin:

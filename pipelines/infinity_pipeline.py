@@ -24,7 +24,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
+from ._accelerated import AcceleratedPipelineMixin
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,

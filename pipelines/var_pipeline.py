@@ -21,7 +21,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin, read_pipeline_index
+from ._accelerated import AcceleratedPipelineMixin
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
@@ -191,7 +191,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if not (DEMO_MODEL_DIR / "model_index.json").is_file():
             raise FileNotFoundError(
                 f"the demo model is missing from {DEMO_MODEL_DIR} (a partial install?): reinstall the package, or "
-                f"train it again with `sparsevar train-demo` (about 16 minutes on one H100)")
+                f"train it again into the package with `sparsevar train-demo --out {DEMO_MODEL_DIR}` (about 18 minutes "
+                f"on one H100)")
         return cls.from_pretrained(DEMO_MODEL_DIR, dtype=dtype)
 
     @classmethod
