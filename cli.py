@@ -682,9 +682,9 @@ def cmd_train_demo(args) -> int:
     cfg = DemoTrainConfig(seed=args.seed)
     if args.quick:
         cfg = cfg.quick()
-    steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("var_steps", args.var_steps),
-                               ("cls_steps", args.cls_steps), ("var_data", args.var_data),
-                               ("cls_data", args.cls_data)) if v is not None}
+    steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("dec_steps", args.dec_steps),
+                               ("var_steps", args.var_steps), ("cls_steps", args.cls_steps),
+                               ("var_data", args.var_data), ("cls_data", args.cls_data)) if v is not None}
     cfg = replace(cfg, **steps)
     device = _device(args.device)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
@@ -768,17 +768,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "model at PATH (default: the built-in demo model)")
     i.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 18 min on one H100)",
-                       description=f"Train the demo model again on procedural scenes (about 18 min on one H100), "
+    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 24 min on one H100)",
+                       description=f"Train the demo model again on procedural scenes (about 24 min on one H100), "
                                    f"into ./{DEMO_TRAIN_DIR} unless --out says otherwise.")
     t.add_argument("--out", help=f"model folder to write (default: ./{DEMO_TRAIN_DIR}); the demo model that ships "
                                  f"with the package is left as it is")
-    t.add_argument("--stages", nargs="+", default=["vqvae", "var", "classifier"],
-                   choices=["vqvae", "var", "classifier"], help="stages to run; later ones read earlier ones from --out")
+    t.add_argument("--stages", nargs="+", default=["vqvae", "decoder", "var", "classifier"],
+                   choices=["vqvae", "decoder", "var", "classifier"],
+                   help="stages to run; later ones read earlier ones from --out")
     t.add_argument("--seed", type=int, default=0, help="0 … 2^64-1 (default 0)")
     t.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     t.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test; no real pictures)")
     t.add_argument("--vq-steps", type=int)
+    t.add_argument("--dec-steps", type=int, help="steps of the decoder stage (the VQVAE's final decoder)")
     t.add_argument("--var-steps", type=int)
     t.add_argument("--cls-steps", type=int)
     t.add_argument("--var-data", type=int, help="tokenised scenes the transformer trains on")

@@ -191,7 +191,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if not (DEMO_MODEL_DIR / "model_index.json").is_file():
             raise FileNotFoundError(
                 f"the demo model is missing from {DEMO_MODEL_DIR} (a partial install?): reinstall the package, or "
-                f"train it again into the package with `sparsevar train-demo --out {DEMO_MODEL_DIR}` (about 18 minutes "
+                f"train it again into the package with `sparsevar train-demo --out {DEMO_MODEL_DIR}` (about 24 minutes "
                 f"on one H100)")
         return cls.from_pretrained(DEMO_MODEL_DIR, dtype=dtype)
 
