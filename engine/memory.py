@@ -16,11 +16,8 @@ def trim_host_heap(device: torch.device) -> bool:
     Why: PyTorch's CPU tensors come from ``malloc``. glibc serves a request below its mmap
     threshold from a heap and raises that threshold (up to 32 MB) whenever a larger block it had
     mapped is freed, so after a few generations KV caches and activations live in heaps, and a
-    block freed in the middle of a heap still counts in the process's resident memory. On the demo
-    model, batches of 6, then 1, 2, … 6, with one workspace kept at a time, left the process 260 MB
-    above where the first batch of 6 had left it without this call, 7 MB with it at the end of every
-    call (tests/test_memory.py). The call itself took 1 ms after a batch of 1, 6 ms after a batch
-    of 6 (2 CPU cores)."""
+    block freed in the middle of a heap still counts in the process's resident memory. The bound this
+    keeps is a test (tests/test_memory.py)."""
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
