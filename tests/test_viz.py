@@ -20,7 +20,8 @@ def test_panel_tints_each_token_by_its_role():
     (rgb_x, a_x), (rgb_a, a_a) = ROLE_STYLE[TOKEN_EXCLUDED], ROLE_STYLE[TOKEN_ANCHOR]
     for xy, rgb, a in (((1, 1), rgb_x, a_x), ((6, 6), rgb_a, a_a)):          # ±1: float32 blending
         expected = [(1 - a) * 255 + a * c for c in rgb]
-        assert all(abs(got - e) <= 1 for got, e in zip(px(panel, xy), expected))
+        got = px(panel, xy)
+        assert len(got) == len(expected) == 3 and all(abs(g - e) <= 1 for g, e in zip(got, expected))
 
 
 def _ink(img: PIL.Image.Image):

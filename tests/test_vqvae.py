@@ -89,7 +89,7 @@ def test_indices_exact(encoded, vq_expected, schedule, vae, img):
     # img_to_idx is the same path
     with torch.no_grad():
         again = vae.img_to_idx(img, schedule)
-    assert all(torch.equal(a, b) for a, b in zip(again, idx_list))
+    assert len(again) == len(idx_list) > 0 and all(torch.equal(a, b) for a, b in zip(again, idx_list))
 
 
 @pytest.mark.parity
