@@ -65,7 +65,7 @@ def test_demo_model_is_small_and_names_its_classes(demo_pipe):
     assert [demo_pipe.labels[i] for i in range(NUM_CLASSES)] == list(CLASS_NAMES)
     assert demo_pipe.get_label_ids(["tree", "fish", 0]) == [8, 11, 0]
     meta = json.loads((DEMO_MODEL_DIR / "train_demo.json").read_text())
-    assert set(meta["stages"]) == {"vqvae", "var", "classifier"}
+    assert set(meta["stages"]) == {"vqvae", "decoder", "var", "classifier"}
 
 
 @pytest.fixture(scope="module")
