@@ -107,18 +107,23 @@ def token_map_images(stats: GenerationStats, images_BHWC: torch.Tensor) -> torch
 
 def save_token_maps(stats: GenerationStats, images: Union[Sequence, torch.Tensor, None], out_dir,
                     prefix: str = "token_maps") -> list[Path]:
-    """One PNG per image of the batch, ``{out_dir}/{prefix}_{b}.png``; returns the paths."""
+    """One PNG per image of the batch, ``{out_dir}/{prefix}_{b}.png``; returns the paths. Each file is
+    written under a temporary name and renamed when whole; a failure leaves no temporary file."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     batch = next(iter(stats.token_maps.values())).shape[0] if stats.token_maps else 0
     if batch == 0:
         token_map_figure(stats)                                      # raises the explanatory error
+    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for b in range(batch):
         img = images[b] if images is not None else None
         path = out_dir / f"{prefix}_{b}.png"
         tmp = path.with_name(f".{path.name}.tmp")
-        token_map_figure(stats, img, b).save(tmp, format="PNG")
-        tmp.replace(path)
+        try:
+            token_map_figure(stats, img, b).save(tmp, format="PNG")
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         paths.append(path)
     return paths

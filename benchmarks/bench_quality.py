@@ -265,8 +265,8 @@ def load_model(model=None, device="auto", dtype: Optional[torch.dtype] = None):
     if model is None:
         from ..demo import DEMO_MODEL_DIR
         if not (Path(DEMO_MODEL_DIR) / "model_index.json").is_file():
-            raise FileNotFoundError(f"the demo model is not trained yet ({DEMO_MODEL_DIR} has no model_index.json): "
-                                    f"run `sparsevar train-demo` first, or pass model=FOLDER (--model FOLDER)")
+            raise FileNotFoundError(f"the demo model is missing from {DEMO_MODEL_DIR} (a partial install?): "
+                                    f"reinstall the package, or pass model=FOLDER (--model FOLDER)")
         path, name = Path(DEMO_MODEL_DIR), "demo"
     elif isinstance(model, (str, os.PathLike)):
         path = Path(model)

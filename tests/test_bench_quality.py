@@ -169,10 +169,10 @@ def test_run_quality_checks_before_generating(tiny, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_missing_demo_model_says_how_to_train_it(monkeypatch, tmp_path):
+def test_missing_demo_model_says_what_to_do(monkeypatch, tmp_path):
     import sparsevar.demo
     monkeypatch.setattr(sparsevar.demo, "DEMO_MODEL_DIR", tmp_path / "weights")
-    with pytest.raises(FileNotFoundError, match=r"sparsevar train-demo"):
+    with pytest.raises(FileNotFoundError, match=r"missing from .*reinstall the package, or pass model=FOLDER"):
         bq.run_quality(None, settings=["skip-last-1"], seeds=[0], out_dir=tmp_path / "out", device="cpu")
     with pytest.raises(FileNotFoundError, match=r"is not a folder"):
         bq.load_model(tmp_path / "missing", device="cpu")
