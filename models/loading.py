@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import math
 import pickle
 import re
@@ -68,6 +69,19 @@ def resolve_dtype(value, name: str, allow_none: bool = False) -> Optional[torch.
     raise TypeError(f"{name}={value!r} is not a weight dtype; pass {DTYPE_SPELLINGS}")
 
 
+def local_path(value, name: str) -> Path:
+    """``value`` (a path argument named ``name``) as a Path: a str or os.PathLike that is not empty;
+    anything else raises a TypeError / ValueError naming the argument (nothing is downloaded, so a
+    path is all these loaders take)."""
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a local path (str or pathlib.Path), got {type(value).__name__} {value!r}")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name}={value!r} is empty: pass the path of a local file or folder")
+    return Path(value)
+
+
 # ---- reading one file ------------------------------------------------------------------------------------
 _LFS_POINTER = b"version https://git-lfs"
 _MAX_SAFETENSORS_HEADER = 100 * 2 ** 20          # safetensors' own limit on the JSON header
@@ -96,8 +110,9 @@ def _lfs_error(p: Path, what: str) -> ValueError:
                       f"repository was cloned without its large files; run `git lfs pull` there, or download the file")
 
 
-def safetensors_shapes(path, what: str = "weights") -> dict[str, tuple[int, ...]]:
-    """{name: shape} of a safetensors file, from its header alone (no tensor data is read). A file that is
+def safetensors_shapes(path, what: str = "weights", dtypes: Optional[dict] = None) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a safetensors file, from its header alone (no tensor data is read); with ``dtypes``
+    (a dict), each tensor's safetensors dtype name ("F32", "I64", …) is added to it. A file that is
     empty, truncated or not safetensors raises a ValueError naming it."""
     p = Path(path)
     size = p.stat().st_size
@@ -123,6 +138,8 @@ def safetensors_shapes(path, what: str = "weights") -> dict[str, tuple[int, ...]
                 continue
             shapes[k] = tuple(int(d) for d in v["shape"])
             end = max(end, int(v["data_offsets"][1]))
+            if dtypes is not None:
+                dtypes[k] = str(v["dtype"])
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         raise ValueError(f"{what} {p} ({size:,} bytes) is not a readable safetensors file: its header is "
                          f"{'cut off' if len(raw) < n else 'damaged'}; convert or download it again") from None
@@ -436,6 +453,17 @@ def _read_nested(path, what: str, inner: Sequence[Sequence[str]]) -> dict[str, t
         raise
 
 
+def _shard_names(index: Path, weight_map: dict, fix: str) -> list[str]:
+    """The shard file names a ``weight_map`` lists, each a plain name beside ``index`` (never a path
+    that leads out of its folder); else a ValueError naming the index and the entry."""
+    names = sorted({str(f) for f in weight_map.values()})
+    odd = [f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")]
+    if odd:
+        raise ValueError(f"{index} lists the shard {odd[0]!r}, which is not a file name in {index.parent}: an index "
+                         f"names its shards, which lie beside it; {fix}")
+    return names
+
+
 def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
     """A Hugging Face style shard folder (``*.index.json`` + shards), like the 8B release."""
     indexes = sorted(folder.glob("*.index.json"))
@@ -450,7 +478,7 @@ def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{indexes[0]} has no weight_map (the name → shard table); copy the release's index file "
                          f"again")
     sd: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in _shard_names(indexes[0], weight_map, "copy the release's index file again"):
         part = folder / shard
         if not part.exists():
             raise FileNotFoundError(f"{what}: shard {part} listed in {indexes[0].name} is missing — copy every shard "
@@ -672,7 +700,9 @@ def read_json_file(path, what: str = "file") -> dict:
         raise ValueError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file or "
                          f"{_RECONVERT}") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{p} holds a JSON {type(obj).__name__}, not an object of settings; {_RECONVERT}")
+        kind = {list: "list", str: "string", int: "number", float: "number", bool: "true/false", type(None): "null"}
+        raise ValueError(f"{p} holds a JSON {kind.get(type(obj), type(obj).__name__)}, not an object of settings; "
+                         f"{_RECONVERT}")
     return obj
 
 
@@ -688,7 +718,7 @@ def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -
             weight_map = read_json_file(index, "shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{index} has no weight_map (the name → shard table); {_RECONVERT}")
-            files = [folder / str(f) for f in sorted(set(weight_map.values()))]
+            files = [folder / f for f in _shard_names(index, weight_map, _RECONVERT)]
             for f in files:
                 if not f.is_file():
                     raise FileNotFoundError(f"shard {f} listed in {index.name} is missing; copy every shard into "
@@ -704,10 +734,20 @@ def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -
                                 f"incomplete); {_RECONVERT}")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
+        dtypes: dict[str, str] = {}
         if f.name.endswith(".safetensors"):
-            shapes.update(safetensors_shapes(f, "weight file"))
+            shapes.update(safetensors_shapes(f, "weight file", dtypes))
         else:
-            shapes.update({k: tuple(v.shape) for k, v in read_state_dict(f, "weight file").items()})
+            sd = read_state_dict(f, "weight file")
+            shapes.update({k: tuple(v.shape) for k, v in sd.items()})
+            dtypes = {k: str(v.dtype) for k, v in sd.items() if not v.is_floating_point()}
+        # every tensor of these models is floating point: integers would be cast to garbage weights
+        ints = sorted(k for k, d in dtypes.items() if not d.upper().startswith(("F", "BF", "TORCH.FLOAT",
+                                                                               "TORCH.BFLOAT", "TORCH.HALF")))
+        if ints:
+            raise ValueError(f"{f} holds {dtypes[ints[0]]} integers in {ints[0]}"
+                             f"{f' (and {len(ints) - 1} more tensors)' if len(ints) > 1 else ''}, where the model "
+                             f"has floating-point weights: the file was not written by save_pretrained; {_RECONVERT}")
     return files, shapes
 
 
@@ -832,6 +872,12 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
         return list(value) if isinstance(value, tuple) else value
 
     kwargs = _init_kwargs(cls, config, cfg_path, weights_say)
+    try:                                             # first what the weights imply, which builds nothing
+        implied = _config_from_weights(cls, shapes, kwargs, source)
+    except ValueError:
+        implied = None
+    if implied:
+        _refuse_differences(cls, cfg_path, weights, kwargs, implied)
     try:
         with init_empty_weights():
             model = cls(**kwargs)
@@ -848,6 +894,17 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
         if expected is not None or "patch_nums" in str(e):
             raise ValueError(f"{cfg_path} does not match {weights}: {e}") from None
         implied = {}
+    _refuse_differences(cls, cfg_path, weights, kwargs, implied)
+    if build_error is not None:
+        raise ValueError(f"{cfg_path}: these settings do not build a {cls.__name__} "
+                         f"({type(build_error).__name__}: {str(build_error).splitlines()[0][:200] if str(build_error) else ''}); "
+                         f"fix the file or {_RECONVERT}")
+    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, shapes)}; {_RECONVERT}")
+
+
+def _refuse_differences(cls, cfg_path: Path, weights, kwargs: dict, implied: dict) -> None:
+    """A ValueError naming each field of ``kwargs`` (the config, defaults filled in) that differs from
+    what the weights imply, with the value to set; nothing when they agree."""
     diffs = [(k, kwargs.get(k, _default(cls, k)), v) for k, v in implied.items()
              if _differs(kwargs.get(k, _default(cls, k)), v)]
     if diffs:
@@ -857,11 +914,6 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
         fix = ", ".join(f"\"{k}\": {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, _, v in diffs)
         raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set {fix} in "
                          f"config.json, or {_RECONVERT}")
-    if build_error is not None:
-        raise ValueError(f"{cfg_path}: these settings do not build a {cls.__name__} "
-                         f"({type(build_error).__name__}: {str(build_error).splitlines()[0][:200] if str(build_error) else ''}); "
-                         f"fix the file or {_RECONVERT}")
-    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, shapes)}; {_RECONVERT}")
 
 
 def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
@@ -882,11 +934,11 @@ def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
     return cfg
 
 
-def check_saved_text_encoder(folder) -> dict:
+def check_saved_text_encoder(folder, fix: str = _RECONVERT) -> dict:
     """Check a saved T5 encoder folder (``config.json`` + weights) before it is loaded: the JSON parses,
     the weights are whole, and the encoder its config builds (on the meta device) holds the tensors of
     the weights (the shared token embedding may be stored once; a full T5's decoder and LM head, which
-    the encoder leaves out, are ignored). Returns the config."""
+    the encoder leaves out, are ignored). ``fix`` ends each message (what to do instead). Returns the config."""
     from accelerate import init_empty_weights
     from transformers import T5Config, T5EncoderModel
 
@@ -895,6 +947,7 @@ def check_saved_text_encoder(folder) -> dict:
     config = read_json_file(cfg_path, f"text encoder folder {folder}")
     files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS)
     weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
+    _refuse_t5_differences(cfg_path, weights, config, _t5_config_from_weights(shapes), True, fix)
     try:
         with init_empty_weights():
             model = T5EncoderModel(T5Config.from_dict(config))
@@ -902,22 +955,29 @@ def check_saved_text_encoder(folder) -> dict:
         del model
     except Exception as e:  # transformers refusing the settings
         raise ValueError(f"{cfg_path}: these settings do not build a T5 encoder ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix the file or {_RECONVERT}") from None
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix the file, or {fix}") from None
     tied = {"shared.weight", "encoder.embed_tokens.weight"}
     found = {k: v for k, v in shapes.items() if not k.startswith(("decoder.", "lm_head."))}
     bad = any(tuple(expected[k]) != tuple(v) for k, v in found.items() if k in expected) \
         or set(found) - set(expected) or (set(expected) - set(found)) - tied or not (tied & set(found))
     if not bad:
         return config
-    implied = _t5_config_from_weights(shapes)
-    diffs = [(k, config.get(k), v) for k, v in implied.items() if config.get(k) != v]
+    _refuse_t5_differences(cfg_path, weights, config, _t5_config_from_weights(shapes), False, fix)
+    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, found)}; {fix}")
+
+
+def _refuse_t5_differences(cfg_path: Path, weights, config: dict, implied: dict, only_set: bool,
+                           fix_tail: str) -> None:
+    """A ValueError naming each T5 field of ``config`` that differs from what the weights imply (with
+    ``only_set``, only fields the file sets: the others take T5Config's defaults, checked by building)."""
+    diffs = [(k, config.get(k), v) for k, v in implied.items()
+             if (k in config or not only_set) and config.get(k) != v]
     if diffs:
         have = ", ".join(f"{k} = {json.dumps(c)}" for k, c, _ in diffs)
         said = ", ".join(f"{k} = {v}" for k, _, v in diffs)
         fix = ", ".join(f"\"{k}\": {v}" for k, _, v in diffs)
         raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set {fix} in "
-                         f"config.json, or {_RECONVERT}")
-    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, found)}; {_RECONVERT}")
+                         f"config.json, or {fix_tail}")
 
 
 def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
@@ -1003,6 +1063,8 @@ def load_pretrained_text_encoder(text_encoder_folder, tokenizer_folder, dtype: t
     eval mode; a folder transformers cannot read raises a ValueError naming it."""
     from transformers import AutoTokenizer, T5EncoderModel
 
+    from .text_encoder import check_tokenizer_files
+    check_tokenizer_files(tokenizer_folder, _RECONVERT[0].upper() + _RECONVERT[1:])
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
     except Exception as e:  # transformers raises OSError / ValueError / ImportError variants

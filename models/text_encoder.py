@@ -109,7 +109,21 @@ def check_text_encoder_folder(path) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json: it is not a transformers model folder. Put {FLAN_T5_HINT} "
                                 f"there")
+    check_tokenizer_files(p, f"Put {FLAN_T5_HINT} there")
     return p
+
+
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+
+
+def check_tokenizer_files(folder, fix: str) -> None:
+    """That ``folder`` holds a T5 vocabulary (``tokenizer.json`` or ``spiece.model``): without one,
+    transformers builds a tokenizer with no vocabulary, which turns every prompt into the same unknown
+    tokens. A FileNotFoundError naming the folder and ``fix`` otherwise."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder} holds no tokenizer vocabulary (neither {' nor '.join(TOKENIZER_FILES)}), "
+                                f"so every prompt would become the same unknown tokens. {fix}")
 
 
 def load_t5(path, dtype: torch.dtype = torch.float32):
@@ -120,7 +134,10 @@ def load_t5(path, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoTokenizer, T5EncoderModel
 
+    from .loading import check_saved_text_encoder
+
     p = check_text_encoder_folder(path)
+    check_saved_text_encoder(p, fix=f"put {FLAN_T5_HINT} there")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
@@ -189,4 +206,4 @@ def random_t5(d_model: int, seed: int = 0, vocab_words: Optional[Sequence[str]] 
 
 
 __all__ = ["TextFeatures", "pack_hidden_states", "load_t5", "tokenize", "encode_token_ids", "encode_prompts",
-           "random_t5", "check_text_encoder_folder", "T5_MAX_LENGTH"]
+           "random_t5", "check_text_encoder_folder", "check_tokenizer_files", "T5_MAX_LENGTH"]

@@ -401,3 +401,79 @@ def test_python_m_sparsevar_info_on_random_bytes_exits_2_without_a_traceback(tmp
                        timeout=600, env={**os.environ, "SPARSEVAR_DEBUG": ""})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert str(path) in r.stderr and "not a checkpoint" in r.stderr
+
+
+# ---- third campaign: other bad folders of the same classes ---------------------------------------------------
+def test_a_huge_depth_is_refused_from_the_weights_before_anything_is_built(tmp_path):
+    """depth 10**12 built modules for ever (the check built the config's model first, on the meta device)."""
+    folder = _demo_copy(tmp_path)
+    config = folder / "transformer" / "config.json"
+    _edit_json(config, depth=10 ** 12)
+    with pytest.raises(ValueError) as exc:
+        VARPipeline.from_pretrained(folder)
+    msg = str(exc.value)
+    assert str(config) in msg and f"depth = {10 ** 12}" in msg and f'set "depth": {DEMO_CONFIG["depth"]}' in msg
+
+
+def test_integer_weights_are_refused_instead_of_cast_to_garbage(tmp_path):
+    """An int32 tensor in a converted folder was cast to float and drew a wrong image with exit 0."""
+    from safetensors.torch import load_file, save_file
+    folder = _demo_copy(tmp_path)
+    weights = folder / "vqvae" / WEIGHTS
+    sd = load_file(str(weights))
+    key = sorted(k for k in sd if sd[k].dim() == 4)[0]
+    sd[key] = sd[key].to(torch.int32)
+    save_file(sd, str(weights))
+    with pytest.raises(ValueError) as exc:
+        VARPipeline.from_pretrained(folder)
+    msg = str(exc.value)
+    assert str(weights) in msg and f"I32 integers in {key}" in msg and RECONVERT in msg and "\n" not in msg
+
+
+def test_labels_that_are_not_ids_are_named_with_the_file(tmp_path, capsys):
+    folder = _demo_copy(tmp_path)
+    index = folder / "model_index.json"
+    _edit_json(index, id2label={"x": "a"})
+    with pytest.raises(ValueError, match=rf'{index}: "id2label" must map class ids to names, e.g. '
+                                         r'\{"0": "tench"\}; the entry "x": "a" is not an id and a name'):
+        VARPipeline.from_pretrained(folder)
+    rc, err = _cli(["info", "--labels", str(folder)], capsys)        # was: int()'s own message
+    assert rc == 2 and str(index) in err
+    _one_clean_line(err)
+
+
+def test_a_shard_index_that_points_out_of_its_folder(tmp_path, tiny_infinity_files):
+    from safetensors.torch import save_file
+    sd = torch.load(tiny_infinity_files()["transformer"], map_location="cpu", weights_only=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    weight_map = dict.fromkeys(sd, "model-00001-of-00001.safetensors")
+    weight_map[sorted(sd)[0]] = "../elsewhere.safetensors"
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"{index} lists the shard '\.\./elsewhere\.safetensors', which is not a "
+                                         rf"file name in {tmp_path}"):
+        load_infinity_transformer(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["no tokenizer", "wrong width"])
+def test_a_t5_folder_that_is_no_flan_t5_is_refused_before_loading(tiny_infinity_files, tmp_path, damage):
+    """Without tokenizer files transformers made a tokenizer with no vocabulary (every prompt the same
+    unknown tokens: wrong pictures, exit 0); a config.json wider than the weights got transformers'
+    advice to pass ignore_mismatched_sizes."""
+    f = tiny_infinity_files()
+    t5 = tmp_path / "flan-t5-xl"
+    shutil.copytree(f["t5"], t5)
+    if damage == "no tokenizer":
+        for p in t5.iterdir():
+            if p.name.startswith(("tokenizer", "special_tokens", "spiece")):
+                p.unlink()
+        words = [f"{t5} holds no tokenizer vocabulary (neither tokenizer.json nor spiece.model)", "google/flan-t5-xl"]
+    else:
+        width = json.loads((t5 / "config.json").read_text())["d_model"]
+        _edit_json(t5 / "config.json", d_model=2 * width)
+        words = [f"{t5 / 'config.json'} says d_model = {2 * width}, but the weights in {t5 / 'model.safetensors'} are "
+                 f"for d_model = {width}; set \"d_model\": {width}", "google/flan-t5-xl"]
+    with pytest.raises((ValueError, FileNotFoundError)) as exc:
+        InfinityPipeline.from_single_file(f["transformer"], f["vae"], text_encoder=t5)
+    msg = str(exc.value)
+    assert all(w in msg for w in words) and "ignore_mismatched_sizes" not in msg and "\n" not in msg
