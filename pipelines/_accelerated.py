@@ -20,6 +20,44 @@ from ..sparse_ops._backend import resolve_backend
 logger = logging.getLogger(__name__)
 
 
+def check_call_arguments(generator, n_images: int, num_images_per_prompt, callback_on_step_end,
+                         callback_on_step_end_tensor_inputs, allowed_tensor_inputs, policies,
+                         images_are: str = "images") -> None:
+    """The checks of a pipeline call that every family shares, made before any work: the types of
+    ``num_images_per_prompt``, ``generator`` (None, a torch.Generator or one per image),
+    ``callback_on_step_end`` (callable), its tensor inputs (a list of allowed names) and ``policies``
+    (Policy objects). ``images_are`` says how ``n_images`` is counted. ValueError / TypeError naming
+    the argument, the value and the fix."""
+    if isinstance(num_images_per_prompt, (bool, np.bool_)):
+        raise TypeError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+    gens = generator if isinstance(generator, (list, tuple)) else [generator]
+    if isinstance(generator, (list, tuple)) and len(generator) != n_images:
+        raise ValueError(f"got {len(generator)} generators for {n_images} images; pass one generator, or one per "
+                         f"image ({images_are} = {n_images})")
+    wrong = [g for g in gens if g is not None and not isinstance(g, torch.Generator)]
+    if wrong:
+        raise TypeError(f"generator must be a torch.Generator (or a list of one per image), got "
+                        f"{type(wrong[0]).__name__} {wrong[0]!r}; e.g. generator=torch.Generator().manual_seed(0)")
+    if callback_on_step_end is not None and not callable(callback_on_step_end):
+        raise TypeError(f"callback_on_step_end must be a function fn(pipe, step, timestep, callback_kwargs), got "
+                        f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
+    if isinstance(callback_on_step_end_tensor_inputs, str):
+        raise TypeError(f"callback_on_step_end_tensor_inputs must be a list of names, got the string "
+                        f"{callback_on_step_end_tensor_inputs!r}; e.g. [{callback_on_step_end_tensor_inputs!r}]")
+    bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in allowed_tensor_inputs]
+    if bad:
+        raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {list(allowed_tensor_inputs)}")
+    if policies is not None:
+        listed = isinstance(policies, (list, tuple))
+        wrong = [q for q in (policies if listed else [policies]) if not isinstance(q, Policy)]
+        if wrong or not listed:
+            q = wrong[0] if wrong else policies
+            wrap = {SparseVARConfig: "SparseVARPolicy", FastVARConfig: "FastVARPolicy",
+                    ScaleSkipConfig: "ScaleSkipPolicy"}.get(type(q), "SparseVARPolicy")
+            got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
+            raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
+
+
 class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
     InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
@@ -27,6 +65,22 @@ class AcceleratedPipelineMixin:
     ``__init__``; its ``adapter()`` passes the last to the adapter's ``set_compiled_elementwise``."""
 
     PRESET_FAMILY: str = "var"
+
+    def to(self, *args, **kwargs):
+        """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
+        that names no device (or a dtype given as a string) refused in one line naming the value."""
+        for value in (*args, kwargs.get("device"), kwargs.get("torch_device")):
+            if not isinstance(value, str):
+                continue
+            try:
+                torch.device(value)
+            except (RuntimeError, ValueError):
+                key = value.strip().lower().removeprefix("torch.")
+                hint = f"; for a dtype pass torch.{key}" if key in ("float32", "float16", "bfloat16", "half",
+                                                                     "float") else ""
+                raise ValueError(f"to({value!r}): not a device; pass 'cpu', 'cuda' or 'cuda:N' (or a torch.device)"
+                                 f"{hint}") from None
+        return super().to(*args, **kwargs)
 
     def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "AcceleratedPipelineMixin":
         """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the

@@ -24,7 +24,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin
+from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
@@ -91,7 +91,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype: the VAE's; text_encoder_dtype: the T5's (the reference runs it in float16). Each takes
         a torch dtype or diffusers' strings ("float16" / "fp16" / "half", "bfloat16" / "bf16", "float32" / "fp32").
         """
-        from ..models.loading import resolve_dtype
+        from ..models.loading import local_path, resolve_dtype
+        transformer_ckpt, vae_ckpt = local_path(transformer_ckpt, "transformer_ckpt"), local_path(vae_ckpt, "vae_ckpt")
+        text_encoder = local_path(text_encoder, "text_encoder")
         dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
         transformer = load_infinity_transformer(transformer_ckpt, dtype=dtype)
@@ -104,13 +106,18 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                   vae_dtype: torch.dtype = torch.float32,
                   text_encoder_dtype: torch.dtype = torch.float32) -> "InfinityPipeline":
         """A converted folder (``model``), or the official transformer file + its VAE + a T5 folder."""
-        p = Path(model)
+        from ..models.loading import local_path
+        p = local_path(model, "model")
         if p.is_dir() and (p / "model_index.json").is_file():
             return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype, text_encoder_dtype=text_encoder_dtype)
         if vae is None or text_encoder is None:
-            missing = [n for n, v in (("vae", vae), ("text_encoder", text_encoder)) if v is None]
-            raise ValueError(f"{p.name} is an Infinity transformer checkpoint: also choose {' and '.join(missing)} "
-                             f"(infinity_vae_d32reg.pth; a local google/flan-t5-xl folder), or a converted folder")
+            missing = [(n, what) for n, v, what in (
+                ("vae", vae, "its VAE file, e.g. infinity_vae_d32reg.pth (CLI: --vae-ckpt)"),
+                ("text_encoder", text_encoder, "a local google/flan-t5-xl folder (CLI: --text-encoder)"))
+                if v is None]
+            what = "; ".join(f"{n}: {w}" for n, w in missing) if len(missing) > 1 else missing[0][1]
+            raise ValueError(f"{p.name} is an Infinity transformer checkpoint: also choose "
+                             f"{' and '.join(n for n, _ in missing)} ({what}), or give a converted folder instead")
         return cls.from_single_file(p, vae, text_encoder, dtype=dtype, vae_dtype=vae_dtype,
                                     text_encoder_dtype=text_encoder_dtype)
 
@@ -163,7 +170,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
         "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
         from ..models.loading import (check_pipeline_folder, load_pretrained_component, load_pretrained_text_encoder,
-                                      resolve_dtype)
+                                      local_path, resolve_dtype)
         if kwargs:
             raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
         dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
@@ -172,7 +179,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         dtype = dtype if dtype is not None else torch_dtype
         vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
         text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
-        path = Path(pretrained_model_name_or_path)
+        path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
         check_pipeline_folder(path, "InfinityPipeline", {"transformer": InfinityTransformer, "vae": BSQVAE,
                                                          "text_encoder": "text_encoder", "tokenizer": None},
                               "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
@@ -269,7 +276,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     def check_inputs(self, prompt, negative_prompt, height, width, guidance_scale, temperature, top_k, top_p,
                      num_images_per_prompt, output_type, generator, callback_on_step_end_tensor_inputs,
-                     prompt_features=None, negative_prompt_features=None):
+                     prompt_features=None, negative_prompt_features=None, callback_on_step_end=None, policies=None):
         if prompt is None and prompt_features is None:
             raise ValueError("prompt is required: pass a string or a list of strings")
         if prompt is not None and prompt_features is not None:
@@ -308,12 +315,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
         B = n * int(num_images_per_prompt)
-        if isinstance(generator, (list, tuple)) and len(generator) != B:
-            raise ValueError(f"got {len(generator)} generators for {B} images; pass one generator, or one per image "
-                             f"(prompts × num_images_per_prompt = {B})")
-        bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
-        if bad:
-            raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
+                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
+                             "prompts × num_images_per_prompt")
         check_memory(self, self._memory_needed(B, resolution), B,
                      f"num_images_per_prompt={num_images_per_prompt} × {n} prompt(s) = {B} images at "
                      f"{resolution.height}x{resolution.width}",
@@ -367,7 +371,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             temperature = 1.0 if self.is_patchify else 0.5
         resolution, n = self.check_inputs(prompt, negative_prompt, height, width, guidance_scale, temperature, top_k,
                                           top_p, num_images_per_prompt, output_type, generator,
-                                          callback_on_step_end_tensor_inputs, prompt_features, negative_prompt_features)
+                                          callback_on_step_end_tensor_inputs, prompt_features, negative_prompt_features,
+                                          callback_on_step_end, policies)
         adapter = self.adapter()
         stack = self._policies
         if policies is not None:

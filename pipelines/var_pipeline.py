@@ -13,7 +13,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin
+from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
 from ..engine.state import GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
@@ -55,6 +55,30 @@ class ClassLabelError(ValueError):
     def __init__(self, problem: str, advice: str):
         super().__init__(f"{problem}{advice}")
         self.problem = problem
+
+
+def check_id2label(id2label, where: str) -> dict[int, str]:
+    """``id2label`` as {class id: name}: a mapping whose keys are class ids (ints, or strings of
+    digits as JSON stores them) and whose values are names; else a ValueError naming ``where``."""
+    if not isinstance(id2label, Mapping):
+        raise ValueError(f"{where} must map class ids to names, e.g. {{\"0\": \"tench\"}}, got "
+                         f"{type(id2label).__name__} {str(id2label)[:60]}")
+    out = {}
+    for k, v in id2label.items():
+        ok_key = (isinstance(k, (int, np.integer)) and not isinstance(k, bool)) or \
+            (isinstance(k, str) and k.strip().isdecimal())
+        if not ok_key or not isinstance(v, str):
+            raise ValueError(f"{where} must map class ids to names, e.g. {{\"0\": \"tench\"}}; the entry "
+                             f"{_json_or_repr(k)}: {_json_or_repr(v)} is not an id and a name")
+        out[int(k)] = v
+    return out
+
+
+def _json_or_repr(v) -> str:
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
 def _gb(n: float) -> str:
@@ -134,7 +158,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae)
         if id2label is not None:
-            id2label = {str(int(k)): str(v) for k, v in id2label.items()}
+            id2label = {str(k): v for k, v in check_id2label(id2label, "id2label").items()}
         self.register_to_config(id2label=id2label)
         self._policies = PolicyStack()
         self._adapter: Optional[VARAdapter] = None
@@ -153,7 +177,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype: the VQVAE's (float32 keeps the latent arithmetic exact). Both take a torch dtype or
         diffusers' strings ("float16" / "fp16" / "half", "bfloat16" / "bf16", "float32" / "fp32").
         """
-        from ..models.loading import resolve_dtype
+        from ..models.loading import local_path, resolve_dtype
+        var_ckpt, vae_ckpt = local_path(var_ckpt, "var_ckpt"), local_path(vae_ckpt, "vae_ckpt")
         dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         transformer = load_var_transformer(var_ckpt, patch_nums=patch_nums, dtype=dtype)
         vqvae = load_var_vqvae(vae_ckpt, patch_nums=transformer.config.patch_nums, dtype=vae_dtype)
@@ -163,7 +188,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     def from_path(cls, model, vae=None, dtype: torch.dtype = torch.float32,
                   vae_dtype: torch.dtype = torch.float32) -> "VARPipeline":
         """A converted folder (``model``), or an official transformer file plus its VQVAE file."""
-        p = Path(model)
+        from ..models.loading import local_path
+        p = local_path(model, "model")
         if p.is_dir():
             return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype)
         if vae is None:
@@ -242,7 +268,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype: the VQVAE's. Each takes a torch dtype or a string such as "float16" / "fp16",
         "bfloat16" / "bf16", "float32" / "fp32".
         """
-        from ..models.loading import check_pipeline_folder, load_pretrained_component, resolve_dtype
+        from ..models.loading import check_pipeline_folder, load_pretrained_component, local_path, resolve_dtype
         if kwargs:
             raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
         dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
@@ -250,14 +276,17 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
         dtype = dtype if dtype is not None else torch_dtype
         vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
-        path = Path(pretrained_model_name_or_path)
+        path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
         index = check_pipeline_folder(path, "VARPipeline", {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
                                       "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
                                       "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
                                       "`sparsevar convert`")
         transformer = load_pretrained_component(VARTransformer, path, "transformer", dtype)
         vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
-        return cls(transformer=transformer, vqvae=vqvae, id2label=index.get("id2label"))
+        id2label = index.get("id2label")
+        if id2label is not None:
+            id2label = check_id2label(id2label, f"{path / 'model_index.json'}: \"id2label\"")
+        return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """Write ``model_index.json`` + ``transformer/`` + ``vqvae/`` (safetensors).
@@ -293,6 +322,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             labels = [labels]
         if isinstance(labels, torch.Tensor):
             labels = labels.tolist()
+        if isinstance(labels, Mapping) or not isinstance(labels, Iterable):
+            raise TypeError(f"class_labels must be a class id, a class name, or a list of them, got "
+                            f"{type(labels).__name__} {labels!r}")
         names = self.labels
         ids = []
         for lab in labels:
@@ -310,7 +342,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return ids
 
     def _label_id(self, name: str, names: dict[int, str]) -> int:
-        if name.isdigit():
+        if name.isdecimal():                         # digits of any script, as int() reads them ('²' is no number)
             return self.get_label_ids(int(name))[0]
         if not names:
             raise ClassLabelError(f"class name {name!r} given, but this model has no class names",
@@ -362,7 +394,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     # ---- call -------------------------------------------------------------------------------------
     def check_inputs(self, class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
-                     generator, callback_on_step_end_tensor_inputs) -> list[int]:
+                     generator, callback_on_step_end_tensor_inputs, callback_on_step_end=None,
+                     policies=None) -> list[int]:
         if class_labels is None:
             raise ValueError("class_labels is required: pass a class id, a class name, or a list of them")
         if isinstance(class_labels, (list, tuple)) and len(class_labels) == 0:
@@ -382,12 +415,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
         B = len(ids) * int(num_images_per_prompt)
-        if isinstance(generator, (list, tuple)) and len(generator) != B:
-            raise ValueError(f"got {len(generator)} generators for {B} images; pass one generator, or one per "
-                             f"image (len(class_labels) × num_images_per_prompt = {B})")
-        bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in self._callback_tensor_inputs]
-        if bad:
-            raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {self._callback_tensor_inputs}")
+        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
+                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
+                             "len(class_labels) × num_images_per_prompt")
         check_memory(self, self.memory_needed(B), B,
                      f"num_images_per_prompt={num_images_per_prompt} × {len(ids)} class label(s) = {B} images",
                      "lower num_images_per_prompt, or split the labels over several calls")
@@ -421,7 +451,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             :class:`VARPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
         ids = self.check_inputs(class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
-                                generator, callback_on_step_end_tensor_inputs)
+                                generator, callback_on_step_end_tensor_inputs, callback_on_step_end, policies)
         adapter = self.adapter()
         stack = self._policies
         if policies is not None:
@@ -456,4 +486,4 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             return images, [result.stats]
         return VARPipelineOutput(images=images, stats=[result.stats])
 
-__all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats"]
+__all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "check_id2label"]

@@ -272,7 +272,8 @@ class SparseVARPolicy(Policy):
         if getattr(workspace, "policy_cache", None) is not None:
             geo = workspace.policy_cache
         if key not in geo:
-            (h, w), a = hw, self.config.alpha
+            # a stride at or past the map's longer side gives the same grid (row / column 0 and the last)
+            (h, w), a = hw, min(self.config.alpha, max(hw))
             geo[key] = (anchor_mask(h, w, a, device).reshape(h * w),                    # (h, w) → (L,)
                         anchor_candidates(h, w, a, device),
                         nearest_source(prev_hw, hw, device))
