@@ -70,6 +70,15 @@ def _number_in(value, flag: str, ok, what: str) -> None:
         raise CLIError(f"{flag} {value}: {what}")
 
 
+def _no_empty_paths(args, *flags: tuple[str, str]) -> None:
+    """An empty path (``--model ""``, often an unset shell variable) is refused rather than read as
+    "not given", which would quietly run the default model or write into the current folder."""
+    for flag, key in flags:
+        value = getattr(args, key, None)
+        if value is not None and not str(value).strip():
+            raise CLIError(f"{flag} is empty (an unset shell variable?): give a path, or leave {flag} out")
+
+
 def _can_write_under(folder: Path) -> bool:
     """Whether a file can be created in the existing ``folder``: the permission bits, then a real
     file created and removed (root passes every permission check, a read-only mount fails the probe)."""
@@ -186,6 +195,8 @@ def _check_generate_args(args, text: bool) -> None:
                                 ("--temperature", args.temperature)) if v is not None]
         if extra:
             raise CLIError(f"{' / '.join(extra)} {'is' if len(extra) == 1 else 'are'} for text-to-image: add --prompt")
+    _no_empty_paths(args, ("--model", "model"), ("--var-ckpt", "var_ckpt"), ("--vae-ckpt", "vae_ckpt"),
+                    ("--text-encoder", "text_encoder"), ("--save-token-maps", "save_token_maps"))
     if not 0 <= args.seed <= SEED_MAX:
         raise CLIError(f"--seed {args.seed}: seeds are 0 … {SEED_MAX} (64 bits)")
     _at_least(args.num, 1, "--num", f"give the number of images per {'prompt' if text else 'class'}, 1 or more")
@@ -213,6 +224,11 @@ def _check_generate_args(args, text: bool) -> None:
     _check_image_out(args.out, count)
     if args.save_token_maps:
         _check_writable(args.save_token_maps, "--save-token-maps", folder=True)
+        maps = Path(args.save_token_maps).absolute()
+        clash = [p for p in _image_paths(Path(args.out), count) if p.absolute() == maps]
+        if clash:
+            raise CLIError(f"--save-token-maps {args.save_token_maps}: that is where --out writes an image; give the "
+                           f"token maps a folder of their own (e.g. {Path(args.out).with_suffix('')}_maps)")
 
 
 def _check_size(args) -> None:
@@ -328,7 +344,8 @@ def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
     model = args.model or args.var_ckpt
     ids = []
     for lab in labels:
-        value = int(lab) if lab.strip().lstrip("-").isdigit() else lab
+        digits = lab.strip()
+        value = int(digits) if digits.removeprefix("-").isdecimal() else lab     # '²' is a digit, not a number
         try:
             ids += pipe.get_label_ids(value)
         except ClassLabelError as e:
@@ -440,7 +457,7 @@ def cmd_generate(args) -> int:
     print(f"{len(paths)} image(s) → {', '.join(str(p) for p in paths)} | {dt * 1e3:.0f} ms | {st.summary()}")
     if args.save_token_maps:
         from .viz import save_token_maps
-        maps = save_token_maps(st, out.images, args.save_token_maps, prefix=args.out.stem + "_tokens")
+        maps = save_token_maps(st, out.images, Path(args.save_token_maps), prefix=args.out.stem + "_tokens")
         print(f"token maps → {', '.join(str(p) for p in maps)}")
     if args.stats:
         print(st.table())
@@ -538,7 +555,9 @@ def _labels(path: Optional[str]) -> tuple[dict, int, str]:
     names: dict = {}
     index = Path(path) / "model_index.json"
     if index.is_file():
-        names = {int(k): str(v) for k, v in (json.loads(index.read_text()).get("id2label") or {}).items()}
+        from .pipelines.var_pipeline import check_id2label
+        id2label = json.loads(index.read_text()).get("id2label")
+        names = check_id2label(id2label, f"{index}: \"id2label\"") if id2label is not None else {}
     if not names and n == 1000:
         from .pipelines._imagenet_classes import IMAGENET_CLASSES
         names = dict(enumerate(IMAGENET_CLASSES))
@@ -705,11 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Infinity .pth file or 8B shard folder (default: the built-in demo model)")
     g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth")
     g.add_argument("--vae-ckpt", help="official VAE file: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth")
-    g.add_argument("--class", dest="class_labels", nargs="+",
+    g.add_argument("--class", dest="class_labels", nargs="+", action="extend",
                    help="class ids or names (the model's labels: ImageNet names, or the demo's 'tree', 'car', …; "
-                        "default 0)")
-    g.add_argument("--prompt", nargs="+", help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is "
-                                                 "two): text-to-image with an Infinity model")
+                        "default 0; a repeated --class adds more)")
+    g.add_argument("--prompt", nargs="+", action="extend",
+                   help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is two; a repeated --prompt "
+                        "adds more): text-to-image with an Infinity model")
     g.add_argument("--negative-prompt", help="Infinity: what to steer away from")
     g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer)")
     g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
@@ -735,7 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--block", type=int, help="SparseVAR: observed layer")
     a.add_argument("--alpha", type=int, help="SparseVAR: anchor stride")
     a.add_argument("--beta", type=float, help="SparseVAR: anchor-copy similarity threshold")
-    a.add_argument("--save-token-maps", type=Path, metavar="DIR", help="write SparseVAR's token maps as PNGs")
+    a.add_argument("--save-token-maps", metavar="DIR", help="write SparseVAR's token maps as PNGs")
     a.add_argument("--fastvar", type=float, nargs="*", metavar="RATIO",
                    help="FastVAR; optional prune ratios in [0, 1] of the last scales, earliest first (1.0 skips); "
                         "not with --sparsevar")

@@ -304,6 +304,28 @@ def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorCon
     return policies
 
 
+def _class_ids(pipe, class_label: str) -> list[int]:
+    """The sampler's ``class_label`` text ('207', 'golden retriever', several separated by '|') → class
+    ids; an empty, unknown or out-of-range label is a ValueError naming the widget and what it takes."""
+    from ..pipelines.var_pipeline import ClassLabelError
+    labels = [lab.strip() for lab in str(class_label).split("|") if lab.strip()]
+    n = pipe.num_classes
+    takes = f"class ids 0..{n - 1}" + (" or the model's class names" if pipe.labels else "")
+    if not labels:
+        raise ValueError(f"SparseVAR Sampler: class_label is empty: give one of the {takes}, several separated by '|'")
+    ids = []
+    for lab in labels:
+        value = int(lab) if lab.removeprefix("-").isdecimal() else lab
+        try:
+            ids += pipe.get_label_ids(value)
+        except ClassLabelError as e:
+            problem = e.problem if e.problem.endswith((".", "?")) else e.problem + "."
+            raise ValueError(f"SparseVAR Sampler: class_label {lab!r}: {problem} Give one of the {takes}") from None
+        except ValueError as e:
+            raise ValueError(f"SparseVAR Sampler: class_label {lab!r}: {e}") from None
+    return ids
+
+
 class SparseVARSampler(io.ComfyNode):
     """One ProgressBar tick per scale, without a preview image: a VAR preview needs a full VQVAE
     decode of the latent, as expensive as the final one, so it is not "cheap" at any scale.
@@ -358,12 +380,15 @@ class SparseVARSampler(io.ComfyNode):
                 fastvar=None) -> io.NodeOutput:
         pipe = model.pipe
         infinity = isinstance(pipe, InfinityPipeline)
+        if fastvar is not None and (sparsevar is not None or anchors is not None):
+            raise ValueError("SparseVAR Sampler: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the "
+                             "two methods cannot be combined (both choose the tokens each scale computes): "
+                             "disconnect one of them")
         policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar)
         if infinity:
             total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
         else:
-            labels = [lab.strip() for lab in str(class_label).split("|") if lab.strip()]
-            labels = [int(lab) if lab.isdigit() else lab for lab in labels]
+            labels = _class_ids(pipe, class_label)
             total = pipe.num_timesteps
         model_management.load_models_gpu([model.patcher])
         bar = comfy_utils.ProgressBar(total)
@@ -407,6 +432,10 @@ class TokenMapPreview(io.ComfyNode):
     @classmethod
     def execute(cls, token_maps, images) -> io.NodeOutput:
         from ..viz import token_map_images
+        if not token_maps.token_maps:
+            raise ValueError("Token Map Preview: these stats hold no token maps: connect a SparseVAR Settings node to "
+                             "the sampler's 'sparsevar' input (with tau > 0 or keep_ratio < 1); maps exist for the "
+                             "scales SparseVAR pruned")
         return io.NodeOutput(token_map_images(token_maps, images))
 
 

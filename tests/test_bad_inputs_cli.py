@@ -271,3 +271,41 @@ def test_progress_bar_counts_and_help_say_what_happened(tmp_path, var_official_f
         text = " ".join(capsys.readouterr().out.split())
         assert f"about {readme_minutes.group(1)} min on one H100" in text, text
     assert "into ./sparsevar-demo unless --out says otherwise" in text and "the package is left as it is" in text
+
+
+# ---- 6. third campaign: empty paths, odd class ids, clashing outputs, repeated flags ------------------------
+@pytest.mark.parametrize("argv, message", [
+    # an unset shell variable: was read as "not given" (the demo model drew, or maps went into ./)
+    (["generate", "--model", ""], "--model is empty (an unset shell variable?): give a path, or leave --model out"),
+    (["generate", "--var-ckpt", "", "--vae-ckpt", ""], "--var-ckpt is empty"),
+    (["generate", "--prompt", "a fox", "--text-encoder", " "], "--text-encoder is empty"),
+    (["generate", "--sparsevar", "--save-token-maps", ""], "--save-token-maps is empty"),
+    # the token maps' folder where an image goes: the image was written, then exit 1 "[Errno 17] File exists"
+    (["generate", "--sparsevar", "--save-token-maps", "img.png", "--out", "img.png"],
+     "--save-token-maps img.png: that is where --out writes an image; give the token maps a folder of their own "
+     "(e.g. img_maps)"),
+    (["generate", "--sparsevar", "--num", "2", "--save-token-maps", "./img_1.png", "--out", "img.png"],
+     "that is where --out writes an image"),
+    # a digit that is not a number: was int()'s own message
+    (["generate", "--class", "²"], "--class ²: unknown class name '²'."),
+])
+def test_empty_paths_odd_ids_and_clashing_outputs_are_refused(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    _fails(argv + ([] if "--out" in argv else ["--out", "x.png"]) + ["--quiet"], capsys, "generate", message)
+    assert _files(tmp_path) == set()
+
+
+def test_repeated_class_and_prompt_flags_add_up(tmp_path, capsys):
+    """`--class 1 --class tree` drew class 'tree' alone (argparse kept the last): both are drawn, as
+    `--class 1 tree` draws them."""
+    import numpy as np
+    import PIL.Image
+    assert main(["generate", "--class", "1", "--class", "tree", "--out", str(tmp_path / "x.png"), "--quiet"]) == 0
+    assert main(["generate", "--class", "1", "tree", "--out", str(tmp_path / "y.png"), "--quiet"]) == 0
+    assert _files(tmp_path) == {"x_0.png", "x_1.png", "y_0.png", "y_1.png"}
+    for i in (0, 1):
+        a, b = (np.asarray(PIL.Image.open(tmp_path / f"{n}_{i}.png")) for n in "xy")
+        assert a.shape == (256, 256, 3) and np.array_equal(a, b)
+    assert main(["generate", "--prompt", "a", "--prompt", "b", "--height", "256", "--width", "256",
+                 "--out", str(tmp_path / "p.png"), "--quiet"]) == 0
+    assert {"p_0.png", "p_1.png"} <= _files(tmp_path) and "p.png" not in _files(tmp_path)
