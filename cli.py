@@ -70,6 +70,12 @@ def _number_in(value, flag: str, ok, what: str) -> None:
         raise CLIError(f"{flag} {value}: {what}")
 
 
+def _check_cfg(value, neutral: int) -> None:
+    from .engine.state import GUIDANCE_SCALE_MAX
+    _number_in(value, "--cfg", lambda v: 0.0 <= v <= GUIDANCE_SCALE_MAX,
+               f"give a guidance scale in [0, {GUIDANCE_SCALE_MAX:g}] ({neutral} disables guidance)")
+
+
 def _no_empty_paths(args, *flags: tuple[str, str]) -> None:
     """An empty path (``--model ""``, often an unset shell variable) is refused rather than read as
     "not given", which would quietly run the default model or write into the current folder."""
@@ -203,8 +209,7 @@ def _check_generate_args(args, text: bool) -> None:
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1] (0 disables "
                                                                     "nucleus sampling)")
-    _number_in(args.cfg, "--cfg", lambda v: v >= 0.0, f"give a guidance scale >= 0 ({1 if text else 0} "
-                                                        f"disables guidance)")
+    _check_cfg(args.cfg, 1 if text else 0)
     _number_in(args.temperature, "--temperature", lambda v: v > 0.0, "give a temperature > 0 (official: 0.5 for "
                                                                        "Infinity-2B, 1.0 for 8B)")
     if text:
@@ -414,6 +419,9 @@ def cmd_generate(args) -> int:
         from .pipelines.var_pipeline import VARPipeline as family
     from .pipelines.var_pipeline import check_memory
     configs = _policy_configs(args, family.PRESET_FAMILY)
+    if args.quiet and text:                           # transformers' "Loading weights" bar for the T5
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()
     pipe = (_load_infinity if text else _load_pipeline)(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
     _apply_acceleration(pipe, args, configs)
@@ -606,7 +614,7 @@ def cmd_bench_quality(args) -> int:
     _device(args.device)
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1]")
-    _number_in(args.cfg, "--cfg", lambda v: v >= 0.0, "give a guidance scale >= 0 (0 disables guidance)")
+    _check_cfg(args.cfg, 0)
     _at_least(args.warmup, 0, "--warmup", "give the number of untimed generations, 0 or more")
     _at_least(args.grid_seeds, 1, "--grid-seeds", "give the number of grid rows, 1 or more")
     _check_writable(args.out, "--out", folder=True)

@@ -33,11 +33,17 @@ class ModelInfo:
         return self.num_layers // self.layer_groups if self.layer_groups else 1
 
 
+GUIDANCE_SCALE_MAX = 100.0
+"""The largest guidance scale accepted. Past a few units guidance only sharpens sampling towards
+greedy (``top_k=1`` is greedy outright); far larger values overflow the guided logits to inf, which
+samples garbage."""
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How codes are drawn at every scale.
 
-    guidance_scale: classifier-free guidance strength (>= 0). VAR and HART ramp it linearly with the
+    guidance_scale: classifier-free guidance strength, 0 … ``GUIDANCE_SCALE_MAX``. VAR and HART ramp it linearly with the
         scale index, from 0 at the first scale to this value at the last; 0 disables guidance.
         Official VAR demo: 4.0; FID evaluation: 1.5.
     top_k: keep the k most likely codes per token (0 = no limit). Official: 900.

@@ -292,6 +292,17 @@ def var_config_from_state_dict(sd: Mapping[str, torch.Tensor], patch_nums: Optio
     return cfg
 
 
+def check_finite(model: torch.nn.Module, path, what: str) -> None:
+    """Refuse a model whose floating-point parameters hold NaN or infinity (a damaged or badly converted
+    file generates a garbage image otherwise). Buffers are not checked: masks legitimately hold -inf."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all()):
+            bad = int((~torch.isfinite(param)).sum())
+            raise ValueError(f"{what} {path}: {name} holds {bad:,} NaN or infinite values of {param.numel():,}; "
+                             f"the file is damaged or was converted from a diverged model — re-download or "
+                             f"re-convert it")
+
+
 def _load_into(model_cls, cfg: dict, sd: dict, path, what: str):
     from accelerate import init_empty_weights
 
@@ -313,6 +324,7 @@ def _load_into(model_cls, cfg: dict, sd: dict, path, what: str):
     except RuntimeError as e:
         raise ValueError(f"{what} {path}: tensor shapes do not fit the inferred architecture ({cfg}): "
                          f"{str(e).splitlines()[-1].strip()[:300]}") from None
+    check_finite(model, path, what)
     return model.eval().requires_grad_(False)
 
 
@@ -398,6 +410,8 @@ def _describe_pipeline_folder(p: Path) -> dict:
     pipeline = read_json_file(p / "model_index.json", "pipeline folder").get("_class_name")
     classes = {"VARPipeline": {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
                "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE}}.get(pipeline, {})
+    if pipeline in _PIPELINE_USE:                    # the checks a load makes: every component present and agreeing
+        check_pipeline_folder(p, pipeline, pipeline_components(pipeline), "")
     info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
             "family": {"VARPipeline": "var", "InfinityPipeline": "infinity"}.get(pipeline, "unknown"),
             "parameters": 0}
@@ -980,6 +994,17 @@ def _refuse_t5_differences(cfg_path: Path, weights, config: dict, implied: dict,
                          f"config.json, or {fix_tail}")
 
 
+def pipeline_components(pipeline: str) -> dict:
+    """The component map :func:`check_pipeline_folder` takes for ``pipeline`` (``"VARPipeline"`` or
+    ``"InfinityPipeline"``): subfolder → module class, ``"text_encoder"`` or None."""
+    from .bsq_vae import BSQVAE
+    from .infinity import InfinityTransformer
+    from .var import VARTransformer
+    return {"VARPipeline": {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
+            "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE, "text_encoder": "text_encoder",
+                                 "tokenizer": None}}[pipeline]
+
+
 def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
     """Check a pipeline folder written by ``save_pretrained`` / ``sparsevar convert`` before anything is
     loaded, and return its ``model_index.json``.
@@ -1055,6 +1080,7 @@ def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[t
     kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
     model = cls.from_pretrained(root, subfolder=subfolder, local_files_only=True, use_safetensors=use_safetensors,
                                 **kw)
+    check_finite(model, folder, "the weights in")
     return model.eval().requires_grad_(False)
 
 
@@ -1075,4 +1101,5 @@ def load_pretrained_text_encoder(text_encoder_folder, tokenizer_folder, dtype: t
     except Exception as e:
         raise ValueError(f"{text_encoder_folder}: the T5 encoder could not be loaded ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); {_RECONVERT}") from None
+    check_finite(t5, text_encoder_folder, "T5 encoder")
     return tokenizer, t5.to(dtype).eval().requires_grad_(False)

@@ -134,7 +134,7 @@ def load_t5(path, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoTokenizer, T5EncoderModel
 
-    from .loading import check_saved_text_encoder
+    from .loading import check_finite, check_saved_text_encoder
 
     p = check_text_encoder_folder(path)
     check_saved_text_encoder(p, fix=f"put {FLAN_T5_HINT} there")
@@ -149,6 +149,7 @@ def load_t5(path, dtype: torch.dtype = torch.float32):
     except Exception as e:
         raise ValueError(f"{p}: the T5 encoder could not be loaded ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}). Put {FLAN_T5_HINT} there") from e
+    check_finite(model, p, "T5 encoder")
     return tokenizer, model.to(dtype).eval().requires_grad_(False)
 
 

@@ -4,6 +4,7 @@ adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` 
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Optional
 
@@ -18,6 +19,7 @@ from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPo
 from ..sparse_ops._backend import resolve_backend
 
 logger = logging.getLogger(__name__)
+LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
 
 
 def check_call_arguments(generator, n_images: int, num_images_per_prompt, callback_on_step_end,
@@ -58,6 +60,11 @@ def check_call_arguments(generator, n_images: int, num_images_per_prompt, callba
             raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
 
 
+class _DropCPUHalfWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "cannot run with `cpu` device" not in record.getMessage()
+
+
 class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
     InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
@@ -68,19 +75,49 @@ class AcceleratedPipelineMixin:
 
     def to(self, *args, **kwargs):
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
-        that names no device (or a dtype given as a string) refused in one line naming the value."""
+        that names no device (or a dtype given as a string), or the meta device (which holds no
+        weights), refused in one line naming the value."""
         for value in (*args, kwargs.get("device"), kwargs.get("torch_device")):
-            if not isinstance(value, str):
+            if not isinstance(value, (str, torch.device)):
                 continue
             try:
-                torch.device(value)
+                device = torch.device(value)
             except (RuntimeError, ValueError):
                 key = value.strip().lower().removeprefix("torch.")
                 hint = f"; for a dtype pass torch.{key}" if key in ("float32", "float16", "bfloat16", "half",
                                                                      "float") else ""
                 raise ValueError(f"to({value!r}): not a device; pass 'cpu', 'cuda' or 'cuda:N' (or a torch.device)"
                                  f"{hint}") from None
-        return super().to(*args, **kwargs)
+            if device.type == "meta":
+                raise ValueError(f"to({str(value)!r}): the meta device holds no weights, so the pipeline could not "
+                                 f"generate again; pass 'cpu', 'cuda' or 'cuda:N'")
+        diffusers_log = logging.getLogger("diffusers.pipelines.pipeline_utils")
+        quiet = _DropCPUHalfWarning()            # diffusers says float16 cannot run on the CPU; here it does
+        diffusers_log.addFilter(quiet)
+        try:
+            return super().to(*args, **kwargs)
+        finally:
+            diffusers_log.removeFilter(quiet)
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
+        """diffusers' ``save_pretrained``: ``model_index.json`` and one subfolder per component
+        (safetensors). Our components are recorded under the library name ``sparsevar`` rather than
+        the defining module's, which inside ComfyUI is a file-system path no other process could import.
+        ``save_directory`` must be a folder (made if missing); an existing file there is refused."""
+        from diffusers import ModelMixin
+
+        from ..models.loading import local_path
+        path = local_path(save_directory, "save_directory")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"save_directory={str(path)!r} is a file; pass a folder to write the pipeline into "
+                             f"(it is made if missing)")
+        super().save_pretrained(path, safe_serialization=safe_serialization, **kwargs)
+        index_path = path / "model_index.json"
+        index = json.loads(index_path.read_text())
+        for name, module in self.components.items():
+            if isinstance(module, ModelMixin):
+                index[name] = [LIBRARY_NAME, type(module).__name__]
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "AcceleratedPipelineMixin":
         """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the

@@ -10,12 +10,10 @@ defaults follow the official 2B notebook (guidance 3, temperature 0.5, top-k 900
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -25,7 +23,7 @@ from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
 from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
-from ..engine.state import GenerationStats, SamplingSettings
+from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
                                InfinityResolution, InfinityTransformer, infinity_loop_flops, infinity_resolution,
@@ -38,7 +36,6 @@ from .var_pipeline import _dtype_of, _finish_bar, check_memory
 logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-LIBRARY_NAME = "sparsevar"
 PRESET_FAMILY = "infinity-2b"      # key of the policy presets (SPARSEVAR_PRESETS / FASTVAR_PRESETS)
 
 
@@ -170,7 +167,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
         "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
         from ..models.loading import (check_pipeline_folder, load_pretrained_component, load_pretrained_text_encoder,
-                                      local_path, resolve_dtype)
+                                      local_path, pipeline_components, resolve_dtype)
         if kwargs:
             raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
         dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
@@ -180,8 +177,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
         text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
         path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
-        check_pipeline_folder(path, "InfinityPipeline", {"transformer": InfinityTransformer, "vae": BSQVAE,
-                                                         "text_encoder": "text_encoder", "tokenizer": None},
+        check_pipeline_folder(path, "InfinityPipeline", pipeline_components("InfinityPipeline"),
                               "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
                               "vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
                               "--text-encoder FOLDER)")
@@ -190,16 +186,6 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)
         tokenizer, t5 = load_pretrained_text_encoder(path / "text_encoder", path / "tokenizer", text_encoder_dtype)
         return cls(transformer=transformer, vae=vae, text_encoder=t5, tokenizer=tokenizer)
-
-    def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
-        """Write ``model_index.json`` + ``transformer/`` + ``vae/`` + ``text_encoder/`` + ``tokenizer/``.
-        Our components are recorded under the library name ``sparsevar`` (see VARPipeline)."""
-        super().save_pretrained(save_directory, safe_serialization=safe_serialization, **kwargs)
-        index_path = Path(save_directory) / "model_index.json"
-        index = json.loads(index_path.read_text())
-        for name in ("transformer", "vae"):
-            index[name] = [LIBRARY_NAME, type(getattr(self, name)).__name__]
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod
@@ -301,8 +287,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                            "2K extension; pruning those scales with SparseVAR or FastVAR makes it much faster)",
                            height, width, len(resolution.hw) - TRAINED_SCALES, TRAINED_SCALES)
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
-                or not math.isfinite(guidance_scale) or guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be a number >= 0 (1 disables guidance), got {guidance_scale!r}")
+                or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
+            raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] (1 disables guidance), "
+                             f"got {guidance_scale!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
                 or not math.isfinite(temperature) or temperature <= 0:
             raise ValueError(f"temperature must be a number > 0 (official: 0.5 for 2B, 1.0 for 8B), got {temperature!r}")

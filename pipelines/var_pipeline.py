@@ -9,10 +9,8 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import math
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -22,7 +20,7 @@ from diffusers.utils import BaseOutput
 
 from ..engine.sampler import generate
 from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
-from ..engine.state import GenerationStats, SamplingSettings
+from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
@@ -31,7 +29,6 @@ from ..policies.base import Policy, PolicyStack
 logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
 
 
 @dataclass
@@ -268,7 +265,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype: the VQVAE's. Each takes a torch dtype or a string such as "float16" / "fp16",
         "bfloat16" / "bf16", "float32" / "fp32".
         """
-        from ..models.loading import check_pipeline_folder, load_pretrained_component, local_path, resolve_dtype
+        from ..models.loading import (check_pipeline_folder, load_pretrained_component, local_path,
+                                      pipeline_components, resolve_dtype)
         if kwargs:
             raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
         dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
@@ -277,7 +275,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         dtype = dtype if dtype is not None else torch_dtype
         vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
         path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
-        index = check_pipeline_folder(path, "VARPipeline", {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
+        index = check_pipeline_folder(path, "VARPipeline", pipeline_components("VARPipeline"),
                                       "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
                                       "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
                                       "`sparsevar convert`")
@@ -287,19 +285,6 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if id2label is not None:
             id2label = check_id2label(id2label, f"{path / 'model_index.json'}: \"id2label\"")
         return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
-
-    def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
-        """Write ``model_index.json`` + ``transformer/`` + ``vqvae/`` (safetensors).
-
-        The component library is recorded as ``sparsevar`` rather than the defining module's name,
-        which inside ComfyUI is a file-system path that no other process could import.
-        """
-        super().save_pretrained(save_directory, safe_serialization=safe_serialization, **kwargs)
-        index_path = Path(save_directory) / "model_index.json"
-        index = json.loads(index_path.read_text())
-        for name in ("transformer", "vqvae"):
-            index[name] = [LIBRARY_NAME, type(getattr(self, name)).__name__]
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     # ---- labels ---------------------------------------------------------------------------------
     @property
@@ -404,8 +389,9 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if not ids:
             raise ValueError("class_labels is empty: pass at least one class id or name")
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
-                or not math.isfinite(guidance_scale) or guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be a number >= 0 (0 disables guidance), got {guidance_scale!r}")
+                or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
+            raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] (0 disables guidance), "
+                             f"got {guidance_scale!r}")
         if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 keeps every code), got {top_k!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:

@@ -88,6 +88,10 @@ def test_the_pipeline_works_after_a_refused_call_and_after_a_callback_that_raise
     (lambda: VARPipeline.from_demo().to("bogus"), ValueError,
      "to('bogus'): not a device; pass 'cpu', 'cuda' or 'cuda:N' (or a torch.device)"),
     (lambda: VARPipeline.from_demo().to("float16"), ValueError, "for a dtype pass torch.float16"),
+    (lambda: VARPipeline.from_demo().to("meta"), ValueError,       # was: "unsupported scalarType" at the next call
+     "to('meta'): the meta device holds no weights, so the pipeline could not generate again; pass 'cpu'"),
+    (lambda: VARPipeline.from_demo().to(torch.device("meta")), ValueError, "to('meta'): the meta device"),
+    (lambda: VARPipeline.from_demo().to(device="meta", dtype=torch.float16), ValueError, "to('meta')"),
 ])
 def test_paths_and_devices_of_the_wrong_kind_name_the_argument(call, error, words):
     with pytest.raises(error) as e:
@@ -168,3 +172,22 @@ def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(tmp_path):
     assert out["preview"].startswith("ValueError: Token Map Preview: these stats hold no token maps: connect a "
                                      "SparseVAR Settings node to the sampler's 'sparsevar' input")
     assert sorted(p.name for p in tmp_path.iterdir()) == []           # nothing written where it ran
+
+
+def test_save_pretrained_onto_a_file_names_it_and_leaves_the_file(tmp_path):
+    """Was: diffusers' raw NotADirectoryError from deep inside save_pretrained."""
+    target = tmp_path / "model.png"
+    target.write_bytes(b"an image")
+    with pytest.raises(ValueError) as e:
+        VARPipeline.from_demo().save_pretrained(target)
+    assert f"save_directory={str(target)!r} is a file; pass a folder" in _one_line(e)
+    assert target.read_bytes() == b"an image" and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_half_precision_pipeline_on_the_cpu_runs_without_diffusers_warning(demo, caplog):
+    """diffusers warns that float16 "cannot run" on the CPU; it runs here, so the warning is wrong."""
+    caplog.set_level("WARNING")
+    pipe = VARPipeline.from_demo(dtype=torch.float16).to("cpu")
+    assert "cannot run with `cpu` device" not in caplog.text
+    image = pipe(3, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 3, 256, 256) and torch.isfinite(image).all() and image.std() > 0.05

@@ -91,8 +91,11 @@ def test_images_are_written_whole_with_no_temporary_file_left(tmp_path, var_offi
     (["generate", "--prompt", "a fox", "--height", "300"], "--height 300 --width 1024: height=300, width=1024 is not "
                                                            "an Infinity size"),
     (["generate", "--num", "0"], "--num 0: give the number of images per class, 1 or more"),
-    (["generate", "--cfg", "-1"], "--cfg -1.0: give a guidance scale >= 0"),
-    (["generate", "--cfg", "nan"], "--cfg nan: give a guidance scale >= 0"),
+    (["generate", "--cfg", "-1"], "--cfg -1.0: give a guidance scale in [0, 100] (0 disables guidance)"),
+    (["generate", "--cfg", "nan"], "--cfg nan: give a guidance scale in [0, 100]"),
+    (["generate", "--cfg", "1e308"], "--cfg 1e+308: give a guidance scale in [0, 100]"),   # was: garbage, exit 0
+    (["generate", "--prompt", "a fox", "--cfg", "101"], "--cfg 101.0: give a guidance scale in [0, 100] (1 disables "
+                                                        "guidance)"),
     (["generate", "--top-k", "-1"], "--top-k -1: give 0 (no limit) or more"),
     (["generate", "--top-p", "1.5"], "--top-p 1.5: give a probability in [0, 1]"),
     (["generate", "--top-p", "-0.1"], "--top-p -0.1: give a probability in [0, 1]"),

@@ -477,3 +477,47 @@ def test_a_t5_folder_that_is_no_flan_t5_is_refused_before_loading(tiny_infinity_
         InfinityPipeline.from_single_file(f["transformer"], f["vae"], text_encoder=t5)
     msg = str(exc.value)
     assert all(w in msg for w in words) and "ignore_mismatched_sizes" not in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, capsys, value):
+    """A converted folder with NaN weights drew a garbage image and exited 0."""
+    from safetensors.torch import load_file, save_file
+    folder = _demo_copy(tmp_path)
+    weights = folder / "transformer" / WEIGHTS
+    sd = load_file(str(weights))
+    key = sorted(k for k in sd if sd[k].dim() == 2)[0]
+    sd[key][0, :3] = value
+    save_file(sd, str(weights))
+    out = tmp_path / "x.png"
+    rc, err = _cli(["generate", "--model", str(folder), "--class", "1", "--out", str(out)], capsys)
+    assert rc == 2 and not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    _one_clean_line(err)
+    assert f"the weights in {folder / 'transformer'}: {key} holds 3 NaN or infinite values" in err and "re-" in err
+
+
+def test_nan_in_an_official_checkpoint_is_refused(var_official_files, tmp_path):
+    sd = torch.load(var_official_files["var"], weights_only=True)
+    key = next(k for k, v in sd.items() if v.is_floating_point() and v.dim() == 2 and "weight" in k)
+    sd[key] = sd[key].clone()
+    sd[key].view(-1)[5] = float("nan")
+    bad = tmp_path / "var_d16.pth"
+    torch.save(sd, bad)
+    with pytest.raises(ValueError) as exc:
+        VARPipeline.from_single_file(bad, var_official_files["vae"])
+    assert f"{bad}: {key} holds 1 NaN or infinite values" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("damage", ["missing vqvae", "dangling link"])
+def test_info_refuses_a_folder_that_would_not_load(tmp_path, capsys, damage):
+    """info printed a description with exit 0 for folders generate refuses."""
+    folder = _demo_copy(tmp_path)
+    shutil.rmtree(folder / "vqvae")
+    if damage == "dangling link":
+        (folder / "vqvae").symlink_to(tmp_path / "gone")
+    rc, err = _cli(["info", str(folder)], capsys)
+    assert rc == 2
+    _one_clean_line(err)
+    assert f"{folder / 'vqvae'} is missing or not a folder" in err and RECONVERT in err
+    rc2, err2 = _cli(["generate", "--model", str(folder), "--class", "1", "--out", str(tmp_path / "y.png")], capsys)
+    assert rc2 == 2 and err2.split(": error: ")[1] == err.split(": error: ")[1]
