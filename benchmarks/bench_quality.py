@@ -45,7 +45,7 @@ import PIL.ImageFont
 import torch
 
 from ..engine.state import SamplingSettings
-from ..policies.base import Policy, PolicyStack
+from ..engine.contract import Policy, PolicyStack
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy

@@ -9,7 +9,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ..policies.base import ScalePlan
+from .contract import ScalePlan
 from .schedule import ScaleSchedule
 from .state import ModelInfo, RunState
 

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..policies.base import PolicyStack, persistent_copy
 from .adapter import ModelAdapter
+from .contract import PolicyStack, persistent_copy
 from .memory import trim_host_heap
 from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats

@@ -15,61 +15,7 @@ from __future__ import annotations
 
 import torch
 
-
-def filter_top_k_top_p(logits_NV: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
-    """A masked copy of ``logits_NV`` (the input is not modified).
-
-    With both filters on, one ascending sort serves both: the k-th largest logit is read from it
-    (instead of a separate top-k pass; on an H100 the top-k kernel alone took as long as the sort,
-    about 25 µs per scale for 4096 codes), and masking the sorted copy below it gives exactly the
-    sorted masked logits the nucleus step needs. Only where logits tie exactly at the nucleus
-    boundary can the surviving one of them differ from sorting the masked logits (the order of
-    ties is arbitrary either way)."""
-    if logits_NV.shape[-1] == 2:
-        return _filter_pairs(logits_NV, top_k, top_p)
-    return _filter_sorted(logits_NV, top_k, top_p)
-
-
-def _filter_sorted(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`filter_top_k_top_p` for any vocabulary: a sort and a cumulative sum."""
-    V = logits_NV.shape[-1]
-    use_k = 0 < top_k < V
-    if top_p <= 0.0:
-        if not use_k:
-            return logits_NV
-        kth_N1 = torch.topk(logits_NV, top_k, dim=-1, largest=True, sorted=False).values.amin(dim=-1, keepdim=True)
-        return logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
-    sorted_NV, order_NV = torch.sort(logits_NV, dim=-1, descending=False)
-    out = logits_NV
-    if use_k:
-        kth_N1 = sorted_NV[:, V - top_k:V - top_k + 1]                        # the k-th largest
-        sorted_NV = sorted_NV.masked_fill(sorted_NV < kth_N1, float("-inf"))
-        out = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
-    cum_NV = sorted_NV.softmax(dim=-1).cumsum_(dim=-1)
-    remove_sorted = cum_NV <= (1.0 - top_p)
-    remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(-1, order_NV, remove_sorted)
-    return out.masked_fill(remove, float("-inf"))
-
-
-def _filter_pairs(logits_N2: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`filter_top_k_top_p` for two-way logits (Infinity's bits) in closed form, without the
-    sort and the cumulative sum: on an H100 the cumulative sum over rows of two alone took 0.8 ms at
-    a 64 × 64 scale (262k rows). Same result as the sorted path: top_k = 1 keeps the larger entry
-    (both at a tie), any other top_k keeps both; the nucleus removes the smaller entry when its
-    probability is <= 1 - top_p (at a tie entry 0 counts as the smaller, where the sort may take
-    either)."""
-    out = logits_N2
-    if top_k == 1:
-        out = logits_N2.masked_fill(logits_N2 < logits_N2.amax(dim=-1, keepdim=True), float("-inf"))
-    if top_p <= 0.0:
-        return out
-    p_N2 = out.softmax(dim=-1)
-    first_is_0_N = logits_N2[:, 0] <= logits_N2[:, 1]                       # the ascending sort's first entry
-    p_first_N = torch.where(first_is_0_N, p_N2[:, 0], p_N2[:, 1])
-    drop_first_N = p_first_N <= (1.0 - top_p)
-    remove_N2 = torch.stack((drop_first_N & first_is_0_N, drop_first_N & ~first_is_0_N), dim=-1)
-    return out.masked_fill(remove_N2, float("-inf"))
+from ..sparse_ops.ref import filter_top_k_top_p
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..policies.base import PolicyStack, ScalePlan
+from .contract import PolicyStack, ScalePlan
 from .schedule import ScaleSchedule
 
 GeneratorArg = Union[torch.Generator, list, None]

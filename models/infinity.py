@@ -40,7 +40,7 @@ from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
-from ..policies.base import ScalePlan, SubLayer, SubLayerContext
+from ..engine.contract import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention
 from ..sparse_ops.ref import rope_pairs
 from ._blocks import (EAGER_OPS, AbsorbedCrossMemory, CrossMemory, ElementwiseOps, TanhGeluFFN, absorb_cross_attention,

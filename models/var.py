@@ -32,7 +32,7 @@ from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
-from ..policies.base import ScalePlan, SubLayer, SubLayerContext
+from ..engine.contract import ScalePlan, SubLayer, SubLayerContext
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
 from ..sparse_ops.ops import gather_rows, scatter_rows

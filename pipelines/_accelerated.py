@@ -12,7 +12,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from ..policies.base import Policy, PolicyStack
+from ..engine.contract import Policy, PolicyStack
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace

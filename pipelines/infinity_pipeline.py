@@ -30,7 +30,7 @@ from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, 
                                infinity_resolutions, resolve_resolution, TRAINED_SCALES, ZERO_SHOT_PN)
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
-from ..policies.base import Policy, PolicyStack
+from ..engine.contract import Policy, PolicyStack
 from .var_pipeline import _dtype_of, _finish_bar, check_memory
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
-from ..policies.base import Policy, PolicyStack
+from ..engine.contract import Policy, PolicyStack
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Acceleration methods as policies over the staged sampler (one file per method)."""
-from .base import DENSE, Policy, PolicyStack, ScalePlan, SubLayer, SubLayerContext
+from ..engine.contract import DENSE, Policy, PolicyStack, ScalePlan, SubLayer, SubLayerContext
 from .fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from .scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from .sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy

@@ -20,7 +20,7 @@ import torch
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops._backend import check_backend, resolve_backend
 from ..sparse_ops.ref import pivotal_tokens  # noqa: F401  (the rule, re-exported where FastVAR lives)
-from .base import Policy, ScalePlan, SubLayer
+from ..engine.contract import Policy, ScalePlan, SubLayer
 
 
 @dataclass(frozen=True)

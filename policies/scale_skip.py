@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import Policy, ScalePlan
+from ..engine.contract import Policy, ScalePlan
 
 
 def resolve_scale_index(value: int, num_scales: int, name: str) -> int:

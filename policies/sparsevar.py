@@ -29,7 +29,7 @@ from ..sparse_ops import ref as sparse_ref
 from ..sparse_ops._backend import check_backend, resolve_backend
 # token roles in the maps stored for visualisation (GenerationStats.token_maps); defined beside the ops
 from ..sparse_ops.ref import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT  # noqa: F401
-from .base import Policy, ScalePlan, persistent_copy
+from ..engine.contract import Policy, ScalePlan, persistent_copy
 from .scale_skip import resolve_scale_index
 
 INTERPOLATIONS = ("nearest", "bilinear")

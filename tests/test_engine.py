@@ -1,4 +1,4 @@
-"""The staged sampler and the policy hooks (engine/, policies/base.py) on the tiny fixture model,
+"""The staged sampler and the policy hooks (engine/, its contract in engine/contract.py) on the tiny fixture model,
 plus the engine's building blocks: ScaleSchedule, KVCache, top-k/top-p sampling, GenerationStats."""
 from __future__ import annotations
 
@@ -499,7 +499,7 @@ def test_top_p_always_keeps_the_largest_entry(top_p):
 def test_two_way_logits_take_the_closed_form_with_the_sorted_paths_result(top_k, top_p):
     """Infinity's bit logits (rows of two) skip the sort and cumsum; the kept entries are those of
     the sorted path, ties and near-ties at the nucleus boundary included."""
-    from sparsevar.engine.sampling import _filter_sorted
+    from sparsevar.sparse_ops.ref import _filter_sorted
 
     g = _g(11)
     logits = torch.randn(4000, 2, generator=g) * 3

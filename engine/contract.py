@@ -1,4 +1,5 @@
-"""The policy protocol: the hook points an acceleration method may use, and how policies stack.
+"""The engine's contract with acceleration methods: the hook points a policy may use, the plan it
+returns for each scale, and how policies stack.
 
 The engine and the model adapters call these hooks at fixed points of every generation
 (DESIGN.md §2). A policy overrides only the hooks it needs; the others are the neutral defaults
@@ -18,7 +19,7 @@ import torch
 from ..sparse_ops import ops as sparse_ops
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine.state import ModelInfo, RunState
+    from .state import ModelInfo, RunState
 
 SUBLAYER_KINDS = ("self_attn", "cross_attn", "ffn")
 
