@@ -1,25 +1,33 @@
-"""What every family's pipeline shares: the stack of acceleration policies, the diffusers-style
-run properties and the image post-processing. Each pipeline supplies ``adapter()`` (its engine
-adapter) and ``PRESET_FAMILY`` (the key of its presets in ``SPARSEVAR_PRESETS`` / ``FASTVAR_PRESETS``).
+"""What every family's pipeline shares: the stack of acceleration policies, the checks of a call
+that do not depend on the family, the memory check, the run of the engine with its progress bar and
+callback, the image post-processing and the diffusers-style run properties. Each pipeline supplies
+``adapter()`` (its engine adapter), ``PRESET_FAMILY`` (the key of its presets in
+``SPARSEVAR_PRESETS`` / ``FASTVAR_PRESETS``), ``DEFAULTS`` (its sampling defaults, ``defaults.py``)
+and ``_output_class`` (its output dataclass).
 """
 from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
+import numbers
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import PIL.Image
 import torch
 
 from ..engine.contract import Policy, PolicyStack
+from ..engine.sampler import generate
+from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 from ..sparse_ops._backend import resolve_backend
+from .defaults import VAR_DEFAULTS, FamilyDefaults
 
 logger = logging.getLogger(__name__)
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
 def check_call_arguments(generator, n_images: int, num_images_per_prompt, callback_on_step_end,
@@ -60,6 +68,69 @@ def check_call_arguments(generator, n_images: int, num_images_per_prompt, callba
             raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
 
 
+def _gb(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def _dtype_of(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of a module's first parameter (diffusers' ``ModelMixin.dtype`` looks at them all: 0.7 ms)."""
+    return next(module.parameters()).dtype
+
+
+def _free_bytes(device: torch.device) -> int:
+    """What the driver (GPU) or the system (CPU: memory and swap) has free now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+    return psutil.virtual_memory().available + psutil.swap_memory().free
+
+
+def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> int:
+    """Bytes a generation on ``device`` can count on: on a GPU, what the driver has free plus what
+    PyTorch's allocator holds beyond the weights of ``modules``; on the CPU, the memory and swap the
+    system has available plus what this process holds beyond those weights (the workspaces of
+    earlier calls, which a new call reuses or frees first). Generous on purpose: it bounds what
+    cannot fit, not what surely fits."""
+    device = torch.device(device)
+    weights = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())
+                  if t.device.type == device.type)
+    if device.type == "cuda":
+        return int(_free_bytes(device) + max(0, torch.cuda.memory_reserved(device) - weights))
+    import psutil
+    return int(_free_bytes(device) + max(0, psutil.Process().memory_info().rss - weights))
+
+
+def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str) -> None:
+    """Raise a ValueError before anything is allocated when ``needed`` (bytes by part, a lower bound
+    of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
+    :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
+    and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags)."""
+    adapter = pipe.adapter()
+    total = sum(needed.values())
+    if total <= _free_bytes(adapter.device):            # the usual case, without counting the weights
+        return
+    available = memory_available(adapter.device, [c for c in pipe.components.values()
+                                                  if isinstance(c, torch.nn.Module)])
+    if total <= available:
+        return
+    fit = int(available // (total / batch_size))
+    parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
+    raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {adapter.device.type}, and "
+                     f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
+
+
+def _finish_bar(pbar, stats: GenerationStats, interrupted: bool) -> None:
+    """Scales a policy skipped (scale skipping, FastVAR's ratio 1.0) are done too: the bar ends at the
+    schedule's end and says how many were skipped. An interrupted run's bar stays where it stopped."""
+    skipped = sum(s.skipped for s in stats.scales)
+    if skipped and not interrupted:
+        pbar.set_postfix_str(f"{skipped} skipped", refresh=False)
+        pbar.update(skipped)
+
+
 class _DropCPUHalfWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "cannot run with `cpu` device" not in record.getMessage()
@@ -69,9 +140,13 @@ class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
     InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
     ``self._current_scale``, ``self._adapter`` and ``self._compiled_elementwise = False`` in its
-    ``__init__``; its ``adapter()`` passes the last to the adapter's ``set_compiled_elementwise``."""
+    ``__init__``; its ``adapter()`` passes the last to the adapter's ``set_compiled_elementwise``.
+    Its ``__call__`` checks its own inputs, then :meth:`_check_call`, :meth:`_call_policies` and
+    :meth:`_generate`."""
 
     PRESET_FAMILY: str = "var"
+    DEFAULTS: FamilyDefaults = VAR_DEFAULTS
+    _output_class: type
 
     def to(self, *args, **kwargs):
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
@@ -98,6 +173,23 @@ class AcceleratedPipelineMixin:
             return super().to(*args, **kwargs)
         finally:
             diffusers_log.removeFilter(quiet)
+
+    @classmethod
+    def _pretrained_arguments(cls, path, advice: str, kwargs: dict, dtype, torch_dtype, **dtypes):
+        """The checks of ``from_pretrained`` every family shares: no unknown ``kwargs``; ``dtype``
+        and diffusers' ``torch_dtype`` agree; the other ``dtypes`` (vae_dtype, …) resolve; ``path``
+        is a folder of this pipeline (``check_pipeline_folder``; ``advice`` says how to load
+        official files instead). Returns (folder, model_index, dtype, *dtypes in their order)."""
+        from ..models.loading import check_pipeline_folder, local_path, pipeline_components, resolve_dtype
+        if kwargs:
+            raise TypeError(f"unsupported arguments for {cls.__name__}.from_pretrained: {sorted(kwargs)}")
+        dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
+        others = [resolve_dtype(v, name) for name, v in dtypes.items()]
+        path = local_path(path, "pretrained_model_name_or_path")
+        index = check_pipeline_folder(path, cls.__name__, pipeline_components(cls.__name__), advice)
+        return (path, index, dtype if dtype is not None else torch_dtype, *others)
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """diffusers' ``save_pretrained``: ``model_index.json`` and one subfolder per component
@@ -204,6 +296,81 @@ class AcceleratedPipelineMixin:
 
     def disable_scale_skip(self):
         return self.remove_policy(ScaleSkipPolicy.name)
+
+    # ---- call -------------------------------------------------------------------------------------
+    def _check_call(self, n: int, noun: str, needed: Callable[[int], dict], guidance_scale, top_k, top_p,
+                    num_images_per_prompt, output_type, generator, callback_on_step_end,
+                    callback_on_step_end_tensor_inputs, policies, size: str = "") -> int:
+        """The checks of a call that every family shares, made after its own inputs were read: the
+        sampling numbers, ``output_type``, :func:`check_call_arguments` and :func:`check_memory` for
+        ``n`` inputs (``noun``: "class label", "prompt") × ``num_images_per_prompt`` images, which
+        need ``needed(B)`` bytes (``size``: " at HxW" where the call chooses it). Returns B."""
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
+                or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
+            raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] "
+                             f"({self.DEFAULTS.guidance_off:g} disables guidance), got {guidance_scale!r}")
+        if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit; 1 = greedy), got {top_k!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
+        if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        B = n * int(num_images_per_prompt)
+        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
+                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
+                             f"{noun}s × num_images_per_prompt")
+        check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} "
+                                         f"images{size}", f"lower num_images_per_prompt, or split the {noun}s over "
+                                                          f"several calls")
+        return B
+
+    def _call_policies(self, policies: Optional[Sequence[Policy]]) -> PolicyStack:
+        """The policies of one call: those passed to it, each validated against the model and then
+        stacked (a ValueError before any work for settings the model cannot run or policies that
+        cannot be combined), or else the enabled ones."""
+        if policies is None:
+            return self._policies
+        info = self.adapter().model_info()
+        stack = PolicyStack()
+        for p in policies:
+            p.validate(info)
+            stack = stack.with_policy(p)
+        return stack
+
+    def _generate(self, conditioning, batch_size: int, policies: PolicyStack, *, guidance_scale, top_k, top_p,
+                  generator, output_type: str, return_dict: bool, callback_on_step_end,
+                  callback_on_step_end_tensor_inputs, use_cuda_graphs: Optional[bool], schedule=None, **engine):
+        """Run the engine for checked inputs (``engine``: the family's further arguments of
+        ``engine.sampler.generate``), with the progress bar and ``callback_on_step_end``; decode,
+        post-process and wrap the result as the family's output."""
+        adapter = self.adapter()
+        if use_cuda_graphs is None:
+            use_cuda_graphs = adapter.device.type == "cuda"
+        self._interrupt = False
+        settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
+        wanted = tuple(callback_on_step_end_tensor_inputs or ())
+        total = (schedule if schedule is not None else adapter.schedule).num_scales
+        with self.progress_bar(total=total) as pbar:
+            def on_scale(si: int, tensors: dict) -> None:
+                self._current_scale = si
+                if callback_on_step_end is not None:
+                    # copies: the tensors live in buffers that later scales and calls overwrite
+                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
+                pbar.update()
+
+            result = generate(adapter, conditioning, batch_size, settings=settings, generator=generator,
+                              policies=policies, callback=on_scale, cuda_graphs=use_cuda_graphs,
+                              decode=output_type != "latent", stop=lambda: self._interrupt, schedule=schedule,
+                              **engine)
+            _finish_bar(pbar, result.stats, self._interrupt)
+        self._current_scale = None
+        images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, [result.stats]
+        return self._output_class(images=images, stats=[result.stats])
 
     # ---- diffusers-style properties ---------------------------------------------------------------
     @property

@@ -21,21 +21,19 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
-from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
+from ..engine.contract import Policy, PolicyStack
+from ..engine.state import GenerationStats
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
                                InfinityResolution, InfinityTransformer, infinity_loop_flops, infinity_resolution,
                                infinity_resolutions, resolve_resolution, TRAINED_SCALES, ZERO_SHOT_PN)
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
-from ..engine.contract import Policy, PolicyStack
-from .var_pipeline import _dtype_of, _finish_bar, check_memory
+from ._accelerated import OUTPUT_TYPES, AcceleratedPipelineMixin, _dtype_of  # noqa: F401
+from .defaults import INFINITY_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 PRESET_FAMILY = "infinity-2b"      # key of the policy presets (SPARSEVAR_PRESETS / FASTVAR_PRESETS)
 
 
@@ -57,7 +55,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     """
 
     PRESET_FAMILY = PRESET_FAMILY
-
+    DEFAULTS = INFINITY_DEFAULTS
+    _output_class = InfinityPipelineOutput
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["codes", "logits", "latent"]
 
@@ -166,21 +165,12 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         dtype (or diffusers' name ``torch_dtype``): the transformer blocks' (default: as saved); vae_dtype,
         text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
         "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
-        from ..models.loading import (check_pipeline_folder, load_pretrained_component, load_pretrained_text_encoder,
-                                      local_path, pipeline_components, resolve_dtype)
-        if kwargs:
-            raise TypeError(f"unsupported arguments for InfinityPipeline.from_pretrained: {sorted(kwargs)}")
-        dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
-        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
-        dtype = dtype if dtype is not None else torch_dtype
-        vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
-        text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
-        path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
-        check_pipeline_folder(path, "InfinityPipeline", pipeline_components("InfinityPipeline"),
-                              "load the official files with InfinityPipeline.from_single_file(transformer_ckpt, "
-                              "vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
-                              "--text-encoder FOLDER)")
+        from ..models.loading import load_pretrained_component, load_pretrained_text_encoder
+        path, _, dtype, vae_dtype, text_encoder_dtype = cls._pretrained_arguments(
+            pretrained_model_name_or_path, "load the official files with InfinityPipeline.from_single_file("
+            "transformer_ckpt, vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
+            "--text-encoder FOLDER)", kwargs, dtype, torch_dtype, vae_dtype=vae_dtype,
+            text_encoder_dtype=text_encoder_dtype)
         transformer = load_pretrained_component(InfinityTransformer, path, "transformer")
         transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
         vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)
@@ -286,36 +276,21 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             logger.warning("%dx%d is a zero-shot size: %d scales past the %d the model was trained on (FastVAR's "
                            "2K extension; pruning those scales with SparseVAR or FastVAR makes it much faster)",
                            height, width, len(resolution.hw) - TRAINED_SCALES, TRAINED_SCALES)
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
-                or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
-            raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] (1 disables guidance), "
-                             f"got {guidance_scale!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
                 or not math.isfinite(temperature) or temperature <= 0:
-            raise ValueError(f"temperature must be a number > 0 (official: 0.5 for 2B, 1.0 for 8B), got {temperature!r}")
-        if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = no limit; 1 = greedy bits), got {top_k!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
-        if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-        B = n * int(num_images_per_prompt)
-        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
-                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
-                             "prompts × num_images_per_prompt")
-        check_memory(self, self._memory_needed(B, resolution), B,
-                     f"num_images_per_prompt={num_images_per_prompt} × {n} prompt(s) = {B} images at "
-                     f"{resolution.height}x{resolution.width}",
-                     "lower num_images_per_prompt, or split the prompts over several calls")
+            raise ValueError(f"temperature must be a number > 0 (official: {INFINITY_DEFAULTS.temperature:g} for 2B, "
+                             f"{INFINITY_DEFAULTS.patchify_temperature:g} for 8B), got {temperature!r}")
+        self._check_call(n, "prompt", lambda B: self._memory_needed(B, resolution), guidance_scale, top_k, top_p,
+                         num_images_per_prompt, output_type, generator, callback_on_step_end,
+                         callback_on_step_end_tensor_inputs, policies, f" at {resolution.height}x{resolution.width}")
         return resolution, n
 
     @torch.no_grad()
     def __call__(self, prompt: Union[str, Sequence[str], None] = None,
                  negative_prompt: Union[str, Sequence[str], None] = None,
-                 height: int = 1024, width: int = 1024, guidance_scale: float = 3.0,
-                 temperature: Optional[float] = None, top_k: int = 900, top_p: float = 0.97,
+                 height: int = 1024, width: int = 1024, guidance_scale: float = INFINITY_DEFAULTS.guidance_scale,
+                 temperature: Optional[float] = None, top_k: int = INFINITY_DEFAULTS.top_k,
+                 top_p: float = INFINITY_DEFAULTS.top_p,
                  num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Optional[Callable] = None,
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
@@ -355,17 +330,13 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
         if temperature is None:
-            temperature = 1.0 if self.is_patchify else 0.5
+            d = INFINITY_DEFAULTS
+            temperature = d.patchify_temperature if self.is_patchify else d.temperature
         resolution, n = self.check_inputs(prompt, negative_prompt, height, width, guidance_scale, temperature, top_k,
                                           top_p, num_images_per_prompt, output_type, generator,
                                           callback_on_step_end_tensor_inputs, prompt_features, negative_prompt_features,
                                           callback_on_step_end, policies)
-        adapter = self.adapter()
-        stack = self._policies
-        if policies is not None:
-            stack = PolicyStack()
-            for p in policies:
-                stack = stack.with_policy(p)
+        stack = self._call_policies(policies)
         text = prompt_features if prompt_features is not None else self.encode_prompt(self._prompt_list(prompt, "prompt"))
         negative = negative_prompt_features
         if negative_prompt is not None:
@@ -377,35 +348,17 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         negative = negative.repeat_each(k) if negative is not None else None
         B = text.batch
         cond = InfinityConditioning(prompt=text, negative=negative, temperature=float(temperature), resolution=resolution)
-        self._interrupt = False
-        settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
-        wanted = tuple(callback_on_step_end_tensor_inputs or ())
-        sched = resolution.schedule
-        if use_cuda_graphs is None:
-            use_cuda_graphs = adapter.device.type == "cuda"
         # at zero-shot sizes the scales past the trained schedule run eagerly: their kernels do not
         # wait on the host, and a graph pool holding the activations of 128×128-token maps would cost
         # gigabytes; the trained scales before them replay from graphs (eager, each of those spent
         # 40-90 ms waiting on kernel launches at 2048², H100)
-        graph_max_tokens = None
-        if resolution.pn in ZERO_SHOT_PN:
-            graph_max_tokens = max(h * w for h, w in sched.hw[:TRAINED_SCALES])
-        with self.progress_bar(total=sched.num_scales) as pbar:
-            def on_scale(si: int, tensors: dict) -> None:
-                self._current_scale = si
-                if callback_on_step_end is not None:
-                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
-                pbar.update()
+        sched = resolution.schedule
+        graph_max_tokens = max(h * w for h, w in sched.hw[:TRAINED_SCALES]) if resolution.pn in ZERO_SHOT_PN else None
+        return self._generate(cond, B, stack, guidance_scale=guidance_scale, top_k=top_k, top_p=top_p,
+                              generator=generator, output_type=output_type, return_dict=return_dict,
+                              callback_on_step_end=callback_on_step_end,
+                              callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                              use_cuda_graphs=use_cuda_graphs, schedule=sched, graph_max_tokens=graph_max_tokens)
 
-            result = generate(adapter, cond, B, settings=settings, generator=generator, policies=stack,
-                              callback=on_scale, decode=output_type != "latent", stop=lambda: self._interrupt,
-                              schedule=sched, cuda_graphs=use_cuda_graphs, graph_max_tokens=graph_max_tokens)
-            _finish_bar(pbar, result.stats, self._interrupt)
-        self._current_scale = None
-        images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, [result.stats]
-        return InfinityPipelineOutput(images=images, stats=[result.stats])
 
 __all__ = ["InfinityPipeline", "InfinityPipelineOutput"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -18,17 +17,15 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from ..engine.sampler import generate
-from ._accelerated import AcceleratedPipelineMixin, check_call_arguments
-from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
+from ..engine.contract import Policy, PolicyStack
+from ..engine.state import GenerationStats
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
-from ..engine.contract import Policy, PolicyStack
+from ._accelerated import OUTPUT_TYPES, AcceleratedPipelineMixin, _dtype_of, check_memory, memory_available  # noqa: F401
+from .defaults import VAR_DEFAULTS
 
 logger = logging.getLogger(__name__)
-
-OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
 @dataclass
@@ -78,69 +75,6 @@ def _json_or_repr(v) -> str:
         return repr(v)
 
 
-def _gb(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 1e3:.1f} kB"
-
-
-def _dtype_of(module: torch.nn.Module) -> torch.dtype:
-    """The dtype of a module's first parameter (diffusers' ``ModelMixin.dtype`` looks at them all: 0.7 ms)."""
-    return next(module.parameters()).dtype
-
-
-def _free_bytes(device: torch.device) -> int:
-    """What the driver (GPU) or the system (CPU: memory and swap) has free now."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-    return psutil.virtual_memory().available + psutil.swap_memory().free
-
-
-def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> int:
-    """Bytes a generation on ``device`` can count on: on a GPU, what the driver has free plus what
-    PyTorch's allocator holds beyond the weights of ``modules``; on the CPU, the memory and swap the
-    system has available plus what this process holds beyond those weights (the workspaces of
-    earlier calls, which a new call reuses or frees first). Generous on purpose: it bounds what
-    cannot fit, not what surely fits."""
-    device = torch.device(device)
-    weights = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())
-                  if t.device.type == device.type)
-    if device.type == "cuda":
-        return int(_free_bytes(device) + max(0, torch.cuda.memory_reserved(device) - weights))
-    import psutil
-    return int(_free_bytes(device) + max(0, psutil.Process().memory_info().rss - weights))
-
-
-def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str) -> None:
-    """Raise a ValueError before anything is allocated when ``needed`` (bytes by part, a lower bound
-    of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
-    :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
-    and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags)."""
-    adapter = pipe.adapter()
-    total = sum(needed.values())
-    if total <= _free_bytes(adapter.device):            # the usual case, without counting the weights
-        return
-    available = memory_available(adapter.device, [c for c in pipe.components.values()
-                                                  if isinstance(c, torch.nn.Module)])
-    if total <= available:
-        return
-    fit = int(available // (total / batch_size))
-    parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
-    raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {adapter.device.type}, and "
-                     f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
-
-
-def _finish_bar(pbar, stats: GenerationStats, interrupted: bool) -> None:
-    """Scales a policy skipped (scale skipping, FastVAR's ratio 1.0) are done too: the bar ends at the
-    schedule's end and says how many were skipped. An interrupted run's bar stays where it stopped."""
-    skipped = sum(s.skipped for s in stats.scales)
-    if skipped and not interrupted:
-        pbar.set_postfix_str(f"{skipped} skipped", refresh=False)
-        pbar.update(skipped)
-
-
 class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     """Class-conditional next-scale prediction (VAR d16–d36) with pluggable acceleration policies.
 
@@ -148,6 +82,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     ``id2label`` maps class ids to names; models with 1000 classes default to the ImageNet names.
     """
 
+    DEFAULTS = VAR_DEFAULTS
+    _output_class = VARPipelineOutput
     model_cpu_offload_seq = "transformer->vqvae"
     _callback_tensor_inputs = ["codes", "logits", "latent"]
 
@@ -265,20 +201,11 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vae_dtype: the VQVAE's. Each takes a torch dtype or a string such as "float16" / "fp16",
         "bfloat16" / "bf16", "float32" / "fp32".
         """
-        from ..models.loading import (check_pipeline_folder, load_pretrained_component, local_path,
-                                      pipeline_components, resolve_dtype)
-        if kwargs:
-            raise TypeError(f"unsupported arguments for VARPipeline.from_pretrained: {sorted(kwargs)}")
-        dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
-        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
-        dtype = dtype if dtype is not None else torch_dtype
-        vae_dtype = resolve_dtype(vae_dtype, "vae_dtype")
-        path = local_path(pretrained_model_name_or_path, "pretrained_model_name_or_path")
-        index = check_pipeline_folder(path, "VARPipeline", pipeline_components("VARPipeline"),
-                                      "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
-                                      "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
-                                      "`sparsevar convert`")
+        from ..models.loading import load_pretrained_component
+        path, index, dtype, vae_dtype = cls._pretrained_arguments(
+            pretrained_model_name_or_path, "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
+            "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with `sparsevar convert`", kwargs,
+            dtype, torch_dtype, vae_dtype=vae_dtype)
         transformer = load_pretrained_component(VARTransformer, path, "transformer", dtype)
         vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
         id2label = index.get("id2label")
@@ -388,29 +315,14 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         ids = self.get_label_ids(class_labels)
         if not ids:
             raise ValueError("class_labels is empty: pass at least one class id or name")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
-                or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
-            raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] (0 disables guidance), "
-                             f"got {guidance_scale!r}")
-        if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 keeps every code), got {top_k!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 <= top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1] (0 disables nucleus sampling), got {top_p!r}")
-        if not isinstance(num_images_per_prompt, (int, np.integer)) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-        B = len(ids) * int(num_images_per_prompt)
-        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
-                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
-                             "len(class_labels) × num_images_per_prompt")
-        check_memory(self, self.memory_needed(B), B,
-                     f"num_images_per_prompt={num_images_per_prompt} × {len(ids)} class label(s) = {B} images",
-                     "lower num_images_per_prompt, or split the labels over several calls")
+        self._check_call(len(ids), "class label", self.memory_needed, guidance_scale, top_k, top_p,
+                         num_images_per_prompt, output_type, generator, callback_on_step_end,
+                         callback_on_step_end_tensor_inputs, policies)
         return ids
 
     @torch.no_grad()
-    def __call__(self, class_labels=None, guidance_scale: float = 4.0, top_k: int = 900, top_p: float = 0.95,
+    def __call__(self, class_labels=None, guidance_scale: float = VAR_DEFAULTS.guidance_scale,
+                 top_k: int = VAR_DEFAULTS.top_k, top_p: float = VAR_DEFAULTS.top_p,
                  num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Optional[Callable] = None,
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
@@ -438,38 +350,13 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """
         ids = self.check_inputs(class_labels, guidance_scale, top_k, top_p, num_images_per_prompt, output_type,
                                 generator, callback_on_step_end_tensor_inputs, callback_on_step_end, policies)
-        adapter = self.adapter()
-        stack = self._policies
-        if policies is not None:
-            stack = PolicyStack()
-            for p in policies:
-                p.validate(adapter.model_info())
-                stack = stack.with_policy(p)
+        stack = self._call_policies(policies)
         labels_B = torch.tensor(ids, dtype=torch.long).repeat_interleave(int(num_images_per_prompt))
-        B = labels_B.shape[0]
-        if use_cuda_graphs is None:
-            use_cuda_graphs = adapter.device.type == "cuda"
-        self._interrupt = False
-        settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
-        wanted = tuple(callback_on_step_end_tensor_inputs or ())
+        return self._generate(labels_B, labels_B.shape[0], stack, guidance_scale=guidance_scale, top_k=top_k,
+                              top_p=top_p, generator=generator, output_type=output_type, return_dict=return_dict,
+                              callback_on_step_end=callback_on_step_end,
+                              callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                              use_cuda_graphs=use_cuda_graphs)
 
-        with self.progress_bar(total=adapter.schedule.num_scales) as pbar:
-            def on_scale(si: int, tensors: dict) -> None:
-                self._current_scale = si
-                if callback_on_step_end is not None:
-                    # copies: the tensors live in buffers that later scales and calls overwrite
-                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
-                pbar.update()
-
-            result = generate(adapter, labels_B, B, settings=settings, generator=generator, policies=stack,
-                              callback=on_scale, cuda_graphs=use_cuda_graphs, decode=output_type != "latent",
-                              stop=lambda: self._interrupt)
-            _finish_bar(pbar, result.stats, self._interrupt)
-        self._current_scale = None
-        images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, [result.stats]
-        return VARPipelineOutput(images=images, stats=[result.stats])
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "check_id2label"]
