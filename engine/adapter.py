@@ -10,6 +10,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from .contract import ScalePlan
+from .graphs import GraphStreams
 from .schedule import ScaleSchedule
 from .state import ModelInfo, RunState
 
@@ -19,13 +20,18 @@ class ModelAdapter(Protocol):
     schedule: ScaleSchedule
     num_layers: int
     supports_cuda_graphs: bool
+    # guide, sample (with its noise drawn beforehand), residual and accumulate may be captured with
+    # the scale's compute into one CUDA graph (see sample)
+    supports_scale_graphs: bool
+    graph_streams: GraphStreams    # the side streams the engine's graphs of this adapter use
 
     def model_info(self) -> ModelInfo:
         """Family, schedule and layer topology (what policies validate their settings against)."""
 
     def begin(self, run: RunState, conditioning: Any) -> None:
         """Set up a generation: conditioning rows ([cond; uncond]), hoisted per-image projections,
-        the (reused) workspace with its KV cache and latent, the first stage input."""
+        the (reused) workspace (an :class:`~.workspace.Workspace`) with its KV cache and latent,
+        the first stage input; sets ``run.workspace``."""
 
     def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> Optional[torch.Tensor]:
         """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head.

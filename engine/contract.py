@@ -2,17 +2,19 @@
 returns for each scale, and how policies stack.
 
 The engine and the model adapters call these hooks at fixed points of every generation
-(DESIGN.md §2). A policy overrides only the hooks it needs; the others are the neutral defaults
-below. ``PolicyStack`` knows which hooks any of its policies override, so a stack with no policy
-(the dense path) costs one attribute test per hook point.
+(DESIGN.md §2). A policy overrides only the hooks of its algorithm; the others are the neutral
+defaults below. At every scale its plan may say which hooks act, on which layers, and whether
+their work is fixed by the settings (:class:`ScalePlan`): the engine decides CUDA-graph capture
+and replay from that data alone (engine/graphs.py). A stack with no policy (the dense path) costs
+one empty-tuple test per hook point.
 
 Every hook receives the scale index ``si``; a policy that needs a resolution-independent key uses
 ``run.schedule.from_end(si)`` (0 = last scale) and absolute token positions, never map widths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -24,9 +26,16 @@ if TYPE_CHECKING:  # pragma: no cover
 SUBLAYER_KINDS = ("self_attn", "cross_attn", "ffn")
 
 
+HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
+IN_LAYER_HOOKS = ("wrap_sublayer", "attention")          # run inside the layers, on every token row
+IN_MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
+TAIL_HOOKS = ("post_residual", "after_scale")            # after the head
+
+
 @dataclass(frozen=True)
 class ScalePlan:
-    """What to do at one scale.
+    """What to do at one scale, and what the policy's hooks do there (the engine decides from it how
+    to run the scale, CUDA graphs included; a policy never asks whether it is being captured).
 
     skip:        do not run this scale nor any later one; decode the latent accumulated so far.
     token_index: (B, n) int64 positions (row-major, inside this scale) of the tokens to run through
@@ -35,16 +44,34 @@ class ScalePlan:
     token_valid: (B, n) bool, False for padding entries when images keep different counts (pad
                  entries repeat one of the image's kept tokens; their keys are masked out).
     cond_only:   from this scale on, drop the unconditional CFG half (guidance off).
-    static:      the subset's size follows from the settings alone (e.g. a fixed keep ratio), so
-                 the same shape recurs every generation and its layer stack may be replayed from a
-                 CUDA graph.
+    hooks:       the hooks (names of :class:`Policy` methods) the policy acts through at this scale;
+                 the engine calls no other. None: every hook the policy overrides.
+    layers:      the layers its ``wrap_sublayer``, ``attention`` and ``observe`` act on at this scale
+                 (None: all). Other layers run the dense path, and only these layers' taps are kept.
+    static:      everything the policy does at this scale follows from its settings: the subset's
+                 size, and its hooks' work (tensor work of fixed shapes, no host reads, reading only
+                 ``tensors``, the hook arguments and ``reads``), so the scale may be captured into a
+                 CUDA graph and replayed by later generations of the same settings.
+    tensors:     per-scale tensors the hooks read (by a name the policy chooses, e.g.
+                 ``"sparsevar.zero"``), through ``run.plan.tensors``; a captured scale reads copies
+                 that keep their address.
+    writes:      entries of the policy's state dict (``run.policy_state[name]``) that its hooks at
+                 this scale set for later scales — by assignment, never in place: after a replay the
+                 engine puts back what the captured run set.
+    reads:       entries its hooks at this scale read that earlier scales set: the scale is captured
+                 only when they came from a captured scale, and replays only while they still do.
     """
 
     skip: bool = False
     token_index: Optional[torch.Tensor] = None
     token_valid: Optional[torch.Tensor] = None
     cond_only: bool = False
+    hooks: Optional[frozenset] = None
+    layers: Optional[frozenset] = None
     static: bool = False
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    writes: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
 
     @property
     def dense(self) -> bool:
@@ -106,32 +133,19 @@ class SubLayer:
 
 
 class Policy:
-    """Base class: every hook is neutral. Subclasses override what they need.
+    """Base class: every hook is neutral. A subclass overrides the hooks of its algorithm; what it
+    does at each scale it may describe in the plan :meth:`plan_scale` returns (:class:`ScalePlan`),
+    which is all the engine needs to run the scale fast (CUDA graphs) — by default a policy acts
+    through every hook it overrides, at every layer, and its in-layer hooks run eagerly.
 
-    ``name`` identifies the policy in a stack (one policy per name). ``incompatible`` lists the
-    names of policies this one cannot be stacked with (checked both ways).
+    ``name`` identifies the policy in a stack (one policy per name); its per-run state lives in a
+    dict at ``run.policy_state[name]``. ``incompatible`` lists the names of policies this one cannot
+    be stacked with (checked both ways). A policy's captured graphs are keyed by its ``config`` (a
+    frozen settings object) when it has one, else by the instance.
     """
 
     name: str = "policy"
     incompatible: tuple[str, ...] = ()
-    # True when this policy's in-layer hooks (wrap_sublayer, attention) are plain tensor work of
-    # fixed shapes, keeping state only in tensors produced inside the same generation, so a layer
-    # stack with them may be captured into a CUDA graph (keyed by the policy's settings).
-    graph_capturable: bool = False
-
-    def graph_ready(self, si: int, run: "RunState") -> bool:
-        """For a capturable policy: whether replaying a captured layer stack at ``si`` is valid in
-        this generation (e.g. its cached tensors came from graph replays too)."""
-        return True
-
-    def graph_replayed(self, si: int, exports: dict, run: "RunState") -> None:
-        """A captured layer stack of scale ``si`` was replayed instead of run: ``exports`` holds the
-        tensors policies registered in ``run.graph_exports`` while it was captured (their contents
-        now refreshed), so a policy can point its per-run state at them."""
-
-    def graph_key(self) -> object:
-        """What a captured layer stack depends on besides shapes: the settings by default."""
-        return (self.name, getattr(self, "config", None))
 
     def validate(self, info: "ModelInfo") -> None:
         """Check the settings against the model (family, schedule, layers); raise ValueError naming
@@ -139,36 +153,22 @@ class Policy:
         enabled on a pipeline and again at every generation."""
 
     def begin(self, run: "RunState") -> None:
-        """A generation starts; per-run state goes into ``run.policy_state[self.name]``."""
+        """A generation starts; per-run state goes into ``run.policy_state[self.name]`` (a dict)."""
 
     def plan_scale(self, si: int, run: "RunState") -> Optional[ScalePlan]:
+        """What to do at scale ``si`` and what this policy's hooks do there; None: nothing to plan
+        (every token runs; the policy acts through every hook it overrides)."""
         return None
 
-    def uses_model_hooks(self, si: int, run: "RunState") -> bool:
-        """Whether this policy needs the in-model hooks (wrap_sublayer, observe, attention,
-        post_hidden) at scale ``si``. Scales where no policy does may be replayed from a CUDA
-        graph. Default: at every scale, if the policy overrides any of them."""
-        return any(_overrides(self, h) for h in _MODEL_HOOKS)
-
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run: "RunState") -> torch.Tensor:
+        """Run one residual sub-layer (``sub(x)`` is the dense way), e.g. on a token subset."""
         return sub(x_RlC)
-
-    def wraps_layer(self, si: int, layer: int, run: "RunState") -> bool:
-        """For a policy overriding ``wrap_sublayer`` and working inside the layers at ``si``: False
-        when its wrapper leaves ``layer``'s sub-layers as they are (e.g. outside FastVAR's layer
-        range), so the adapter may run that layer on its chained dense path. Default True."""
-        return True
 
     def observe(self, si: int, unit: tuple[str, int], x_in: torch.Tensor, x_out: torch.Tensor,
                 run: "RunState") -> None:
         """Read-only tap after a layer (``("layer", i)``): its input and output for the tokens it ran.
         Taps are delivered in layer order, after the layer (eager) or after the replay of a graph
         of the layer stack; they must not be modified."""
-
-    def observed_layers(self, si: int, run: "RunState") -> Optional[set]:
-        """The layers whose taps ``observe`` needs at scale ``si`` (None = every layer). Declaring
-        them lets the layer stack run from a CUDA graph that keeps just those taps."""
-        return None
 
     def attention(self, ctx: SubLayerContext, q_RHld: torch.Tensor, k_RHLd: torch.Tensor,
                   v_RHLd: torch.Tensor, run: "RunState") -> Optional[torch.Tensor]:
@@ -186,39 +186,78 @@ class Policy:
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run: "RunState") -> None:
         """Store what the next scale needs (maps, logits)."""
 
-    def tail_idle(self, si: int, run: "RunState") -> bool:
-        """For a policy overriding ``post_residual`` or ``after_scale``: True when both do nothing
-        at ``si`` (return the residual as it is, store nothing), so the engine may skip them and
-        run the scale's guidance, sampling and latent update inside its CUDA graph. Default False."""
-        return False
-
-    def scale_capturable(self, si: int, run: "RunState") -> bool:
-        """True when everything this policy does at ``si`` after its plan — the model hooks,
-        ``post_residual`` — may be captured into one CUDA graph with the whole scale (compute,
-        guidance, sampling, latent update), replayed in later generations of the same settings:
-        the tensors those hooks read are in buffers whose addresses do not change between
-        generations (e.g. the plan's outputs copied into workspace buffers), and what they store
-        for later scales is registered in ``run.graph_exports`` during the capture and taken back
-        in :meth:`graph_replayed`. ``after_scale`` still runs after the replay. Default False."""
-        return False
-
-
-def persistent_copy(store: dict, key, t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into ``store[key]`` (made like ``t`` at first use): a buffer whose address stays
-    the same across generations, as a captured CUDA graph that reads it needs. Keys should include
-    whatever fixes the shape (the engine's graph keys hold the subset size)."""
-    buf = store.get(key)
-    if buf is None:
-        buf = store[key] = torch.empty_like(t)
-    return buf.copy_(t)
-
-
-_MODEL_HOOKS = ("wrap_sublayer", "observe", "attention", "post_hidden")
-_HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
-
 
 def _overrides(policy: Policy, hook: str) -> bool:
     return getattr(type(policy), hook) is not getattr(Policy, hook)
+
+
+def graph_key(policy: Policy) -> object:
+    """What a captured graph depends on of a policy besides shapes: its settings (``config``), or the
+    instance when it has none."""
+    config = getattr(policy, "config", None)
+    return (policy.name, config if config is not None else id(policy))
+
+
+class ScaleHooks:
+    """Which policies act through which hook at one scale, on which layers, and what that means for
+    capture: built by :meth:`PolicyStack.plan_scale` from the policies' plans, kept in ``run.hooks``
+    for the hook dispatch, the adapters' layer loops and the engine's graphs (engine/graphs.py).
+
+    ``hooks[name]``: the acting policies, in stack order. ``wrapped`` / ``taps``: the layers a
+    sub-layer wrapper acts on / whose taps ``observe`` reads (None: all). ``static``: every acting
+    policy's plan is static. ``key``: the acting policies' :func:`graph_key`. ``writes`` / ``reads``:
+    the (policy name, state entry) pairs of their plans' ``writes`` / ``reads``."""
+
+    __slots__ = ("by_hook", "wrapped", "taps", "static", "key", "writes", "reads")
+
+    def __init__(self, acting: Sequence[tuple[Policy, Optional[ScalePlan]]] = ()):
+        by_hook: dict[str, list] = {h: [] for h in HOOKS}
+        wrapped: Optional[set] = set()
+        taps: Optional[set] = set()
+        static, key, writes, reads = True, [], [], []
+        for policy, plan in acting:
+            declared = plan.hooks if plan is not None and plan.hooks is not None else HOOKS
+            hooks = [h for h in HOOKS if h in declared and h != "plan_scale" and _overrides(policy, h)]
+            layers = plan.layers if plan is not None else None
+            for h in hooks:
+                by_hook[h].append(policy)
+            if "wrap_sublayer" in hooks and wrapped is not None:
+                wrapped = None if layers is None else wrapped | set(layers)
+            if "observe" in hooks and taps is not None:
+                taps = None if layers is None else taps | set(layers)
+            if hooks or (plan is not None and plan.token_index is not None):
+                static = static and plan is not None and plan.static
+                key.append(graph_key(policy))
+                if plan is not None:
+                    writes += [(policy.name, entry) for entry in plan.writes]
+                    reads += [(policy.name, entry) for entry in plan.reads]
+        self.by_hook = {h: tuple(v) for h, v in by_hook.items()}
+        self.wrapped = None if wrapped is None else frozenset(wrapped)
+        self.taps = None if taps is None else frozenset(taps)
+        self.static, self.key, self.writes, self.reads = static, tuple(key), tuple(writes), tuple(reads)
+
+    def __getitem__(self, hook: str) -> tuple[Policy, ...]:
+        return self.by_hook[hook]
+
+    def acts_in_model(self) -> bool:
+        return any(self.by_hook[h] for h in IN_MODEL_HOOKS)
+
+    def acts_in_layers(self) -> bool:
+        return any(self.by_hook[h] for h in IN_LAYER_HOOKS)
+
+    def acts_after_head(self) -> bool:
+        return any(self.by_hook[h] for h in TAIL_HOOKS)
+
+    def wraps(self, layer: int) -> bool:
+        """Whether a sub-layer wrapper acts on ``layer`` (elsewhere the adapters run their chained
+        dense path, whose fused steps span the sub-layer borders)."""
+        return bool(self.by_hook["wrap_sublayer"]) and (self.wrapped is None or layer in self.wrapped)
+
+    def tapped(self, layer: int) -> bool:
+        return bool(self.by_hook["observe"]) and (self.taps is None or layer in self.taps)
+
+
+NO_HOOKS = ScaleHooks()
 
 
 class PolicyStack:
@@ -241,7 +280,8 @@ class PolicyStack:
         self._refresh()
 
     def _refresh(self) -> None:
-        self.active = {h: tuple(p for p in self.policies if _overrides(p, h)) for h in _HOOKS}
+        # the hooks each policy overrides; at a scale, run.hooks says which of them act there
+        self.active = {h: tuple(p for p in self.policies if _overrides(p, h)) for h in HOOKS}
 
     def with_policy(self, policy: Policy) -> "PolicyStack":
         new = PolicyStack(self.policies)
@@ -266,90 +306,39 @@ class PolicyStack:
             p.validate(info)
 
     def begin(self, run) -> None:
+        run.hooks = ScaleHooks([(p, None) for p in self.policies])
         for p in self.policies:
             p.begin(run)
 
     def plan_scale(self, si: int, run) -> ScalePlan:
-        plan = DENSE
-        for p in self.active["plan_scale"]:
-            q = p.plan_scale(si, run)
+        """The policies' plans for scale ``si`` merged into one; ``run.hooks`` is set to who acts
+        where at this scale."""
+        if not self.policies:
+            run.hooks = NO_HOOKS
+            return DENSE
+        skip = cond_only = False
+        subset, planned, tensors = None, [], {}
+        for p in self.policies:
+            q = p.plan_scale(si, run) if p in self.active["plan_scale"] else None
+            planned.append((p, q))
             if q is None:
                 continue
-            if q.token_index is not None and plan.token_index is not None:
-                raise ValueError(f"two policies chose a token subset at scale {si}; "
-                                 f"disable one of {[x.name for x in self.active['plan_scale']]}")
-            subset = q if q.token_index is not None else plan
-            plan = ScalePlan(skip=plan.skip or q.skip, token_index=subset.token_index,
-                             token_valid=subset.token_valid, cond_only=plan.cond_only or q.cond_only,
-                             static=subset.static)
-        return plan
-
-    def uses_model_hooks(self, si: int, run) -> bool:
-        return any(p.uses_model_hooks(si, run) for p in self.policies)
-
-    def wraps_sublayers(self, si: int, run, layer: Optional[int] = None) -> bool:
-        """True when a policy wraps the sub-layers at ``si`` (one that overrides ``wrap_sublayer``
-        and works inside the layers there) — of layer ``layer`` only, when given
-        (:meth:`Policy.wraps_layer`). Elsewhere the adapters run their chained dense path, whose
-        fused steps span the sub-layer borders."""
-        return any(p.uses_model_hooks(si, run) and (layer is None or p.wraps_layer(si, layer, run))
-                   for p in self.active["wrap_sublayer"])
-
-    def unwrapped_layers(self, si: int, run, num_layers: int) -> list[bool]:
-        """Per layer at ``si``: True where no policy's sub-layer wrapper changes anything, so the
-        adapter may run that layer on its chained dense path (fused across sub-layer borders)."""
-        if not self.wraps_sublayers(si, run):
-            return [True] * num_layers
-        return [not self.wraps_sublayers(si, run, i) for i in range(num_layers)]
-
-    def graph_safe_at(self, si: int, run) -> bool:
-        """True when the policies need no hook inside the layers at ``si`` other than ``observe``
-        (which a graphed layer stack delivers after replay)."""
-        for p in self.policies:
-            if not p.uses_model_hooks(si, run):
-                continue
-            in_layer = _overrides(p, "wrap_sublayer") or _overrides(p, "attention")
-            if in_layer and not (p.graph_capturable and p.graph_ready(si, run)):
-                return False
-        return True
-
-    def tail_idle(self, si: int, run) -> bool:
-        """True when no policy acts after the head at ``si`` (see :meth:`Policy.tail_idle`)."""
-        return all(p.tail_idle(si, run) for p in self.policies
-                   if _overrides(p, "post_residual") or _overrides(p, "after_scale"))
-
-    def scale_capturable(self, si: int, run) -> bool:
-        """True when every policy acting at ``si`` (inside the model or after the head) can be
-        captured with the whole scale (see :meth:`Policy.scale_capturable`)."""
-        for p in self.policies:
-            acts_after = (_overrides(p, "post_residual") or _overrides(p, "after_scale")) and not p.tail_idle(si, run)
-            if (p.uses_model_hooks(si, run) or acts_after) and not p.scale_capturable(si, run):
-                return False
-        return True
-
-    def graph_key(self, si: int, run) -> tuple:
-        """The settings a captured layer stack at ``si`` depends on: those of the policies working
-        inside the layers there (observe-only policies change nothing that is captured)."""
-        return tuple(p.graph_key() for p in self.policies if p.uses_model_hooks(si, run)
-                     and (_overrides(p, "wrap_sublayer") or _overrides(p, "attention")))
-
-    def graph_replayed(self, si: int, exports: dict, run) -> None:
-        for p in self.policies:
-            p.graph_replayed(si, exports, run)
-
-    def observed_layers(self, si: int, run) -> Optional[set]:
-        layers: set = set()
-        for p in self.active["observe"]:
-            if not p.uses_model_hooks(si, run):
-                continue
-            got = p.observed_layers(si, run)
-            if got is None:
-                return None
-            layers |= set(got)
-        return layers
+            skip, cond_only = skip or q.skip, cond_only or q.cond_only
+            if q.token_index is not None:
+                if subset is not None:
+                    raise ValueError(f"two policies chose a token subset at scale {si}; "
+                                     f"disable one of {[x.name for x in self.active['plan_scale']]}")
+                subset = q
+            for name, t in q.tensors.items():
+                if name in tensors:
+                    raise ValueError(f"two policies name a plan tensor {name!r} at scale {si}")
+                tensors[name] = t
+        run.hooks = hooks = ScaleHooks(planned)
+        return ScalePlan(skip=skip, cond_only=cond_only, token_index=subset.token_index if subset else None,
+                         token_valid=subset.token_valid if subset else None, static=hooks.static, tensors=tensors)
 
     def wrap_sublayer(self, sub: SubLayer, x_RlC: torch.Tensor, run) -> torch.Tensor:
-        wrappers = self.active["wrap_sublayer"]
+        wrappers = run.hooks["wrap_sublayer"]
         if not wrappers:
             return sub(x_RlC)
         if len(wrappers) == 1:
@@ -357,26 +346,26 @@ class PolicyStack:
         raise ValueError(f"two policies wrap the same sub-layers: {[p.name for p in wrappers]}; disable one")
 
     def observe(self, si, unit, x_in, x_out, run) -> None:
-        for p in self.active["observe"]:
+        for p in run.hooks["observe"]:
             p.observe(si, unit, x_in, x_out, run)
 
     def attention(self, ctx, q, k, v, run):
-        for p in self.active["attention"]:
+        for p in run.hooks["attention"]:
             out = p.attention(ctx, q, k, v, run)
             if out is not None:
                 return out
         return None
 
     def post_hidden(self, si, h_RLC, run):
-        for p in self.active["post_hidden"]:
+        for p in run.hooks["post_hidden"]:
             h_RLC = p.post_hidden(si, h_RLC, run)
         return h_RLC
 
     def post_residual(self, si, residual, run):
-        for p in self.active["post_residual"]:
+        for p in run.hooks["post_residual"]:
             residual = p.post_residual(si, residual, run)
         return residual
 
     def after_scale(self, si, guided_logits, run) -> None:
-        for p in self.active["after_scale"]:
+        for p in run.hooks["after_scale"]:
             p.after_scale(si, guided_logits, run)

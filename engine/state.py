@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .contract import PolicyStack, ScalePlan
+from .contract import NO_HOOKS, PolicyStack, ScaleHooks, ScalePlan
 from .schedule import ScaleSchedule
 
 GeneratorArg = Union[torch.Generator, list, None]
@@ -141,13 +141,19 @@ class RunState:
     cfg_active: bool = True
     si: int = -1
     plan: ScalePlan = field(default_factory=ScalePlan)
+    hooks: ScaleHooks = NO_HOOKS                    # who acts where at this scale (PolicyStack.plan_scale)
     model_state: dict[str, Any] = field(default_factory=dict)
     policy_state: dict[str, Any] = field(default_factory=dict)
     workspace: Optional[Any] = None
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
-    graph_exports: dict = field(default_factory=dict)   # tensors policies register while a graph is captured
     cuda_graphs: bool = False                       # the engine replays scales from CUDA graphs this run
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def shape_cache(self) -> dict:
+        """Constants a policy derives from shapes alone (e.g. an anchor grid), kept with the workspace
+        for later generations of the same shape and freed with it."""
+        return self.workspace.policy_cache
 
     @property
     def rows(self) -> int:

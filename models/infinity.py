@@ -41,7 +41,10 @@ from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..engine.contract import ScalePlan, SubLayer, SubLayerContext
+from ..engine.graphs import GraphStreams
+from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention
+from ..sparse_ops.ops import gather_rows, scatter_rows
 from ..sparse_ops.ref import rope_pairs
 from ._blocks import (EAGER_OPS, AbsorbedCrossMemory, CrossMemory, ElementwiseOps, TanhGeluFFN, absorb_cross_attention,
                       absorbed_cross_attention, absorbs_cross_attention, dense_linear, layer_norm_no_affine,
@@ -298,7 +301,7 @@ class InfinitySelfAttention(nn.Module):
             q = ctx.ops.qk_norm_rope_store(qkv_Rl3Hd, ctx.q_mult, cos, sin, k_dst, v_dst)  # (R, H, l, d)
             k, v = ctx.kv.view(ctx.layer)
             attn_mask = ctx.kv.key_mask(ctx.layer)
-            if ctx.run.policies.active["attention"]:
+            if ctx.run.hooks["attention"]:
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
@@ -386,7 +389,7 @@ class InfinityBlock(nn.Module):
             return self._ca_norm(x, weight, bias).to(wdtype)
 
         run = ctx.run
-        if run is not None and run.policies.active["wrap_sublayer"]:
+        if run is not None and run.hooks.wraps(ctx.layer):
             stack = run.policies
             w, b = self.ca_norm.weight.view(1, 1, -1), self.ca_norm.bias.view(1, 1, -1)
             ones = torch.ones_like(g1[:1])
@@ -733,13 +736,13 @@ def kv_tail_needed(full_bytes: int, device: torch.device) -> bool:
     return full_bytes > min(KV_FULL_MAX_BYTES, KV_FULL_MAX_DEVICE_FRACTION * total)
 
 
-class _InfinityWorkspace:
+class _InfinityWorkspace(Workspace):
     """Buffers of one batch size and schedule, reused across generations of the same shape. The adapter
     keeps one at a time (``InfinityAdapter.begin``): a call of another shape frees it first."""
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
                  patchify: bool, device, dtype, kv_tail="auto"):
-        self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
+        super().__init__()
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw
@@ -785,7 +788,6 @@ class _InfinityWorkspace:
         self.ca_kq_NRMC: Optional[torch.Tensor] = None      # absorbed form (M = H·T): see set_text
         self.ca_bias_NR1M: Optional[torch.Tensor] = None
         self.ca_vo_NRMC: Optional[torch.Tensor] = None
-        self.static_index: dict = {}          # graphed layer stacks: their token-index input buffers
         self.image_buffer: Optional[torch.Tensor] = None   # decoded images of graphed runs (see decode)
         self.graph_inputs = None              # what captured graphs point at (weights, KV cache, text buffers)
 
@@ -861,8 +863,7 @@ class _InfinityWorkspace:
         inputs = (tuple(p.data_ptr() for p in model.parameters()), self.kv.storage_ptrs(),
                   self.text_buffers(), self.ca_absorbed, self.ca_masked)
         if inputs != self.graph_inputs:
-            if getattr(self, "graphs", None):
-                self.graphs.clear()
+            self.graphs.clear()
             self.graph_inputs = inputs
 
     def ensure_kv(self) -> KVCache:
@@ -888,8 +889,7 @@ class InfinityAdapter:
 
     family = "infinity"
     supports_cuda_graphs = True
-    capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
-    noise_stream = None          # the engine's stream for the sampler's pre-drawn noise
+    supports_scale_graphs = False    # its sample takes no pre-drawn noise: guidance and sampling stay eager
 
     def __init__(self, transformer: InfinityTransformer, vae, resolution: InfinityResolution = DEFAULT_RESOLUTION):
         d_tok, d_vae = transformer.config.token_dim, vae.config.codebook_dim
@@ -902,6 +902,7 @@ class InfinityAdapter:
                              f"{d_vae} bits per position (expected {d_tok}, or {d_tok // 4} for a 2×2-patchify VAE); "
                              f"pass the VAE the transformer was trained with")
         self.transformer, self.vae = transformer, vae
+        self.graph_streams = GraphStreams()
         self._code = code_value(d_vae)                 # every code entry is ±this (1/√d of the VAE's bits)
         self.resolution = resolution
         self.schedule = resolution.schedule
@@ -1023,18 +1024,18 @@ class InfinityAdapter:
         else:
             idx = plan.token_index.to(self.device, torch.long) if plan.token_index is not None else None
             valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
-            x_RLC, _ = self._layers(si, idx, valid, run, taps=None)
+            x_RLC, _ = self._layers(si, idx, valid, run)
         x_RLC = run.policies.post_hidden(si, x_RLC, run)
         return self.transformer.logits(x_RLC, run.workspace.head_mod_R2C[:run.rows], self.ops)
 
     def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
-        return graphs.layer_stack(si, plan, run, self.num_layers,
-                                  lambda idx_Bn, taps: self._layers(si, idx_Bn, None, run, taps=taps))
+        return graphs.layer_stack(si, plan, run, lambda idx_Bn, collect: self._layers(si, idx_Bn, None, run, collect))
 
     def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor],
-                run: RunState, taps: Optional[set]):
-        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter. With ``taps`` (a
-        set of layers) the taps are returned instead of handed to the policies' observe."""
+                run: RunState, collect: bool = False):
+        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter: (x, taps). The
+        tapped layers' (``run.hooks``) input and output go to the policies' observe, or with
+        ``collect`` are returned instead."""
         ws, R, B = run.workspace, run.rows, run.batch_size
         stack = run.policies
         x0_RLC = self.stage_input(si, run)
@@ -1043,7 +1044,7 @@ class InfinityAdapter:
         valid_Rn = None
         if idx_Bn is not None:
             idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
-            x_RlC = x0_RLC.gather(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x0_RLC.shape[-1]))
+            x_RlC = gather_rows(x0_RLC, idx_Rn)                                      # (R, L, C) → (R, n, C)
             pos = idx_Rn + start
             if valid_Bn is not None:
                 valid_Rn = valid_Bn.repeat(R // B, 1)
@@ -1054,14 +1055,13 @@ class InfinityAdapter:
         record = len(set(kv.lengths)) > 1              # layers out of step (per-layer pruning): record per layer
         if not record:
             kv.record_positions(kv.lengths[0], pos)    # layers in step: one write for all ((L,) or (R, n))
-        observe = bool(stack.active["observe"]) and taps is None
-        collected = []
+        hooks, collected = run.hooks, []
         rope_l = _Call(kv=None, si=si, layer=-1, run=None, qkv_bias=None, q_mult=None, cos_LD=ws.cos_LD,
                        sin_LD=ws.sin_LD, start=start, pos=pos, valid_Rl=None, record=False, ca=None).rope(pos)
         blocks = self.transformer.blocks
         # fused elementwise kernels, and layers no sub-layer wrapper changes: chain each residual add
         # with the next norm
-        chained = [self.ops.kind != "eager" and c for c in stack.unwrapped_layers(si, run, len(blocks))]
+        chained = [self.ops.kind != "eager" and not hooks.wraps(i) for i in range(len(blocks))]
         y_RlC = None                                   # a chained layer's modulated self-attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC
@@ -1076,12 +1076,13 @@ class InfinityAdapter:
                 x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], next_mod, call, ws.ones_R1C)
             else:
                 x_RlC, y_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call), None
-            if observe:
-                stack.observe(si, ("layer", i), x_in, x_RlC, run)
-            elif taps is not None and i in taps:
-                collected.append((i, x_in, x_RlC))
+            if hooks.tapped(i):
+                if collect:
+                    collected.append((i, x_in, x_RlC))
+                else:
+                    stack.observe(si, ("layer", i), x_in, x_RlC, run)
         if idx_Rn is not None:
-            x_RlC = x0_RLC.scatter(1, idx_Rn.unsqueeze(-1).expand(-1, -1, x_RlC.shape[-1]), x_RlC)
+            x_RlC = scatter_rows(x0_RLC, idx_Rn, x_RlC)                              # (R, n, C) → (R, L, C)
         return x_RlC, collected
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:

@@ -33,6 +33,8 @@ from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
 from ..engine.contract import ScalePlan, SubLayer, SubLayerContext
+from ..engine.graphs import GraphStreams
+from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
 from ..sparse_ops.ops import gather_rows, scatter_rows
@@ -108,12 +110,12 @@ class VARSelfAttention(nn.Module):
             k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos, valid)                # this scale's cache slots
             k, v = ctx.kv.view(ctx.layer)                                          # (R, H, L, d), ending with them
             attn_mask = ctx.kv.key_mask(ctx.layer)
-            if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.policies.active["attention"],
+            if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.hooks["attention"],
                                          R, H, l, k.shape[2], d):
                 out_RlC = ops.qk_norm_attend(qkv_Rl3Hd, mult, k, v).view(R, l, C)  # norm, cache write, attention
                 return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
             q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
-            if ctx.run.policies.active["attention"]:
+            if ctx.run.hooks["attention"]:
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
@@ -185,7 +187,7 @@ class VARBlock(nn.Module):
         def modulate(x, mul, shift):
             return ops.modulate(x, mul, shift, eps, wdtype)
 
-        if ctx is not None and ctx.run.policies.active["wrap_sublayer"]:
+        if ctx is not None and ctx.run.hooks.wraps(ctx.layer):
             stack, run = ctx.run.policies, ctx.run
             x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(ctx.si, ctx.layer, "self_attn"), m1, b1, g1,
                                                  attn_branch, modulate, ops.gated_residual, eps, wdtype), x_RlC, run)
@@ -356,15 +358,15 @@ def var_loop_flops(cfg, batch: int, tokens_per_scale, kv_per_scale=None, rows_pe
     return total
 
 
-class _VARWorkspace:
+class _VARWorkspace(Workspace):
     """Static buffers of one batch size, reused across generations (CUDA graphs capture them).
 
     What it holds, for batch B: the KV cache (2·B rows × the schedule's tokens × depth, the bulk: 22 MB
     per image on the demo model in float32), the latent, the per-row conditioning, and — once the
-    engine replays from CUDA graphs — the graphs with their memory pool (engine/sampler.py)."""
+    engine replays from CUDA graphs — the graphs with their memory pool (engine/graphs.py)."""
 
     def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
-        self.policy_cache: dict = {}          # policies' per-shape constants (e.g. SparseVAR's anchor geometry)
+        super().__init__()
         cfg, sch = model.config, model.schedule
         R, C = 2 * batch, cfg.embed_dim
         self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)
@@ -377,7 +379,6 @@ class _VARWorkspace:
         self.positions_L = torch.arange(sch.total_tokens, device=device)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
-        self.static_index: dict = {}     # token-index buffers read by captured layer stacks, by graph key
         self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)
 
 
@@ -394,8 +395,6 @@ class VARAdapter:
     # guide, sample (with its noise drawn beforehand), residual and accumulate capture with the
     # scale's compute into one CUDA graph; accumulate changes only the latent (engine/adapter.py)
     supports_scale_graphs = True
-    capture_stream = None        # the engine's CUDA-graph capture stream for this adapter
-    noise_stream = None          # the engine's stream for the sampler's pre-drawn noise
 
     def __init__(self, transformer: VARTransformer, vqvae):
         if transformer.config.vocab_size != vqvae.config.vocab_size or \
@@ -405,6 +404,7 @@ class VARAdapter:
                 f"{transformer.config.z_channels} channels, the VQVAE has {vqvae.config.vocab_size} × "
                 f"{vqvae.config.z_channels}; pass the VQVAE the transformer was trained with")
         self.transformer, self.vqvae = transformer, vqvae
+        self.graph_streams = GraphStreams()
         self.schedule = transformer.schedule
         self.num_layers = transformer.config.depth
         # one workspace at a time (see begin): the last batch size's, kept for the next call
@@ -508,20 +508,19 @@ class VARAdapter:
             # nothing between the last block and the head (no subset to scatter, no hidden-state
             # rewrite): under the fused ops the last block's gated residual and the head's LayerNorm +
             # AdaLN run as one step, as between blocks
-            into_head = idx is None and self.ops.kind == "fused" and not run.policies.active["post_hidden"]
-            x_RLC, _, y_RLC = self._layers(si, idx, valid, run, taps=None,
-                                           head_mod_R2C=head_mod_R2C if into_head else None)
+            into_head = idx is None and self.ops.kind == "fused" and not run.hooks["post_hidden"]
+            x_RLC, _, y_RLC = self._layers(si, idx, valid, run, head_mod_R2C=head_mod_R2C if into_head else None)
             if y_RLC is not None:
                 return self.transformer.logits(y_RLC, None, self.ops, float32=float32)
         x_RLC = run.policies.post_hidden(si, x_RLC, run)
         return self.transformer.logits(x_RLC, head_mod_R2C, self.ops, float32=float32)
 
     def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor], run: RunState,
-                taps: Optional[set], head_mod_R2C: Optional[torch.Tensor] = None):
+                collect: bool = False, head_mod_R2C: Optional[torch.Tensor] = None):
         """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter: (x, taps, head
-        input). With ``taps`` (a set of layers) the taps are returned instead of handed to the
-        policies' observe. With ``head_mod_R2C`` (no subset) a chained last block also returns the
-        head's LayerNorm + AdaLN of its output (else None)."""
+        input). The tapped layers' (``run.hooks``) input and output go to the policies' observe, or
+        with ``collect`` are returned instead. With ``head_mod_R2C`` (no subset) a chained last block
+        also returns the head's LayerNorm + AdaLN of its output (else None)."""
         ws, R, B = run.workspace, run.rows, run.batch_size
         stack = run.policies
         x0_RLC = self.stage_input(si, run)
@@ -540,11 +539,10 @@ class VARAdapter:
         record = len(set(kv.lengths)) > 1              # layers out of step (per-layer pruning): record per layer
         if not record:
             kv.record_positions(kv.lengths[0], pos)    # layers in step: one write for all ((L,) or (R, n))
-        observe = stack.active["observe"] and taps is None
-        collected = []
+        hooks, collected = run.hooks, []
         blocks = self.transformer.blocks
         # layers no sub-layer wrapper changes run the dense path, fused across block borders
-        chained = stack.unwrapped_layers(si, run, len(blocks))
+        chained = [not hooks.wraps(i) for i in range(len(blocks))]
         y_RlC = None                                   # a chained layer's modulated attention input
         for i, blk in enumerate(blocks):
             x_in = x_RlC
@@ -560,17 +558,17 @@ class VARAdapter:
                 x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], nxt, call)
             else:
                 x_RlC, y_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call), None
-            if observe:
-                stack.observe(si, ("layer", i), x_in, x_RlC, run)
-            elif taps is not None and i in taps:
-                collected.append((i, x_in, x_RlC))
+            if hooks.tapped(i):
+                if collect:
+                    collected.append((i, x_in, x_RlC))
+                else:
+                    stack.observe(si, ("layer", i), x_in, x_RlC, run)
         if idx_Rn is not None:
             x_RlC = scatter_rows(x0_RLC, idx_Rn, x_RlC)                              # (R, n, C) → (R, L, C)
         return x_RlC, collected, (y_RlC if head_mod_R2C is not None else None)
 
     def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
-        return graphs.layer_stack(si, plan, run, self.num_layers,
-                                  lambda idx_Bn, taps: self._layers(si, idx_Bn, None, run, taps=taps)[:2])
+        return graphs.layer_stack(si, plan, run, lambda idx_Bn, collect: self._layers(si, idx_Bn, None, run, collect)[:2])
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond, float32

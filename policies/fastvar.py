@@ -86,7 +86,6 @@ FASTVAR_PRESETS: dict[str, FastVARConfig] = {
 class FastVARPolicy(Policy):
     name = "fastvar"
     incompatible = ("sparsevar",)
-    graph_capturable = True      # fixed-size selections; the cache comes from the same generation
 
     def __init__(self, config: FastVARConfig = FastVARConfig()):
         self.config = config
@@ -112,37 +111,32 @@ class FastVARPolicy(Policy):
         return run.schedule.num_scales - len(ratios) + first - 1
 
     def begin(self, run) -> None:
-        run.policy_state[self.name] = {"cache_si": self._cache_scale(run), "cache": {}, "cache_eager": False,
+        run.policy_state[self.name] = {"cache_si": self._cache_scale(run), "cache": {},
                                        "backend": resolve_backend(self.config.backend, run.device, "backend")}
 
-    def graph_replayed(self, si: int, exports: dict, run) -> None:
-        # a replayed cache scale refreshed the tensors it exported at capture: use those
-        if si == run.policy_state[self.name]["cache_si"] and self.name in exports:
-            st = run.policy_state[self.name]
-            st["cache"] = dict(exports[self.name])
-            st["cache_eager"] = False
-
-    def graph_ready(self, si: int, run) -> bool:
-        # a captured pruned scale reads the cache tensors of the captured cache scale: valid only
-        # when the cache scale of this generation was replayed (or captured) too, not run eagerly
-        return not run.policy_state[self.name]["cache_eager"]
-
-    def uses_model_hooks(self, si: int, run) -> bool:
-        if self.config.neutral:
-            return False
-        st = run.policy_state[self.name]
-        r = self._ratio(si, run)
-        return si == st["cache_si"] or (r is not None and r > 0.0)
-
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
-        return ScalePlan(skip=True) if self._ratio(si, run) == 1.0 else None
+        """The cache scale stores every gated branch output of the pruned layers (``writes`` the
+        cache); pruned scales read it (fixed-size selections: static); a ratio of 1 skips the scale
+        and the ones after it."""
+        r = self._ratio(si, run)
+        if r == 1.0:
+            return ScalePlan(skip=True)
+        last = si == run.schedule.num_scales - 1
+        tail = frozenset({"after_scale"}) if last else frozenset()       # the cache is dropped after the last scale
+        if self.config.neutral:
+            return ScalePlan(hooks=frozenset(), static=True)
+        lr = self.config.layer_range
+        layers = None if lr is None else frozenset(range(lr[0], lr[1] + 1))
+        if si == run.policy_state[self.name]["cache_si"]:
+            return ScalePlan(hooks=frozenset({"wrap_sublayer"}) | tail, layers=layers, static=True, writes=("cache",))
+        if r is not None and r > 0.0:
+            return ScalePlan(hooks=frozenset({"wrap_sublayer", "after_scale"}), layers=layers, static=True,
+                             reads=("cache",))
+        return ScalePlan(hooks=tail, static=True)
 
     def _in_range(self, layer: int) -> bool:
         lr = self.config.layer_range
         return lr is None or lr[0] <= layer <= lr[1]
-
-    def wraps_layer(self, si: int, layer: int, run) -> bool:
-        return self._in_range(layer)                   # outside the range its wrapper runs the layer as is
 
     def wrap_sublayer(self, sub: SubLayer, x_RLC: torch.Tensor, run) -> torch.Tensor:
         c = self.config
@@ -154,11 +148,7 @@ class FastVARPolicy(Policy):
         R, L, C = x_RLC.shape
         if si == st["cache_si"]:                       # remember every gated branch output
             out_RLC = sub.residual(x_RLC)
-            st["cache"][key] = (out_RLC, run.schedule.hw[si])
-            capturing = x_RLC.is_cuda and torch.cuda.is_current_stream_capturing()
-            st["cache_eager"] = not capturing
-            if capturing:                              # replays of this graph refresh these tensors
-                run.graph_exports.setdefault(self.name, {})[key] = st["cache"][key]
+            st["cache"] = {**st["cache"], key: (out_RLC, run.schedule.hw[si])}   # a new dict: see ScalePlan.writes
             return x_RLC + out_RLC
         r = self._ratio(si, run)
         if r is None or r == 0.0:
@@ -171,12 +161,6 @@ class FastVARPolicy(Policy):
         # x + (pivotal ? gate · branch : area-upsampled cache) in one pass over the L tokens
         return sparse_ops.restore_residual(x_RLC, idx_Rn, branch_RnC, sub.gate, cached_RlC, cache_hw,
                                            run.schedule.hw[si], slot_RL, backend=backend)
-
-    def tail_idle(self, si: int, run) -> bool:
-        # after_scale counts tokens only at pruned scales and clears the cache only at the last one
-        r = self._ratio(si, run)
-        pruned = r is not None and 0.0 < r < 1.0 and not self.config.neutral
-        return not pruned and si < run.schedule.num_scales - 1
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         r = self._ratio(si, run)
@@ -191,4 +175,4 @@ class FastVARPolicy(Policy):
             keep = L - math.floor(L * r)
             run.tokens_computed = (pruned * keep + (N - pruned) * L) / N
         if si == run.schedule.num_scales - 1:
-            run.policy_state[self.name]["cache"].clear()
+            run.policy_state[self.name]["cache"] = {}

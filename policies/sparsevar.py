@@ -29,7 +29,7 @@ from ..sparse_ops import ref as sparse_ref
 from ..sparse_ops._backend import check_backend, resolve_backend
 # token roles in the maps stored for visualisation (GenerationStats.token_maps); defined beside the ops
 from ..sparse_ops.ref import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT  # noqa: F401
-from ..engine.contract import Policy, ScalePlan, persistent_copy
+from ..engine.contract import Policy, ScalePlan
 from .scale_skip import resolve_scale_index
 
 INTERPOLATIONS = ("nearest", "bilinear")
@@ -249,28 +249,15 @@ class SparseVARPolicy(Policy):
         P, first, last = self.resolved(run.info)
         backend = resolve_backend(self.config.backend, run.device, "backend")
         run.policy_state[self.name] = {"P": P, "first": first, "last": last, "x_in": None,
-                                       "change": None, "logits": None, "copy_src": None, "zero": None,
-                                       "roles": None, "backend": backend, "geometry": {}}
-
-    def uses_model_hooks(self, si: int, run) -> bool:
-        return si >= run.policy_state[self.name]["P"] - 1
-
-    def observed_layers(self, si: int, run) -> set:
-        st = run.policy_state[self.name]
-        if si >= run.schedule.num_scales - 1:            # no scale after the last one reads its map
-            return set()
-        return {st["first"], st["last"]}
+                                       "change": None, "logits": None, "roles": None, "backend": backend}
 
     # ---- hooks ------------------------------------------------------------------------------------
-    def _geometry(self, st: dict, hw: tuple[int, int], prev_hw: tuple[int, int], device, workspace=None):
+    def _geometry(self, run, hw: tuple[int, int], prev_hw: tuple[int, int], device):
         """(anchors_L, cand_L4, src_L) of a map size: anchor grid, each token's candidate anchors,
         and the previous-scale token nearest upsampling maps onto it. Built once per size pair and
-        kept in the adapter's workspace when there is one (reused by later generations of the same
-        shape, freed with it), else for this generation."""
+        kept in ``run.shape_cache`` (reused by later generations of the same shape)."""
         key = ("sparsevar-geometry", hw, prev_hw, self.config.alpha, str(device))
-        geo = st["geometry"]
-        if getattr(workspace, "policy_cache", None) is not None:
-            geo = workspace.policy_cache
+        geo = run.shape_cache
         if key not in geo:
             # a stride at or past the map's longer side gives the same grid (row / column 0 and the last)
             (h, w), a = hw, min(self.config.alpha, max(hw))
@@ -279,17 +266,33 @@ class SparseVARPolicy(Policy):
                         nearest_source(prev_hw, hw, device))
         return geo[key]
 
+    def _plan(self, si: int, run, static: bool = True, **excluded) -> ScalePlan:
+        """This policy's hooks at ``si``: it observes the scales whose change map a later scale reads
+        (the one before the first pruned scale, and every pruned one but the last) and stores their
+        guided logits; at a pruned scale with ``excluded`` tokens (the plan's subset and tensors) it
+        copies anchors into them and zeroes their residual."""
+        st = run.policy_state[self.name]
+        if si < st["P"] - 1:
+            return ScalePlan(hooks=frozenset(), static=True)
+        observes = si < run.schedule.num_scales - 1
+        hooks = {"after_scale"} | ({"observe"} if observes else set()) | \
+            ({"post_hidden", "post_residual"} if excluded else set())
+        return ScalePlan(hooks=frozenset(hooks), layers=frozenset({st["first"], st["last"]}), static=static,
+                         writes=("change",) if observes else (), **excluded)
+
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         st = run.policy_state[self.name]
-        st["copy_src"] = st["zero"] = st["roles"] = None
-        if si < st["P"] or self.config.neutral or st["change"] is None:
-            return None
+        st["roles"] = None
+        if self.config.neutral:
+            return ScalePlan(hooks=frozenset(), static=True)
+        if si < st["P"] or st["change"] is None:
+            return self._plan(si, run)
         c, sch, backend = self.config, run.schedule, st["backend"]
         h, w = sch.hw[si]
         L = h * w
         change_Bhw = st["change"]                         # the previous scale's map (B, h', w')
         B, hp, wp = change_Bhw.shape
-        anchors_L, cand_L4, src_L = self._geometry(st, (h, w), (hp, wp), change_Bhw.device, run.workspace)
+        anchors_L, cand_L4, src_L = self._geometry(run, (h, w), (hp, wp), change_Bhw.device)
         if c.interpolation == "nearest":                  # index-mapped: the upsampled map is never built
             change_BM = change_Bhw.reshape(B, hp * wp)                                  # (B, h', w') → (B, M)
         else:
@@ -303,7 +306,7 @@ class SparseVARPolicy(Policy):
             # the count follows from the settings: no host read of the kept set
             n, valid_Bn, all_kept = budget, None, budget == L
         else:
-            # the one host read of a pruned scale: the shapes of every kernel after it depend on it
+            # a host read of a pruned scale's kept counts: the shapes of every kernel after it depend on it
             counts = count_B.tolist()
             n, all_kept = max(counts), min(counts) == L
             valid_Bn = None
@@ -313,7 +316,7 @@ class SparseVARPolicy(Policy):
         if all_kept:                                      # nothing excluded: the dense path
             roles_L = torch.where(anchors_L, TOKEN_ANCHOR, TOKEN_KEPT).to(torch.uint8)
             st["roles"] = roles_L.view(1, h, w).expand(B, h, w).clone()                 # (L,) → (B, h, w)
-            return None
+            return self._plan(si, run)
         # anchor assignment from the previous scale's guided logits (upsampled per token)
         lg_BhwV = st["logits"]                            # (B, h', w', V)
         if c.interpolation == "nearest":
@@ -322,34 +325,14 @@ class SparseVARPolicy(Policy):
             logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)  # (B, h, w, V) → (B, L, V)
         copy_src_BL, zero_BL, roles_BL, _ = sparse_ops.anchor_match(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
                                                                     c.beta, backend=backend)
-        st["copy_src"], st["zero"] = self._static(run, si, "copy_src", copy_src_BL), self._static(run, si, "zero", zero_BL)
         st["roles"] = roles_BL.view(B, h, w)           # (B, L) → (B, h, w); recorded once the scale has run
-        return ScalePlan(token_index=index_Bn, token_valid=valid_Bn,
-                         static=c.keep_ratio is not None and valid_Bn is None)
-
-    @staticmethod
-    def _static(run, si: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` copied into a workspace buffer that keeps its address across generations (the
-        hooks of a captured whole scale read it); ``t`` itself without a workspace cache."""
-        cache = getattr(run.workspace, "policy_cache", None)
-        if cache is None or not t.is_cuda:
-            return t
-        return persistent_copy(cache, ("sparsevar-static", si, name, tuple(t.shape), t.dtype), t)
-
-    def scale_capturable(self, si: int, run) -> bool:
-        # post_hidden / post_residual read the plan's anchor copies and zero mask from workspace
-        # buffers (_static: only where the workspace keeps a policy cache); the change map observe
-        # stores is exported from the capture
-        return getattr(run.workspace, "policy_cache", None) is not None
-
-    def graph_replayed(self, si: int, exports: dict, run) -> None:
-        got = exports.get(self.name)
-        if got is not None and "change" in got:      # the map of a replayed whole scale, refreshed
-            run.policy_state[self.name]["change"] = got["change"]
+        return self._plan(si, run, static=c.keep_ratio is not None and valid_Bn is None,
+                          token_index=index_Bn, token_valid=valid_Bn,
+                          tensors={"sparsevar.copy_src": copy_src_BL, "sparsevar.zero": zero_BL})
 
     def observe(self, si: int, unit, x_in, x_out, run) -> None:
         st = run.policy_state[self.name]
-        if si < st["P"] - 1 or si >= run.schedule.num_scales - 1 or unit[0] != "layer":
+        if unit[0] != "layer":
             return
         if unit[1] == st["first"]:
             st["x_in"] = x_in
@@ -363,26 +346,16 @@ class SparseVARPolicy(Policy):
         full_BL = sparse_ops.change_map(st["x_in"], x_out, B, idx_Bn, h * w, backend=st["backend"])
         st["change"] = full_BL.view(B, h, w)                                             # (B, hw) → (B, h, w)
         st["x_in"] = None
-        if x_out.is_cuda and torch.cuda.is_current_stream_capturing():
-            run.graph_exports.setdefault(self.name, {})["change"] = st["change"]     # replays refresh it
 
     def post_hidden(self, si: int, h_RLC: torch.Tensor, run) -> torch.Tensor:
-        src_BL = run.policy_state[self.name]["copy_src"]
-        if src_BL is None:
-            return h_RLC
+        src_BL = run.plan.tensors["sparsevar.copy_src"]
         R = h_RLC.shape[0]
         src_RL = src_BL.repeat(R // src_BL.shape[0], 1)                                 # one map per image
         return sparse_ops.gather_rows(h_RLC, src_RL, backend=run.policy_state[self.name]["backend"])  # anchor copies
 
     def post_residual(self, si: int, residual_BLc: torch.Tensor, run) -> torch.Tensor:
-        zero_BL = run.policy_state[self.name]["zero"]
-        if zero_BL is None:
-            return residual_BLc
+        zero_BL = run.plan.tensors["sparsevar.zero"]
         return residual_BLc.masked_fill(zero_BL.unsqueeze(-1), 0.0)
-
-    def tail_idle(self, si: int, run) -> bool:
-        # before the scale whose logits the first pruned scale reads, nothing is zeroed or stored
-        return si < run.policy_state[self.name]["P"] - 1
 
     def after_scale(self, si: int, guided_logits_BLV: torch.Tensor, run) -> None:
         st = run.policy_state[self.name]

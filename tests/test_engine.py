@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -297,8 +298,14 @@ def test_policy_stack_bookkeeping():
     assert len(stack) == 2 and [p.name for p in stack] == ["a", "recorder"]
     assert stack.get("recorder").name == "recorder" and stack.get("zzz") is None
     assert stack.active["plan_scale"] == (stack.get("recorder"),)   # Named overrides no hook
-    assert stack.uses_model_hooks(0, None)
-    assert not PolicyStack([Named("a")]).uses_model_hooks(0, None)
+    run = SimpleNamespace(policy_state={"recorder": {"begun": True}}, hooks=None)
+    assert stack.plan_scale(0, run).dense
+    # without a plan of its own, a policy acts through every hook it overrides, at every layer
+    assert run.hooks["observe"] == run.hooks["wrap_sublayer"] == (stack.get("recorder"),)
+    assert run.hooks.acts_in_model() and run.hooks.acts_after_head() and run.hooks.wraps(5) and run.hooks.tapped(5)
+    assert not run.hooks.static                                     # and its in-layer hooks run eagerly
+    PolicyStack([Named("a")]).plan_scale(0, run)
+    assert not run.hooks.acts_in_model() and not run.hooks.acts_after_head() and run.hooks.static
     assert len(stack.without("recorder")) == 1 and len(stack) == 2  # without() returns a new stack
 
 

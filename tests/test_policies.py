@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparsevar import VARPipeline
-from sparsevar.policies import (FastVARConfig, Policy, ScaleSkipConfig, SparseVARConfig)
+from sparsevar.policies import FastVARConfig, Policy, ScalePlan, ScaleSkipConfig, SparseVARConfig
 from sparsevar.policies.fastvar import pivotal_tokens
 from sparsevar.policies.sparsevar import (TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT, anchor_candidates,
                                           anchor_count, anchor_mask, pack_indices, select_tokens)
@@ -189,7 +189,7 @@ def test_fastvar_wraps_the_sub_layers_only_where_it_works(pipe):
             self.wraps = {}
 
         def after_scale(self, si, logits, run):
-            self.wraps[si] = run.policies.wraps_sublayers(si, run)
+            self.wraps[si] = bool(run.hooks["wrap_sublayer"])
 
     probe = WrapProbe()
     out, codes = _run(pipe.enable_fastvar(ratios=(0.5, 0.75)).add_policy(probe))
@@ -201,28 +201,52 @@ def test_fastvar_wraps_the_sub_layers_only_where_it_works(pipe):
     _assert_same_codes(codes[:S - 2], dense_codes[:S - 2], S - 2)
 
 
-def test_which_scales_can_replay_whole_with_their_policies(pipe):
-    """PolicyStack.scale_capturable (the engine's whole-scale CUDA graphs, tested on the GPU): every
-    SparseVAR scale (its hooks read workspace buffers), but not FastVAR's cache and pruned scales
-    (their work is inside the layers), nor a scale where a policy without the claim acts."""
-    class CaptureProbe(Policy):
-        name = "capture-probe"
+def test_which_scales_replay_from_which_graphs(pipe):
+    """engine.graphs.capture_mode on the plans the real policies make (the graphs themselves are
+    tested on the GPU): every SparseVAR scale with a fixed keep ratio replays whole with its hooks
+    from the scale before the first pruned one on; FastVAR's cache and pruned scales too (fixed-size
+    selections); a policy that says nothing about its hooks keeps its scales eager, and one that
+    only observes gets the layer stack replayed. The probe acts only after the head (its own plan
+    says so, static), which turns the scales no other policy touches from "whole" into "compute"."""
+    from sparsevar.engine.graphs import capture_mode
+
+    class ModeProbe(Policy):
+        name = "mode-probe"
 
         def __init__(self):
-            self.ok = {}
+            self.mode = {}
 
-        def plan_scale(self, si, run):                # a plan only: no claim needed
-            self.ok[si] = run.policies.scale_capturable(si, run)
-            return None
+        def plan_scale(self, si, run):
+            return ScalePlan(hooks=frozenset({"after_scale"}), static=True)
+
+        def after_scale(self, si, logits, run):
+            self.mode[si] = capture_mode(run.plan, run.hooks, whole_scales=True)
+
+    class Silent(Policy):                          # acts after every head, says nothing
+        name = "silent"
+
+        def post_residual(self, si, r, run):
+            return r
+
+    class Watcher(Policy):                         # observes every layer, says nothing
+        name = "watcher"
+
+        def observe(self, si, unit, x_in, x_out, run):
+            pass
 
     S = pipe.transformer.schedule.num_scales
-    probe = CaptureProbe()
+    probe = ModeProbe()
     _run(pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3).add_policy(probe))
-    assert probe.ok == {si: True for si in range(S)}
+    assert probe.mode == {si: "compute" if si < S - 4 else "whole with hooks" for si in range(S)}
     _run(pipe.disable_sparsevar().enable_fastvar(ratios=(0.5, 0.75)))
-    assert probe.ok == {si: si < S - 3 for si in range(S)}
-    _run(pipe.disable_fastvar().add_policy(Probe()))          # acts after every head, claims nothing
-    assert probe.ok == {si: False for si in range(S)}
+    assert probe.mode == {si: "compute" if si < S - 3 else "whole with hooks" for si in range(S)}
+    _run(pipe.disable_fastvar().add_policy(Silent()))
+    assert probe.mode == {si: "compute" for si in range(S)}         # no in-model hook: the compute replays
+    _run(pipe.remove_policy("silent").add_policy(Watcher()))
+    assert probe.mode == {si: "layers" for si in range(S)}
+    out, _ = _run(pipe.remove_policy("watcher").enable_sparsevar(tau=0.5, start_scale=-3))
+    pruned = [s.si for s in out.stats[0].scales if s.tokens_computed < s.tokens]
+    assert pruned and all(probe.mode[si] is None for si in pruned)   # tau: the kept counts are read back, eager
 
 
 def test_fastvar_layers_outside_its_range_run_chained(pipe, monkeypatch):
@@ -237,14 +261,16 @@ def test_fastvar_layers_outside_its_range_run_chained(pipe, monkeypatch):
             self.wraps = {}
 
         def after_scale(self, si, logits, run):
-            self.wraps[si] = [run.policies.wraps_sublayers(si, run, i) for i in range(run.info.num_layers)]
+            self.wraps[si] = [run.hooks.wraps(i) for i in range(run.info.num_layers)]
 
     probe = LayerProbe()
     pipe.enable_fastvar(ratios=(0.5, 0.75), layer_range=(1, 1)).add_policy(probe)
     out, codes = _run(pipe)
     S, N = pipe.transformer.schedule.num_scales, pipe.transformer.config.depth
     assert N >= 2 and all(probe.wraps[si] == [si >= S - 3 and i == 1 for i in range(N)] for si in range(S))
-    monkeypatch.setattr(FastVARPolicy, "wraps_layer", lambda self, si, layer, run: True)   # every layer wrapped
+    plan = FastVARPolicy.plan_scale                  # the same plans, but wrapping every layer
+    monkeypatch.setattr(FastVARPolicy, "plan_scale",
+                        lambda self, si, run: dataclasses.replace(plan(self, si, run), layers=None))
     out_all, codes_all = _run(pipe)
     _assert_same_codes(codes, codes_all, S)
     torch.testing.assert_close(out.images, out_all.images, atol=0, rtol=0)
