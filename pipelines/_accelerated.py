@@ -1,10 +1,6 @@
 """What every family's pipeline shares: the stack of acceleration policies, the checks of a call
-that do not depend on the family, the memory check, the run of the engine with its progress bar and
-callback, the image post-processing and the diffusers-style run properties. Each pipeline supplies
-``adapter()`` (its engine adapter), ``PRESET_FAMILY`` (the key of its presets in
-``SPARSEVAR_PRESETS`` / ``FASTVAR_PRESETS``), ``DEFAULTS`` (its sampling defaults, ``defaults.py``)
-and ``_output_class`` (its output dataclass).
-"""
+that do not depend on the family, the memory check, the engine run with its progress bar and
+callback, the image post-processing and the diffusers-style run properties."""
 from __future__ import annotations
 
 import json
@@ -18,7 +14,7 @@ import torch
 
 from ..engine.contract import Policy, PolicyStack
 from ..engine.sampler import generate
-from ..engine.state import GUIDANCE_SCALE_MAX, GenerationStats, SamplingSettings
+from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
@@ -28,44 +24,6 @@ from .defaults import VAR_DEFAULTS, FamilyDefaults
 logger = logging.getLogger(__name__)
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-def check_call_arguments(generator, n_images: int, num_images_per_prompt, callback_on_step_end,
-                         callback_on_step_end_tensor_inputs, allowed_tensor_inputs, policies,
-                         images_are: str = "images") -> None:
-    """The checks of a pipeline call that every family shares, made before any work: the types of
-    ``num_images_per_prompt``, ``generator`` (None, a torch.Generator or one per image),
-    ``callback_on_step_end`` (callable), its tensor inputs (a list of allowed names) and ``policies``
-    (Policy objects). ``images_are`` says how ``n_images`` is counted. ValueError / TypeError naming
-    the argument, the value and the fix."""
-    if isinstance(num_images_per_prompt, (bool, np.bool_)):
-        raise TypeError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
-    gens = generator if isinstance(generator, (list, tuple)) else [generator]
-    if isinstance(generator, (list, tuple)) and len(generator) != n_images:
-        raise ValueError(f"got {len(generator)} generators for {n_images} images; pass one generator, or one per "
-                         f"image ({images_are} = {n_images})")
-    wrong = [g for g in gens if g is not None and not isinstance(g, torch.Generator)]
-    if wrong:
-        raise TypeError(f"generator must be a torch.Generator (or a list of one per image), got "
-                        f"{type(wrong[0]).__name__} {wrong[0]!r}; e.g. generator=torch.Generator().manual_seed(0)")
-    if callback_on_step_end is not None and not callable(callback_on_step_end):
-        raise TypeError(f"callback_on_step_end must be a function fn(pipe, step, timestep, callback_kwargs), got "
-                        f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
-    if isinstance(callback_on_step_end_tensor_inputs, str):
-        raise TypeError(f"callback_on_step_end_tensor_inputs must be a list of names, got the string "
-                        f"{callback_on_step_end_tensor_inputs!r}; e.g. [{callback_on_step_end_tensor_inputs!r}]")
-    bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in allowed_tensor_inputs]
-    if bad:
-        raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {list(allowed_tensor_inputs)}")
-    if policies is not None:
-        listed = isinstance(policies, (list, tuple))
-        wrong = [q for q in (policies if listed else [policies]) if not isinstance(q, Policy)]
-        if wrong or not listed:
-            q = wrong[0] if wrong else policies
-            wrap = {SparseVARConfig: "SparseVARPolicy", FastVARConfig: "FastVARPolicy",
-                    ScaleSkipConfig: "ScaleSkipPolicy"}.get(type(q), "SparseVARPolicy")
-            got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
-            raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
 
 
 def _gb(n: float) -> str:
@@ -122,31 +80,26 @@ def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str)
                      f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
 
 
-def _finish_bar(pbar, stats: GenerationStats, interrupted: bool) -> None:
-    """Scales a policy skipped (scale skipping, FastVAR's ratio 1.0) are done too: the bar ends at the
-    schedule's end and says how many were skipped. An interrupted run's bar stays where it stopped."""
-    skipped = sum(s.skipped for s in stats.scales)
-    if skipped and not interrupted:
-        pbar.set_postfix_str(f"{skipped} skipped", refresh=False)
-        pbar.update(skipped)
-
-
 class _DropCPUHalfWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "cannot run with `cpu` device" not in record.getMessage()
 
 
 class AcceleratedPipelineMixin:
-    """Policy management (``enable_sparsevar`` …) and run state shared by VARPipeline and
-    InfinityPipeline. The subclass sets ``self._policies = PolicyStack()``, ``self._interrupt``,
-    ``self._current_scale``, ``self._adapter`` and ``self._compiled_elementwise = False`` in its
-    ``__init__``; its ``adapter()`` passes the last to the adapter's ``set_compiled_elementwise``.
-    Its ``__call__`` checks its own inputs, then :meth:`_check_call`, :meth:`_call_policies` and
-    :meth:`_generate`."""
+    """Policy management (``enable_sparsevar`` …), run state and the shared parts of a call, for
+    VARPipeline and InfinityPipeline. A pipeline supplies ``adapter()`` (which passes
+    ``self._compiled_elementwise`` to the adapter), ``PRESET_FAMILY`` (its key in ``SPARSEVAR_PRESETS``
+    / ``FASTVAR_PRESETS``), ``DEFAULTS`` and ``_output_class``; its ``__call__`` checks its own inputs,
+    then calls :meth:`_check_call`, :meth:`_call_policies` and :meth:`_generate`."""
 
     PRESET_FAMILY: str = "var"
     DEFAULTS: FamilyDefaults = VAR_DEFAULTS
     _output_class: type
+
+    def __init__(self):
+        super().__init__()
+        self._policies, self._adapter, self._compiled_elementwise = PolicyStack(), None, False
+        self._interrupt, self._current_scale = False, None
 
     def to(self, *args, **kwargs):
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
@@ -176,10 +129,9 @@ class AcceleratedPipelineMixin:
 
     @classmethod
     def _pretrained_arguments(cls, path, advice: str, kwargs: dict, dtype, torch_dtype, **dtypes):
-        """The checks of ``from_pretrained`` every family shares: no unknown ``kwargs``; ``dtype``
-        and diffusers' ``torch_dtype`` agree; the other ``dtypes`` (vae_dtype, …) resolve; ``path``
-        is a folder of this pipeline (``check_pipeline_folder``; ``advice`` says how to load
-        official files instead). Returns (folder, model_index, dtype, *dtypes in their order)."""
+        """``from_pretrained``'s shared checks: no unknown ``kwargs``, ``dtype`` and ``torch_dtype``
+        agree, the other ``dtypes`` resolve, ``path`` holds this pipeline (``check_pipeline_folder``,
+        with ``advice``). Returns (folder, model_index, dtype, *dtypes in their order)."""
         from ..models.loading import check_pipeline_folder, local_path, pipeline_components, resolve_dtype
         if kwargs:
             raise TypeError(f"unsupported arguments for {cls.__name__}.from_pretrained: {sorted(kwargs)}")
@@ -301,10 +253,10 @@ class AcceleratedPipelineMixin:
     def _check_call(self, n: int, noun: str, needed: Callable[[int], dict], guidance_scale, top_k, top_p,
                     num_images_per_prompt, output_type, generator, callback_on_step_end,
                     callback_on_step_end_tensor_inputs, policies, size: str = "") -> int:
-        """The checks of a call that every family shares, made after its own inputs were read: the
-        sampling numbers, ``output_type``, :func:`check_call_arguments` and :func:`check_memory` for
-        ``n`` inputs (``noun``: "class label", "prompt") × ``num_images_per_prompt`` images, which
-        need ``needed(B)`` bytes (``size``: " at HxW" where the call chooses it). Returns B."""
+        """The checks of a call every family shares, before any work, for ``n`` inputs (``noun``) ×
+        ``num_images_per_prompt`` = B images: sampling numbers, output type, generator(s), callback,
+        policies (Policy objects), and :func:`check_memory` for ``needed(B)`` bytes (``size``: " at
+        HxW" where the call chooses it). ValueError / TypeError naming the argument. Returns B."""
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
                 or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
             raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] "
@@ -318,12 +270,37 @@ class AcceleratedPipelineMixin:
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
         B = n * int(num_images_per_prompt)
-        check_call_arguments(generator, B, num_images_per_prompt, callback_on_step_end,
-                             callback_on_step_end_tensor_inputs, self._callback_tensor_inputs, policies,
-                             f"{noun}s × num_images_per_prompt")
-        check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} "
-                                         f"images{size}", f"lower num_images_per_prompt, or split the {noun}s over "
-                                                          f"several calls")
+        if isinstance(num_images_per_prompt, (bool, np.bool_)):
+            raise TypeError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+        gens = generator if isinstance(generator, (list, tuple)) else [generator]
+        if isinstance(generator, (list, tuple)) and len(generator) != B:
+            raise ValueError(f"got {len(generator)} generators for {B} images; pass one generator, or one per "
+                             f"image ({noun}s × num_images_per_prompt = {B})")
+        wrong = [g for g in gens if g is not None and not isinstance(g, torch.Generator)]
+        if wrong:
+            raise TypeError(f"generator must be a torch.Generator (or a list of one per image), got "
+                            f"{type(wrong[0]).__name__} {wrong[0]!r}; e.g. generator=torch.Generator().manual_seed(0)")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):
+            raise TypeError(f"callback_on_step_end must be a function fn(pipe, step, timestep, callback_kwargs), got "
+                            f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
+        if isinstance(callback_on_step_end_tensor_inputs, str):
+            raise TypeError(f"callback_on_step_end_tensor_inputs must be a list of names, got the string "
+                            f"{callback_on_step_end_tensor_inputs!r}; e.g. [{callback_on_step_end_tensor_inputs!r}]")
+        allowed = self._callback_tensor_inputs
+        bad = [k for k in (callback_on_step_end_tensor_inputs or []) if k not in allowed]
+        if bad:
+            raise ValueError(f"callback_on_step_end_tensor_inputs has {bad}; allowed: {list(allowed)}")
+        if policies is not None:
+            listed = isinstance(policies, (list, tuple))
+            wrong = [q for q in (policies if listed else [policies]) if not isinstance(q, Policy)]
+            if wrong or not listed:
+                q = wrong[0] if wrong else policies
+                wrap = {SparseVARConfig: "SparseVARPolicy", FastVARConfig: "FastVARPolicy",
+                        ScaleSkipConfig: "ScaleSkipPolicy"}.get(type(q), "SparseVARPolicy")
+                got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
+                raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
+        check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
+                     f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls")
         return B
 
     def _call_policies(self, policies: Optional[Sequence[Policy]]) -> PolicyStack:
@@ -332,27 +309,23 @@ class AcceleratedPipelineMixin:
         cannot be combined), or else the enabled ones."""
         if policies is None:
             return self._policies
-        info = self.adapter().model_info()
-        stack = PolicyStack()
+        info, stack = self.adapter().model_info(), PolicyStack()
         for p in policies:
             p.validate(info)
             stack = stack.with_policy(p)
         return stack
 
-    def _generate(self, conditioning, batch_size: int, policies: PolicyStack, *, guidance_scale, top_k, top_p,
+    def _generate(self, conditioning, batch_size: int, policies: PolicyStack, guidance_scale, top_k, top_p,
                   generator, output_type: str, return_dict: bool, callback_on_step_end,
                   callback_on_step_end_tensor_inputs, use_cuda_graphs: Optional[bool], schedule=None, **engine):
-        """Run the engine for checked inputs (``engine``: the family's further arguments of
-        ``engine.sampler.generate``), with the progress bar and ``callback_on_step_end``; decode,
-        post-process and wrap the result as the family's output."""
+        """Run ``engine.sampler.generate`` (``engine``: the family's further arguments) on checked inputs
+        with the progress bar and ``callback_on_step_end``; post-process into the family's output."""
         adapter = self.adapter()
-        if use_cuda_graphs is None:
-            use_cuda_graphs = adapter.device.type == "cuda"
+        graphs = adapter.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._interrupt = False
         settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
         wanted = tuple(callback_on_step_end_tensor_inputs or ())
-        total = (schedule if schedule is not None else adapter.schedule).num_scales
-        with self.progress_bar(total=total) as pbar:
+        with self.progress_bar(total=(schedule or adapter.schedule).num_scales) as pbar:
             def on_scale(si: int, tensors: dict) -> None:
                 self._current_scale = si
                 if callback_on_step_end is not None:
@@ -361,10 +334,13 @@ class AcceleratedPipelineMixin:
                 pbar.update()
 
             result = generate(adapter, conditioning, batch_size, settings=settings, generator=generator,
-                              policies=policies, callback=on_scale, cuda_graphs=use_cuda_graphs,
+                              policies=policies, callback=on_scale, cuda_graphs=graphs,
                               decode=output_type != "latent", stop=lambda: self._interrupt, schedule=schedule,
                               **engine)
-            _finish_bar(pbar, result.stats, self._interrupt)
+            skipped = sum(s.skipped for s in result.stats.scales)
+            if skipped and not self._interrupt:         # skipped scales are done too (not those after a stop)
+                pbar.set_postfix_str(f"{skipped} skipped", refresh=False)
+                pbar.update(skipped)
         self._current_scale = None
         images = self._postprocess(result.images if output_type != "latent" else result.latent, output_type)
         self.maybe_free_model_hooks()

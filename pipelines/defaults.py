@@ -8,15 +8,10 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class FamilyDefaults:
-    """How a family samples when the caller says nothing.
-
-    guidance_scale: classifier-free guidance strength (VAR ramps it from 0 at the first scale to
-        this at the last; Infinity applies cfg·cond + (1 − cfg)·uncond at every scale).
-    guidance_off: the guidance_scale that disables guidance (VAR 0, Infinity 1).
-    top_k, top_p: the sampling filters per token (top_k 0 = no limit, 1 = greedy; top_p 0 = off).
-    temperature, patchify_temperature: Infinity's τ for a model without / with spatial patchify
-        (2B / 8B), as the official scripts use; None where the family has no temperature.
-    """
+    """guidance_scale: CFG strength; guidance_off: the value that disables guidance (VAR ramps
+    from 0 over the scales: 0; Infinity's cfg·cond + (1 − cfg)·uncond: 1). top_k, top_p: the
+    per-token filters (0 = off). temperature / patchify_temperature: Infinity's τ without / with
+    spatial patchify (2B / 8B), None where the family has none."""
 
     guidance_scale: float
     guidance_off: float

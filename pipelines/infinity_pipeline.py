@@ -21,7 +21,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from ..engine.contract import Policy, PolicyStack
+from ..engine.contract import Policy
 from ..engine.state import GenerationStats
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
@@ -29,7 +29,8 @@ from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, 
                                infinity_resolutions, resolve_resolution, TRAINED_SCALES, ZERO_SHOT_PN)
 from ..models.loading import load_infinity_transformer, load_infinity_vae
 from ..models.text_encoder import TextFeatures, encode_prompts, load_t5, random_t5
-from ._accelerated import OUTPUT_TYPES, AcceleratedPipelineMixin, _dtype_of  # noqa: F401
+from ._accelerated import AcceleratedPipelineMixin, _dtype_of
+from ._accelerated import OUTPUT_TYPES  # noqa: F401 (importable from here too)
 from .defaults import INFINITY_DEFAULTS
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,6 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"text encoder and transformer do not match: the T5 produces {t5_width}-channel features, "
                              f"the transformer reads {transformer.config.text_channels}; pass the T5 the model was "
                              f"trained with (Flan-T5-XL for the released Infinity models)")
-        self._policies = PolicyStack()
-        self._adapter: Optional[InfinityAdapter] = None
-        self._interrupt = False
-        self._compiled_elementwise = False
-        self._current_scale = None
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -278,8 +274,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                            height, width, len(resolution.hw) - TRAINED_SCALES, TRAINED_SCALES)
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
                 or not math.isfinite(temperature) or temperature <= 0:
-            raise ValueError(f"temperature must be a number > 0 (official: {INFINITY_DEFAULTS.temperature:g} for 2B, "
-                             f"{INFINITY_DEFAULTS.patchify_temperature:g} for 8B), got {temperature!r}")
+            raise ValueError(f"temperature must be a number > 0 (official: 0.5 for 2B, 1.0 for 8B), got {temperature!r}")
         self._check_call(n, "prompt", lambda B: self._memory_needed(B, resolution), guidance_scale, top_k, top_p,
                          num_images_per_prompt, output_type, generator, callback_on_step_end,
                          callback_on_step_end_tensor_inputs, policies, f" at {resolution.height}x{resolution.width}")
@@ -330,8 +325,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             :class:`InfinityPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
         if temperature is None:
-            d = INFINITY_DEFAULTS
-            temperature = d.patchify_temperature if self.is_patchify else d.temperature
+            temperature = INFINITY_DEFAULTS.patchify_temperature if self.is_patchify else INFINITY_DEFAULTS.temperature
         resolution, n = self.check_inputs(prompt, negative_prompt, height, width, guidance_scale, temperature, top_k,
                                           top_p, num_images_per_prompt, output_type, generator,
                                           callback_on_step_end_tensor_inputs, prompt_features, negative_prompt_features,
@@ -354,11 +348,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         # 40-90 ms waiting on kernel launches at 2048², H100)
         sched = resolution.schedule
         graph_max_tokens = max(h * w for h, w in sched.hw[:TRAINED_SCALES]) if resolution.pn in ZERO_SHOT_PN else None
-        return self._generate(cond, B, stack, guidance_scale=guidance_scale, top_k=top_k, top_p=top_p,
-                              generator=generator, output_type=output_type, return_dict=return_dict,
-                              callback_on_step_end=callback_on_step_end,
-                              callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                              use_cuda_graphs=use_cuda_graphs, schedule=sched, graph_max_tokens=graph_max_tokens)
+        return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,
+                              callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs,
+                              schedule=sched, graph_max_tokens=graph_max_tokens)
 
 
 __all__ = ["InfinityPipeline", "InfinityPipelineOutput"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -17,15 +16,14 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from ..engine.contract import Policy, PolicyStack
+from ..engine.contract import Policy
 from ..engine.state import GenerationStats
 from ..models.loading import load_var_transformer, load_var_vqvae
 from ..models.var import VAR_PRESETS, VARAdapter, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE
-from ._accelerated import OUTPUT_TYPES, AcceleratedPipelineMixin, _dtype_of, check_memory, memory_available  # noqa: F401
+from ._accelerated import AcceleratedPipelineMixin, _dtype_of
+from ._accelerated import OUTPUT_TYPES, check_memory, memory_available  # noqa: F401 (importable from here too)
 from .defaults import VAR_DEFAULTS
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,11 +91,6 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if id2label is not None:
             id2label = {str(k): v for k, v in check_id2label(id2label, "id2label").items()}
         self.register_to_config(id2label=id2label)
-        self._policies = PolicyStack()
-        self._adapter: Optional[VARAdapter] = None
-        self._interrupt = False
-        self._current_scale = None
-        self._compiled_elementwise = False
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -352,11 +345,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                                 generator, callback_on_step_end_tensor_inputs, callback_on_step_end, policies)
         stack = self._call_policies(policies)
         labels_B = torch.tensor(ids, dtype=torch.long).repeat_interleave(int(num_images_per_prompt))
-        return self._generate(labels_B, labels_B.shape[0], stack, guidance_scale=guidance_scale, top_k=top_k,
-                              top_p=top_p, generator=generator, output_type=output_type, return_dict=return_dict,
-                              callback_on_step_end=callback_on_step_end,
-                              callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                              use_cuda_graphs=use_cuda_graphs)
+        return self._generate(labels_B, labels_B.shape[0], stack, guidance_scale, top_k, top_p, generator, output_type,
+                              return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs)
 
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "check_id2label"]
