@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .pipelines.defaults import INFINITY_DEFAULTS, VAR_DEFAULTS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SEED_MAX = 2 ** 64 - 1                          # torch.Generator.manual_seed takes 64-bit seeds
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
@@ -70,10 +72,10 @@ def _number_in(value, flag: str, ok, what: str) -> None:
         raise CLIError(f"{flag} {value}: {what}")
 
 
-def _check_cfg(value, neutral: int) -> None:
+def _check_cfg(value, neutral: float) -> None:
     from .engine.state import GUIDANCE_SCALE_MAX
     _number_in(value, "--cfg", lambda v: 0.0 <= v <= GUIDANCE_SCALE_MAX,
-               f"give a guidance scale in [0, {GUIDANCE_SCALE_MAX:g}] ({neutral} disables guidance)")
+               f"give a guidance scale in [0, {GUIDANCE_SCALE_MAX:g}] ({neutral:g} disables guidance)")
 
 
 def _no_empty_paths(args, *flags: tuple[str, str]) -> None:
@@ -209,7 +211,7 @@ def _check_generate_args(args, text: bool) -> None:
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1] (0 disables "
                                                                     "nucleus sampling)")
-    _check_cfg(args.cfg, 1 if text else 0)
+    _check_cfg(args.cfg, (INFINITY_DEFAULTS if text else VAR_DEFAULTS).guidance_off)
     _number_in(args.temperature, "--temperature", lambda v: v > 0.0, "give a temperature > 0 (official: 0.5 for "
                                                                        "Infinity-2B, 1.0 for 8B)")
     if text:
@@ -417,7 +419,7 @@ def cmd_generate(args) -> int:
         from .pipelines.infinity_pipeline import InfinityPipeline as family
     else:
         from .pipelines.var_pipeline import VARPipeline as family
-    from .pipelines.var_pipeline import check_memory
+    from .pipelines._accelerated import check_memory
     configs = _policy_configs(args, family.PRESET_FAMILY)
     if args.quiet and text:                           # transformers' "Loading weights" bar for the T5
         from transformers.utils import logging as transformers_logging
@@ -430,17 +432,16 @@ def cmd_generate(args) -> int:
         height, width = args.height or 1024, args.width or 1024
         n = len(args.prompt)
         needed = pipe.memory_needed(n * args.num, height=height, width=width)
-        call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
-                    guidance_scale=3.0 if args.cfg is None else args.cfg, temperature=args.temperature,
-                    top_k=args.top_k, top_p=0.97 if args.top_p is None else args.top_p)
+        call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width)
         what = f"{n} prompt(s)"
     else:
         ids = _class_ids(pipe, args.class_labels or ["0"], args)
         n = len(ids)
         needed = pipe.memory_needed(n * args.num)
-        call = dict(class_labels=ids, guidance_scale=4.0 if args.cfg is None else args.cfg, top_k=args.top_k,
-                    top_p=0.95 if args.top_p is None else args.top_p)
+        call = dict(class_labels=ids)
         what = f"{n} class(es)"
+    call.update((k, v) for k, v in (("guidance_scale", args.cfg), ("top_k", args.top_k), ("top_p", args.top_p),
+                                    ("temperature", args.temperature)) if v is not None)   # else the family's defaults
     B = n * args.num
     try:
         check_memory(pipe, needed, B, f"--num {args.num} × {what} = {B} images in one run",
@@ -614,7 +615,7 @@ def cmd_bench_quality(args) -> int:
     _device(args.device)
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1]")
-    _check_cfg(args.cfg, 0)
+    _check_cfg(args.cfg, VAR_DEFAULTS.guidance_off)
     _at_least(args.warmup, 0, "--warmup", "give the number of untimed generations, 0 or more")
     _at_least(args.grid_seeds, 1, "--grid-seeds", "give the number of grid rows, 1 or more")
     _check_writable(args.out, "--out", folder=True)
@@ -743,11 +744,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
                                               "768 or 1024 for 1:1 (another size lists those of its aspect ratio)")
     g.add_argument("--width", type=int, help="Infinity: image width (default 1024)")
-    g.add_argument("--temperature", type=float, help="Infinity: sampling temperature (default 0.5, 1.0 for 8B)")
+    i = INFINITY_DEFAULTS
+    said = lambda key: f"VAR default {getattr(VAR_DEFAULTS, key):g}, Infinity {getattr(i, key):g}"  # noqa: E731
+    g.add_argument("--temperature", type=float, help=f"Infinity: sampling temperature (default {i.temperature:g}, "
+                                                     f"{i.patchify_temperature:g} for 8B)")
     g.add_argument("--seed", type=int, default=0, help="0 … 2^64-1 (default 0)")
-    g.add_argument("--cfg", type=float, help="guidance scale (VAR default 4, ramped over scales; Infinity 3)")
-    g.add_argument("--top-k", type=int, default=900, help="codes kept per token before sampling (0: all, 1: greedy)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling in [0, 1] (VAR default 0.95, Infinity 0.97; 0: off)")
+    g.add_argument("--cfg", type=float, help=f"guidance scale ({said('guidance_scale')}; VAR's ramped over scales)")
+    g.add_argument("--top-k", type=int, help=f"codes kept per token ({said('top_k')}; 0: all, 1: greedy)")
+    g.add_argument("--top-p", type=float, help=f"nucleus sampling in [0, 1] ({said('top_p')}; 0: off)")
     g.add_argument("--num", type=int, default=1, help="images per class (per prompt)")
     g.add_argument("--out", default="out.png", help="image path; several images get _0, _1, …")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")

@@ -15,6 +15,7 @@ import torch
 
 from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
+from ..pipelines.defaults import VAR_DEFAULTS       # the sampler's widgets serve both families: VAR's
 from ..pipelines.infinity_pipeline import InfinityPipeline
 from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
@@ -346,12 +347,13 @@ class SparseVARSampler(io.ComfyNode):
                                         "several separated by '|'. Infinity models ignore it (they read the prompt)"),
                 io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
                              tooltip="every random draw comes from a CPU generator seeded with this"),
-                io.Float.Input("cfg", default=4.0, min=0.0, max=20.0, step=0.1,
+                io.Float.Input("cfg", default=VAR_DEFAULTS.guidance_scale, min=0.0, max=20.0, step=0.1,
                                tooltip="guidance strength. VAR: ramped from 0 at the first scale to this at the "
                                        "last; 0 = off (official demo 4, FID 1.5). Infinity: cfg·cond + (1 − cfg)·"
                                        "uncond at every scale; 1 = off (official 3)"),
-                io.Int.Input("top_k", default=900, min=0, max=65536, tooltip="keep the k most likely codes (0 = all)"),
-                io.Float.Input("top_p", default=0.95, min=0.0, max=1.0, step=0.01,
+                io.Int.Input("top_k", default=VAR_DEFAULTS.top_k, min=0, max=65536,
+                             tooltip="keep the k most likely codes (0 = all)"),
+                io.Float.Input("top_p", default=VAR_DEFAULTS.top_p, min=0.0, max=1.0, step=0.01,
                                tooltip="nucleus mass kept per token (0 = off; official VAR 0.95, Infinity 0.97)"),
                 io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label or prompt"),
                 io.String.Input("prompt", default="", multiline=True,
