@@ -274,3 +274,29 @@ def test_bench_gemm_rows_checks_its_options_before_needing_a_gpu(capsys, monkeyp
         err = capsys.readouterr().err
         assert "on a CUDA GPU, and none is available here" in err and "Traceback" not in err
     assert not os.path.exists("/nonexistent/should-not-be-created")
+
+
+def test_generate_without_sampling_flags_draws_with_the_familys_defaults(tmp_path, var_official_files):
+    """No --cfg / --top-k / --top-p / --temperature: a class draws what the pipeline draws at guidance 4,
+    top-k 900, top-p 0.95, and a prompt what it draws at guidance 3, top-k 900, top-p 0.97, temperature
+    0.5; each differs from the image at the other family's numbers."""
+    from sparsevar import InfinityPipeline, VARPipeline
+
+    def draw(pipe, *args, **kw):
+        pipe.set_progress_bar_config(disable=True)
+        return np.asarray(pipe(*args, generator=torch.Generator().manual_seed(0), **kw).images[0])
+
+    var, vae = str(var_official_files["var"]), str(var_official_files["vae"])
+    a, b = tmp_path / "class.png", tmp_path / "prompt.png"
+    assert main(["generate", "--var-ckpt", var, "--vae-ckpt", vae, "--class", "3", "--device", "cpu", "--out", str(a),
+                 "--quiet"]) == 0
+    assert main(["generate", "--prompt", "w3 w4", "--height", "256", "--width", "256", "--device", "cpu",
+                 "--out", str(b), "--quiet"]) == 0
+    pipe = VARPipeline.from_single_file(var, vae)
+    assert np.array_equal(np.asarray(PIL.Image.open(a)), draw(pipe, [3], guidance_scale=4.0, top_k=900, top_p=0.95))
+    assert not np.array_equal(np.asarray(PIL.Image.open(a)), draw(pipe, [3], guidance_scale=3.0, top_p=0.97))
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    kw = dict(height=256, width=256, top_k=900)
+    assert np.array_equal(np.asarray(PIL.Image.open(b)),
+                          draw(pipe, "w3 w4", guidance_scale=3.0, top_p=0.97, temperature=0.5, **kw))
+    assert not np.array_equal(np.asarray(PIL.Image.open(b)), draw(pipe, "w3 w4", guidance_scale=4.0, top_p=0.95, **kw))

@@ -557,3 +557,30 @@ def test_describe_infinity_files(infinity_official_files):
     assert t["family"] == "infinity" and t["depth"] == 4 and t["token_dim"] == 32
     v = describe_infinity_checkpoint(infinity_official_files["vae"])
     assert v["family"] == "infinity-vae" and v["codebook_dim"] == 32 and v["patch_size"] == 16
+
+
+# ---- call defaults and per-call policies ------------------------------------------------------------------------
+def test_temperature_defaults_to_half_and_to_one_for_a_patchify_model(tiny):
+    """The signature's None is τ = 0.5 for the 2B layout and 1.0 for a patchify (8B-layout) model."""
+    for pipe, default, other in ((tiny, 0.5, 1.0), (_patchify_pipe(), 1.0, 0.5)):
+        codes = _bits(pipe, "a red fox", top_k=900)[0]
+        assert torch.equal(codes, _bits(pipe, "a red fox", top_k=900, temperature=default)[0])
+        assert not torch.equal(codes, _bits(pipe, "a red fox", top_k=900, temperature=other)[0])
+
+
+def test_per_call_policies_are_validated_before_any_work(tiny):
+    """A per-call policy this model cannot run is refused as VAR refuses it: a ValueError before the
+    prompt is encoded or any scale runs."""
+    from sparsevar.policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+
+    encoded, scales = [], []
+    hook = tiny.text_encoder.register_forward_pre_hook(lambda module, args: encoded.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"skip_last=99 would skip every scale"):
+            tiny("a red fox", height=256, width=256, policies=[ScaleSkipPolicy(ScaleSkipConfig(skip_last=99))],
+                 callback_on_step_end=lambda p, si, t, kw: scales.append(si) or kw)
+        assert encoded == [] and scales == []
+        tiny("a red fox", height=256, width=256, top_k=1, output_type="latent")    # the hook does see a call
+        assert encoded != []
+    finally:
+        hook.remove()

@@ -344,3 +344,62 @@ def test_flop_speedup_counts_the_rows_cond_only_drops():
     # every term is an integer below 2**53, so the float sums are exact and the one division is correctly
     # rounded: exact equality, no tolerance needed
     assert pipe.flop_speedup(cond) == float(expected)
+
+
+# ---- sampling defaults: one set per family, the same at every entry point -----------------------------------
+NODE_DEFAULTS = r"""
+import json
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+from sparsevar.nodes import var_nodes as V
+inputs = V.SparseVARSampler.define_schema().inputs
+print(json.dumps({i.id: i.default for i in inputs if i.id in ("cfg", "top_k", "top_p")}))
+"""
+
+
+def test_sampling_defaults_agree_in_the_pipelines_the_cli_and_the_sampler_node(tmp_path):
+    """VAR: guidance 4, top-k 900, top-p 0.95; Infinity: guidance 3, top-k 900, top-p 0.97 and a temperature
+    chosen per model (None in the signature: 0.5, or 1.0 for patchify models, test_infinity_pipeline). The CLI
+    leaves each flag unset so the pipeline's default applies, and says the numbers in its help; the sampler
+    node's widgets (one set for both families) start at VAR's."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sparsevar import InfinityPipeline
+    from sparsevar.cli import build_parser
+
+    def defaults(fn, names):
+        params = inspect.signature(fn).parameters
+        return {k: params[k].default for k in names}
+
+    assert defaults(VARPipeline.__call__, ("guidance_scale", "top_k", "top_p")) == \
+        {"guidance_scale": 4.0, "top_k": 900, "top_p": 0.95}
+    assert defaults(InfinityPipeline.__call__, ("guidance_scale", "top_k", "top_p", "temperature")) == \
+        {"guidance_scale": 3.0, "top_k": 900, "top_p": 0.97, "temperature": None}
+
+    parser = build_parser()
+    args = parser.parse_args(["generate"])
+    assert (args.cfg, args.top_k, args.top_p, args.temperature) == (None, None, None, None)
+    generate = next(a for a in parser._actions if a.dest == "command").choices["generate"]
+    helps = {a.dest: a.help for a in generate._actions}
+    assert "VAR default 4, Infinity 3" in helps["cfg"]
+    assert "VAR default 900, Infinity 900" in helps["top_k"]
+    assert "VAR default 0.95, Infinity 0.97" in helps["top_p"]
+    assert "default 0.5, 1 for 8B" in helps["temperature"]
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here / "comfyui"))
+    try:
+        from setup_comfyui import ensure
+    finally:
+        sys.path.pop(0)
+    server = ensure(Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui")))
+    path = [*server["pythonpath"], str(server["main_dir"]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    r = subprocess.run([sys.executable, "-c", NODE_DEFAULTS], capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    widgets = json.loads(r.stdout.strip().splitlines()[-1])
+    assert widgets == {"cfg": 4.0, "top_k": 900, "top_p": 0.95}
