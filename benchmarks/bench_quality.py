@@ -44,8 +44,9 @@ import PIL.ImageDraw
 import PIL.ImageFont
 import torch
 
-from ..engine.state import SamplingSettings
 from ..engine.contract import Policy, PolicyStack
+from ..engine.state import SamplingSettings
+from ..pipelines.defaults import VAR_DEFAULTS
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
@@ -53,7 +54,6 @@ from ._results import atomic_write, write_csv
 from .metrics import psnr, ssim
 
 FAMILY = "var"                          # preset family of the models this harness loads (VARPipeline)
-_SAMPLING = SamplingSettings()          # the pipeline's sampling defaults, defined once there
 
 # ---- settings -----------------------------------------------------------------------------------------
 _NUM = r"(\d+(?:\.\d+)?)"
@@ -342,8 +342,8 @@ def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSet
 def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Sequence[int] = range(16),
                 classes=None, out_dir: Union[str, Path] = Path("benchmarks/results/quality"),
                 device: str = "auto", dtype: Optional[torch.dtype] = None,
-                guidance_scale: float = _SAMPLING.guidance_scale, top_k: int = _SAMPLING.top_k,
-                top_p: float = _SAMPLING.top_p, log: Callable[[str], None] = print, warmup: int = 1,
+                guidance_scale: float = VAR_DEFAULTS.guidance_scale, top_k: int = VAR_DEFAULTS.top_k,
+                top_p: float = VAR_DEFAULTS.top_p, log: Callable[[str], None] = print, warmup: int = 1,
                 grid_seeds: int = 4, diff_gain: float = 4.0, model_name: Optional[str] = None) -> list[dict]:
     """Generate dense and accelerated images at the same seeds; measure quality and speed per setting.
 
@@ -700,9 +700,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="folder for quality.csv, quality.png and grid_<setting>.png")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer dtype (auto: bfloat16 on CUDA)")
-    p.add_argument("--cfg", type=float, default=_SAMPLING.guidance_scale, help="guidance scale")
-    p.add_argument("--top-k", type=int, default=_SAMPLING.top_k)
-    p.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
+    p.add_argument("--cfg", type=float, default=VAR_DEFAULTS.guidance_scale, help="guidance scale")
+    p.add_argument("--top-k", type=int, default=VAR_DEFAULTS.top_k)
+    p.add_argument("--top-p", type=float, default=VAR_DEFAULTS.top_p)
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per setting before timing")
     p.add_argument("--grid-seeds", type=int, default=4, help="rows of each image grid")
     p.add_argument("--list-settings", action="store_true", help="print the setting names and exit")

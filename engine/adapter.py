@@ -9,8 +9,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from .contract import ScalePlan
 from .graphs import GraphStreams
+from .layers import LayerCall
 from .schedule import ScaleSchedule
 from .state import ModelInfo, RunState
 
@@ -33,14 +33,38 @@ class ModelAdapter(Protocol):
         the (reused) workspace (an :class:`~.workspace.Workspace`) with its KV cache and latent,
         the first stage input; sets ``run.workspace``."""
 
-    def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> Optional[torch.Tensor]:
-        """Stage input → (gather) → layers with hooks → (scatter) → post_hidden → head.
-        Returns the logits of every row of the full map, (R, h·w, V), in float32 or in a dtype the
-        family's :meth:`guide` takes (which returns float32). Reads its inputs only from
-        the workspace and bakes in no per-call setting, so a dense scale can be captured as a CUDA
-        graph and replayed by later calls. Given ``graphs`` (the engine's graph runner) for a scale
-        with a static subset or with observe taps, the adapter replays just its layer stack from a
-        graph and runs the hooks around it; it returns None when that is not possible."""
+    def stage_input(self, si: int, run: RunState) -> torch.Tensor:
+        """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32, read from the
+        workspace only (a scale's compute may be captured as a CUDA graph and replayed later)."""
+
+    # the layer loop's family part (engine/layers.py runs the loop; see there)
+    def chains_layers(self) -> bool:
+        """Whether layers no sub-layer wrapper acts on run the chained dense path."""
+
+    def chains_into_head(self) -> bool:
+        """Whether the last chained block may also compute the head's modulated input."""
+
+    def scale_constants(self, si: int, run: RunState, pos: torch.Tensor) -> Any:
+        """Whatever the scale's layers share (e.g. RoPE of its positions), passed to layer_call."""
+
+    def layer_call(self, si: int, i: int, run: RunState, pos: torch.Tensor, valid_Rn: Optional[torch.Tensor],
+                   record: bool, shared: Any) -> LayerCall:
+        """Where layer ``i`` runs: a :class:`LayerCall` with the family's per-layer constants."""
+
+    def layer(self, i: int, x_RlC: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        """Block ``i`` with its sub-layer hooks (``run.hooks.wraps(i)``), unchained."""
+
+    def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Block ``i``'s modulated first sub-layer input, where a chain starts."""
+
+    def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool,
+                      call: LayerCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Block ``i`` on the chained path from its modulated input ``y_RlC``: (x, the next block's
+        modulated input — or the head's after the last block — when ``chain_next``, else None)."""
+
+    def head(self, x_RLC: torch.Tensor, run: RunState, modulated: bool = False) -> torch.Tensor:
+        """The logits of every row, (R, h·w, V), in float32 or in a dtype :meth:`guide` takes;
+        ``modulated``: ``x_RLC`` already is the head's LayerNorm + AdaLN output."""
 
     def guide(self, si: int, logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance (the family's formula) → guided float32 logits (B, h·w, V)."""

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .layers import compute_scale
 from .state import RunState
 
 
@@ -77,7 +78,7 @@ class _Captured:
 class GraphRunner:
     """Captures and replays the graphs of one workspace (``ws.graphs``, one memory pool).
 
-    The adapter's ``compute_scale`` reads only static workspace buffers, so a capture taken at the
+    A scale's compute (engine/layers.py) reads only static workspace buffers, so a capture taken at the
     first generation stays valid for every later one of the same shape. The KV cache's host-side
     bookkeeping (fill lengths, tail owner) is not advanced by a replay, so it is recorded at capture
     and set after each replay."""
@@ -101,9 +102,9 @@ class GraphRunner:
             if whole is not None:
                 return whole
         if mode in ("whole", "compute"):
-            logits = self.run(("dense", si), lambda: adapter.compute_scale(si, plan, run), run)
+            logits = self.run(("dense", si), lambda: compute_scale(adapter, si, plan, run), run)
         elif mode is not None:
-            logits = adapter.compute_scale(si, plan, run, graphs=self)
+            logits = compute_scale(adapter, si, plan, run, graphs=self)
         else:
             return None
         return None if logits is None else (logits,)
@@ -225,7 +226,7 @@ class GraphRunner:
         stack = run.policies
 
         def scale():
-            logits = adapter.compute_scale(si, plan, run)
+            logits = compute_scale(adapter, si, plan, run)
             guided = adapter.guide(si, logits, run)
             codes = adapter.sample(si, guided, run, noise_NV=noise_NV)
             residual = stack.post_residual(si, adapter.residual(si, codes, run), run)

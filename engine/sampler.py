@@ -16,6 +16,7 @@ import torch
 from .adapter import ModelAdapter
 from .contract import PolicyStack
 from .graphs import GraphRunner
+from .layers import compute_scale
 from .memory import trim_host_heap
 from .schedule import ScaleSchedule
 from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, ScaleStats
@@ -64,7 +65,7 @@ class _ScaleTimer:
 
 
 def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
-             settings: SamplingSettings = SamplingSettings(),
+             settings: SamplingSettings,
              generator: GeneratorArg = None,
              policies: Optional[PolicyStack] = None,
              callback: Optional[ScaleCallback] = None,
@@ -139,7 +140,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             if out is not None and len(out) == 2:      # replayed whole: only after_scale is left
                 guided, codes = out
             else:
-                logits = adapter.compute_scale(si, plan, run) if out is None else out[0]
+                logits = compute_scale(adapter, si, plan, run) if out is None else out[0]
                 guided = adapter.guide(si, logits, run)
                 codes = adapter.sample(si, guided, run)
                 residual = adapter.residual(si, codes, run)

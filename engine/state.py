@@ -41,18 +41,18 @@ samples garbage."""
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How codes are drawn at every scale.
+    """How codes are drawn at every scale (each family's defaults: pipelines/defaults.py).
 
-    guidance_scale: classifier-free guidance strength, 0 … ``GUIDANCE_SCALE_MAX``. VAR and HART ramp it linearly with the
-        scale index, from 0 at the first scale to this value at the last; 0 disables guidance.
-        Official VAR demo: 4.0; FID evaluation: 1.5.
-    top_k: keep the k most likely codes per token (0 = no limit). Official: 900.
-    top_p: nucleus mass kept per token, in [0, 1] (0 = off). Official: 0.95-0.96.
+    guidance_scale: classifier-free guidance strength, 0 … ``GUIDANCE_SCALE_MAX``, in the family's
+        formula (VAR ramps it linearly with the scale index, from 0 at the first scale to this value
+        at the last).
+    top_k: keep the k most likely codes per token (0 = no limit).
+    top_p: nucleus mass kept per token, in [0, 1] (0 = off).
     """
 
-    guidance_scale: float = 4.0
-    top_k: int = 900
-    top_p: float = 0.95
+    guidance_scale: float
+    top_k: int
+    top_p: float
 
 
 def _format_count(n: float) -> str:

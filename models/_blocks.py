@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -9,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..sparse_ops._backend import CHAIN_ROWS
+
+MAX_LOG_TEMPERATURE = math.log(100.0)    # cosine attention: q's learned temperature is exp(min(τ, ln 100))
 
 
 class TanhGeluFFN(nn.Module):
@@ -26,6 +29,32 @@ class TanhGeluFFN(nn.Module):
     def hidden(self, x: torch.Tensor, ops: Optional["ElementwiseOps"] = None) -> torch.Tensor:
         """GELU(fc1(x)): the input of fc2 (for callers that fuse fc2 with what follows)."""
         return (ops.linear if ops is not None else dense_linear)(x, self.fc1.weight, self.fc1.bias, gelu=True)
+
+
+class CosineSelfAttentionWeights(nn.Module):
+    """The parameters of VAR's and Infinity's cosine self-attention (official key layout):
+    ``mat_qkv.weight`` (3C, C, no bias), ``q_bias``, ``v_bias`` (C), ``scale_mul_1H11`` (1, H, 1, 1: the
+    log temperature of each head's q), ``proj.{weight,bias}``. The key bias is fixed at zero (the
+    official ``zero_k_bias`` buffer is not kept). A family adds its ``forward``."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} is not divisible by {num_heads} heads")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.mat_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(dim))
+        self.v_bias = nn.Parameter(torch.zeros(dim))
+        self.scale_mul_1H11 = nn.Parameter(torch.full((1, num_heads, 1, 1), math.log(4.0)))
+        self.proj = nn.Linear(dim, dim)
+
+    def temperature(self) -> torch.Tensor:
+        """(H,) float32: each head's q multiplier exp(min(τ, ln 100))."""
+        return self.scale_mul_1H11.float().clamp_max(MAX_LOG_TEMPERATURE).exp().view(-1)
+
+    def qkv_bias(self) -> torch.Tensor:
+        """(3C,) [q_bias; 0; v_bias] — the key bias is fixed at zero."""
+        return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -556,7 +556,7 @@ def load_infinity_transformer(path, dtype: torch.dtype = torch.float32):
     ``dtype`` is the blocks' dtype; embeddings, text projections, AdaLN and the head stay float32
     (the reference's bf16 mode). The key set is validated: missing or unexpected keys are named.
     """
-    from .infinity import InfinityTransformer, _official_uncond_rows
+    from .infinity.transformer import InfinityTransformer, _official_uncond_rows
 
     dtype = resolve_dtype(dtype, "dtype")
     what = "Infinity transformer checkpoint"

@@ -18,7 +18,6 @@ the reference gets from autocast).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -28,17 +27,18 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
+from ..engine.layers import LayerCall
 from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import ModelInfo, RunState
-from ..engine.contract import ScalePlan, SubLayer, SubLayerContext
+from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.graphs import GraphStreams
 from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
-from ..sparse_ops.ops import gather_rows, scatter_rows
-from ._blocks import EAGER_OPS, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from ._blocks import (EAGER_OPS, CosineSelfAttentionWeights, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine,
+                      trunc_normal_init_)
 from .vqvae import bicubic_operator
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
@@ -57,36 +57,14 @@ VAR_PRESETS: dict[str, dict] = {
 # A small model for smoke tests and the README's first command until a trained demo model ships.
 VAR_PRESETS["var-tiny"] = dict(depth=4, embed_dim=256, num_heads=4, shared_aln=False, patch_nums=VAR_SCHEDULES[256])
 
-MAX_LOG_TEMPERATURE = math.log(100.0)
-
-
-class VARSelfAttention(nn.Module):
-    """Cosine self-attention over this scale's tokens and everything in the KV cache.
-
-    Keys: ``mat_qkv.weight`` (3C, C, no bias), ``q_bias``, ``v_bias`` (C), ``scale_mul_1H11``
-    (1, H, 1, 1), ``proj.{weight,bias}``. The key bias is fixed at zero (the official
-    ``zero_k_bias`` buffer is not kept).
-    """
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"width {dim} is not divisible by {num_heads} heads")
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.mat_qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.q_bias = nn.Parameter(torch.zeros(dim))
-        self.v_bias = nn.Parameter(torch.zeros(dim))
-        self.scale_mul_1H11 = nn.Parameter(torch.full((1, num_heads, 1, 1), math.log(4.0)))
-        self.proj = nn.Linear(dim, dim)
+class VARSelfAttention(CosineSelfAttentionWeights):
+    """Cosine self-attention over this scale's tokens and everything in the KV cache: q, k
+    L2-normalised, q times its head's temperature, softmax scale 1."""
 
     def qk_multiplier(self) -> torch.Tensor:
         """(2, H, 1) float32: q's temperature exp(min(τ, ln 100)) and k's 1, per head."""
-        temperature_H = self.scale_mul_1H11.float().clamp_max(MAX_LOG_TEMPERATURE).exp().view(-1)
+        temperature_H = self.temperature()
         return torch.stack((temperature_H, torch.ones_like(temperature_H))).unsqueeze(-1)
-
-    def qkv_bias(self) -> torch.Tensor:
-        """(3C,) [q_bias; 0; v_bias] — the key bias is fixed at zero."""
-        return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
     def forward(self, x_RlC: torch.Tensor, ctx: Optional["_LayerCall"] = None,
                 attn_mask: Optional[torch.Tensor] = None, idx_Rn: Optional[torch.Tensor] = None,
@@ -106,8 +84,7 @@ class VARSelfAttention(nn.Module):
             q, k = qk_Rl2Hd[:, :, 0].transpose(1, 2), qk_Rl2Hd[:, :, 1].transpose(1, 2)  # (R, H, l, d) views
             v = qkv_Rl3Hd[:, :, 2].transpose(1, 2)
         else:
-            pos, valid = ctx.positions(idx_Rn)
-            k_dst, v_dst = ctx.kv.reserve(ctx.layer, l, pos, valid)                # this scale's cache slots
+            k_dst, v_dst = ctx.reserve(l, idx_Rn)                                  # this scale's cache slots
             k, v = ctx.kv.view(ctx.layer)                                          # (R, H, L, d), ending with them
             attn_mask = ctx.kv.key_mask(ctx.layer)
             if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.hooks["attention"],
@@ -124,27 +101,16 @@ class VARSelfAttention(nn.Module):
         return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
 
 
-class _LayerCall:
-    """Where a block runs during generation: KV cache, scale, layer, the run, the elementwise ops
-    (eager or compiled), the layer's per-image constants, and the absolute positions (``pos``:
-    (l,) or (R, l)) and key validity (``valid_Rl``, None = all valid) of the tokens it runs on."""
+class _LayerCall(LayerCall):
+    """Where a VAR block runs (engine/layers.py), with the layer's per-image constants: the qkv bias
+    and the q/k multipliers."""
 
-    __slots__ = ("kv", "si", "layer", "run", "ops", "qkv_bias", "qk_mult", "pos", "valid_Rl", "record")
+    __slots__ = ("qkv_bias", "qk_mult")
 
-    def __init__(self, kv: KVCache, si: int, layer: int, run: RunState, ops: ElementwiseOps,
-                 qkv_bias: torch.Tensor, qk_mult: torch.Tensor, pos: torch.Tensor,
-                 valid_Rl: Optional[torch.Tensor], record: bool):
-        self.kv, self.si, self.layer, self.run, self.ops = kv, si, layer, run, ops
-        self.qkv_bias, self.qk_mult, self.pos, self.valid_Rl, self.record = qkv_bias, qk_mult, pos, valid_Rl, record
-
-    def positions(self, idx_Rn: Optional[torch.Tensor]):
-        """(positions to record or None, validity or None) for a write of these tokens (or a subset)."""
-        if idx_Rn is None:
-            return (self.pos if self.record else None), self.valid_Rl
-        R = idx_Rn.shape[0]
-        pos_Rn = self.pos.expand(R, -1).gather(1, idx_Rn)
-        valid = self.valid_Rl.gather(1, idx_Rn) if self.valid_Rl is not None else None
-        return pos_Rn, valid
+    def __init__(self, kv, si: int, layer: int, run: RunState, ops: ElementwiseOps, qkv_bias: torch.Tensor,
+                 qk_mult: torch.Tensor, pos: torch.Tensor, valid_Rl: Optional[torch.Tensor], record: bool):
+        super().__init__(kv, si, layer, run, ops, pos, valid_Rl, record)
+        self.qkv_bias, self.qk_mult = qkv_bias, qk_mult
 
 
 class VARBlock(nn.Module):
@@ -404,6 +370,7 @@ class VARAdapter:
                 f"{transformer.config.z_channels} channels, the VQVAE has {vqvae.config.vocab_size} × "
                 f"{vqvae.config.z_channels}; pass the VQVAE the transformer was trained with")
         self.transformer, self.vqvae = transformer, vqvae
+        self.blocks = list(transformer.blocks)
         self.graph_streams = GraphStreams()
         self.schedule = transformer.schedule
         self.num_layers = transformer.config.depth
@@ -486,89 +453,44 @@ class VARAdapter:
         return self.ops.stage_embed(ws.f_hat_BChw, h, w, embed.weight, embed.bias, ws.lvl_pos_1LC[0, start:end],
                                     R // run.batch_size)
 
-    @torch.no_grad()
-    def compute_scale(self, si: int, plan: ScalePlan, run: RunState, graphs=None) -> torch.Tensor:
-        """Raw logits of every row, (R, h·w, V); reads only workspace buffers. Float32, except under
-        fused ops: there they stay in the head's dtype and :meth:`guide` casts them in its pass.
+    # ---- the layer loop's family part (engine/layers.py) -------------------------------------------
+    def chains_layers(self) -> bool:
+        return True
 
-        With ``graphs`` (the engine's CUDA-graph runner) the layer stack — stage input, gather,
-        layers, scatter — is replayed from a graph keyed by scale and subset size; the policies'
-        taps are read from it afterwards, and post_hidden and the head run eagerly. Returns None
-        when the graph cannot be used (the engine then calls again without it)."""
-        R = run.rows
-        head_mod_R2C = run.workspace.head_mod_R2C[:R]
-        float32 = self.ops.kind != "fused"
-        if graphs is not None:
-            x_RLC = self._layers_graphed(si, plan, run, graphs)
-            if x_RLC is None:
-                return None
-        else:
-            idx = plan.token_index.to(self.device, torch.long) if plan.token_index is not None else None
-            valid = plan.token_valid.to(self.device) if plan.token_valid is not None else None
-            # nothing between the last block and the head (no subset to scatter, no hidden-state
-            # rewrite): under the fused ops the last block's gated residual and the head's LayerNorm +
-            # AdaLN run as one step, as between blocks
-            into_head = idx is None and self.ops.kind == "fused" and not run.hooks["post_hidden"]
-            x_RLC, _, y_RLC = self._layers(si, idx, valid, run, head_mod_R2C=head_mod_R2C if into_head else None)
-            if y_RLC is not None:
-                return self.transformer.logits(y_RLC, None, self.ops, float32=float32)
-        x_RLC = run.policies.post_hidden(si, x_RLC, run)
-        return self.transformer.logits(x_RLC, head_mod_R2C, self.ops, float32=float32)
+    def chains_into_head(self) -> bool:
+        return self.ops.kind == "fused"
 
-    def _layers(self, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optional[torch.Tensor], run: RunState,
-                collect: bool = False, head_mod_R2C: Optional[torch.Tensor] = None):
-        """Stage input → gather ``idx_Bn`` (None: every token) → blocks → scatter: (x, taps, head
-        input). The tapped layers' (``run.hooks``) input and output go to the policies' observe, or
-        with ``collect`` are returned instead. With ``head_mod_R2C`` (no subset) a chained last block
-        also returns the head's LayerNorm + AdaLN of its output (else None)."""
-        ws, R, B = run.workspace, run.rows, run.batch_size
-        stack = run.policies
-        x0_RLC = self.stage_input(si, run)
-        start, L = self.schedule.offsets[si], x0_RLC.shape[1]
-        kv = ws.kv
-        idx_Rn, valid_Rn = None, None
-        if idx_Bn is not None:
-            idx_Rn = idx_Bn.repeat(R // B, 1)                                          # one token set per image
-            x_RlC = gather_rows(x0_RLC, idx_Rn)                                      # (R, L, C) → (R, n, C)
-            pos = idx_Rn + start
-            if valid_Bn is not None:
-                valid_Rn = valid_Bn.repeat(R // B, 1)
-        else:
-            x_RlC = x0_RLC
-            pos = ws.positions_L[start:start + L]
-        record = len(set(kv.lengths)) > 1              # layers out of step (per-layer pruning): record per layer
-        if not record:
-            kv.record_positions(kv.lengths[0], pos)    # layers in step: one write for all ((L,) or (R, n))
-        hooks, collected = run.hooks, []
-        blocks = self.transformer.blocks
-        # layers no sub-layer wrapper changes run the dense path, fused across block borders
-        chained = [not hooks.wraps(i) for i in range(len(blocks))]
-        y_RlC = None                                   # a chained layer's modulated attention input
-        for i, blk in enumerate(blocks):
-            x_in = x_RlC
-            call = _LayerCall(kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
-            if chained[i]:
-                if y_RlC is None:
-                    m1_R1C, b1_R1C = ws.ada_NR6C[i, :R, 2:3], ws.ada_NR6C[i, :R, 4:5]
-                    y_RlC = self.ops.modulate(x_RlC, m1_R1C, b1_R1C, blk.norm_eps, blk.ffn.fc1.weight.dtype)
-                if i + 1 < len(blocks):
-                    nxt = (ws.ada_NR6C[i + 1, :R, 2:3], ws.ada_NR6C[i + 1, :R, 4:5]) if chained[i + 1] else None
-                else:
-                    nxt = (head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]) if head_mod_R2C is not None else None
-                x_RlC, y_RlC = blk.forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], nxt, call)
-            else:
-                x_RlC, y_RlC = blk(x_RlC, ws.ada_NR6C[i, :R], call), None
-            if hooks.tapped(i):
-                if collect:
-                    collected.append((i, x_in, x_RlC))
-                else:
-                    stack.observe(si, ("layer", i), x_in, x_RlC, run)
-        if idx_Rn is not None:
-            x_RlC = scatter_rows(x0_RLC, idx_Rn, x_RlC)                              # (R, n, C) → (R, L, C)
-        return x_RlC, collected, (y_RlC if head_mod_R2C is not None else None)
+    def scale_constants(self, si: int, run: RunState, pos: torch.Tensor) -> None:
+        return None
 
-    def _layers_graphed(self, si: int, plan: ScalePlan, run: RunState, graphs) -> Optional[torch.Tensor]:
-        return graphs.layer_stack(si, plan, run, lambda idx_Bn, collect: self._layers(si, idx_Bn, None, run, collect)[:2])
+    def layer_call(self, si: int, i: int, run: RunState, pos, valid_Rn, record: bool, shared) -> _LayerCall:
+        ws = run.workspace
+        return _LayerCall(ws.kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
+
+    def layer(self, i: int, x_RlC: torch.Tensor, call: _LayerCall) -> torch.Tensor:
+        return self.blocks[i](x_RlC, call.run.workspace.ada_NR6C[i, :call.run.rows], call)
+
+    def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Block ``i``'s modulated attention input, LN(x)·(1 + s1) + b1."""
+        blk, ada_R6C = self.blocks[i], run.workspace.ada_NR6C[i, :run.rows]
+        return self.ops.modulate(x_RlC, ada_R6C[:, 2:3], ada_R6C[:, 4:5], blk.norm_eps, blk.ffn.fc1.weight.dtype)
+
+    def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool, call: _LayerCall):
+        """Block ``i`` on the chained path; with ``chain_next`` its last step also modulates the next
+        block's attention input (or, after the last block, the head's)."""
+        ws, R = call.run.workspace, call.run.rows
+        nxt = None
+        if chain_next and i + 1 < self.num_layers:
+            nxt = (ws.ada_NR6C[i + 1, :R, 2:3], ws.ada_NR6C[i + 1, :R, 4:5])
+        elif chain_next:
+            nxt = (ws.head_mod_R2C[:R, 0:1], ws.head_mod_R2C[:R, 1:2])
+        return self.blocks[i].forward_chained(x_RlC, y_RlC, ws.ada_NR6C[i, :R], nxt, call)
+
+    def head(self, x_RLC: torch.Tensor, run: RunState, modulated: bool = False) -> torch.Tensor:
+        """Raw logits (R, L, V): float32, except under fused ops (there in the head's dtype; :meth:`guide`
+        casts them in its pass). ``modulated``: ``x_RLC`` is already the head's LayerNorm + AdaLN."""
+        head_mod_R2C = None if modulated else run.workspace.head_mod_R2C[:run.rows]
+        return self.transformer.logits(x_RLC, head_mod_R2C, self.ops, float32=self.ops.kind != "fused")
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond, float32

@@ -347,11 +347,11 @@ def test_conflicting_policies_fail_the_call_and_leave_the_pipeline_usable(pipe, 
 # ---- engine.generate directly ------------------------------------------------------------------------------
 def test_generate_without_decode(pipe):
     adapter = pipe.adapter()
-    res = generate(adapter, torch.tensor([4]), 1, settings=SamplingSettings(top_k=1), generator=_g(0), decode=False)
+    res = generate(adapter, torch.tensor([4]), 1, settings=SamplingSettings(guidance_scale=4.0, top_k=1, top_p=0.95), generator=_g(0), decode=False)
     assert res.images is None
     ref = pipe(4, top_k=1, generator=_g(0), output_type="latent").images
     assert torch.equal(res.latent, ref)
-    again = generate(adapter, torch.tensor([7]), 1, settings=SamplingSettings(top_k=1), generator=_g(0), decode=False)
+    again = generate(adapter, torch.tensor([7]), 1, settings=SamplingSettings(guidance_scale=4.0, top_k=1, top_p=0.95), generator=_g(0), decode=False)
     assert torch.equal(res.latent, ref)          # a copy: the reused workspace does not overwrite it
     assert not torch.equal(again.latent, ref)
 

@@ -82,3 +82,12 @@ def test_the_package_graph_has_no_cycle():
 if __name__ == "__main__":
     for pkg, deps in import_graph().items():
         print(f"{pkg:11s} → {', '.join(sorted(deps)) or '(nothing)'}")
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    """A wheel (non-editable install) carries only the packages pyproject.toml lists."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"sparsevar"} | {"sparsevar." + ".".join(p.parent.relative_to(ROOT).parts)
+                             for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found == listed, f"not listed: {sorted(found - listed)}; listed but missing: {sorted(listed - found)}"
