@@ -301,7 +301,7 @@ def _apply_acceleration(pipe, args, configs) -> None:
             raise CLIError(f"{flags}: {e}{hint}") from None
     if args.compile:
         try:
-            pipe.enable_compiled_elementwise()
+            pipe.set_kernels("triton")
         except ValueError as e:
             raise CLIError(f"--compile: {e}") from None
 
@@ -775,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FastVAR: first and last layer that prune (default: the family preset; Infinity-2B 3 27)")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
-    a.add_argument("--compile", action="store_true", help="fuse elementwise steps into Triton kernels (CUDA)")
+    a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder (VAR, or Infinity with "

@@ -28,7 +28,7 @@ import torch
 
 from ._results import write_csv
 
-from ..models._blocks import dense_linear as _dense_linear
+from ..sparse_ops.kernels import dense_linear as _dense_linear
 from ..sparse_ops import ref
 from ..sparse_ops.attention import attention
 

@@ -38,20 +38,19 @@ def _sparsevar(**kw):
     return lambda pipe: pipe.enable_sparsevar(**kw)
 
 
-# method → (policy setup on the pipeline, pipeline call arguments, fused elementwise ops (False,
-# "fused": hand-written Triton kernels, "compile": torch.compile), settings text)
+# method → (policy setup on the pipeline, pipeline call arguments, kernels (pipe.set_kernels), settings text)
 METHODS = {
-    "dense": (_dense, dict(use_cuda_graphs=True), "fused", "graphs + fused Triton elementwise kernels"),
-    "dense-compile": (_dense, dict(use_cuda_graphs=True), "compile", "graphs + torch.compile elementwise"),
-    "dense-graphs": (_dense, dict(use_cuda_graphs=True), False, "graphs"),
-    "dense-eager": (_dense, dict(use_cuda_graphs=False), False, "eager"),
-    "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, "fused", "keep_ratio=1.0 on the last 3 scales"),
-    "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, "fused", "keep_ratio=0.5 on the last 3 scales"),
-    "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, "fused", "keep_ratio=0.3 on the last 3 scales"),
-    "sparsevar-preset": (_sparsevar(), {}, "fused", "family preset (SPARSEVAR_PRESETS)"),
-    "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, "fused", "family preset"),
-    "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, "fused", "skip_last=1"),
-    "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, "fused", "skip_last=2"),
+    "dense": (_dense, dict(use_cuda_graphs=True), "triton", "graphs + this package's Triton kernels"),
+    "dense-compile": (_dense, dict(use_cuda_graphs=True), "compile", "graphs + torch.compile kernels"),
+    "dense-graphs": (_dense, dict(use_cuda_graphs=True), "torch", "graphs"),
+    "dense-eager": (_dense, dict(use_cuda_graphs=False), "torch", "eager"),
+    "sparsevar-keep1.0": (_sparsevar(keep_ratio=1.0, start_scale=-3), {}, "triton", "keep_ratio=1.0 on the last 3 scales"),
+    "sparsevar-keep0.5": (_sparsevar(keep_ratio=0.5, start_scale=-3), {}, "triton", "keep_ratio=0.5 on the last 3 scales"),
+    "sparsevar-keep0.3": (_sparsevar(keep_ratio=0.3, start_scale=-3), {}, "triton", "keep_ratio=0.3 on the last 3 scales"),
+    "sparsevar-preset": (_sparsevar(), {}, "triton", "family preset (SPARSEVAR_PRESETS)"),
+    "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, "triton", "family preset"),
+    "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, "triton", "skip_last=1"),
+    "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, "triton", "skip_last=2"),
 }
 POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
 
@@ -220,7 +219,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
             wbytes = torch.finfo(torch_dtype).bits // 8
             floor = floor_fn(batch, wbytes, gpu)
             for method in methods:
-                setup, kw, compiled, settings = METHODS[method]
+                setup, kw, kernels, settings = METHODS[method]
                 for name_ in [p.name for p in pipe.policies]:
                     pipe.remove_policy(name_)
                 try:
@@ -228,8 +227,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 except ValueError as e:     # a setting this model cannot take: say so, go on
                     log(f"{name} b{batch} {method}: skipped: {e}")
                     continue
-                on = bool(compiled) and device == "cuda"
-                pipe.enable_compiled_elementwise(on, **({"kernels": compiled} if on else {}))
+                pipe.set_kernels(kernels if device == "cuda" else "torch")
                 pipe.release_memory()
                 if device == "cuda":
                     torch.cuda.empty_cache()

@@ -1,73 +1,143 @@
-"""The model-adapter interface: what the engine needs from a model family, and nothing else.
+"""The model adapter: what the engine needs from a model family, and nothing else.
 
-Every family (VAR, Infinity, HART) implements it in its own model file. The engine never looks
-inside a model; policies reach the model only through the hook points the adapter calls.
+Every family (VAR, Infinity, HART) subclasses :class:`ModelAdapter` in its own model file and
+implements the methods below that raise NotImplementedError; the rest (the workspace kept between
+calls, the kernel choice, the cond-only switch, the default block calls) is shared here. The
+engine never looks inside a model; policies reach the model only through the hook points the
+adapter calls.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..sparse_ops.kernels import TORCH_KERNELS, Kernels
 from .graphs import GraphStreams
 from .layers import LayerCall
+from .memory import trim_host_heap
 from .schedule import ScaleSchedule
 from .state import ModelInfo, RunState
+from .workspace import Workspace
 
 
-class ModelAdapter(Protocol):
-    family: str
-    schedule: ScaleSchedule
-    num_layers: int
-    supports_cuda_graphs: bool
-    # guide, sample (with its noise drawn beforehand), residual and accumulate may be captured with
-    # the scale's compute into one CUDA graph (see sample)
-    supports_scale_graphs: bool
-    graph_streams: GraphStreams    # the side streams the engine's graphs of this adapter use
+class ModelAdapter:
+    """A family's transformer and tokenizer behind the engine's interface.
+
+    ``family``; ``supports_cuda_graphs``; ``supports_scale_graphs``: guide, sample (with its noise
+    drawn beforehand), residual and accumulate may be captured with the scale's compute into one
+    CUDA graph (see :meth:`sample`); ``layer_groups`` / ``sublayers``: the layer topology policies
+    validate against (:class:`~.state.ModelInfo`). ``ops``: the :class:`~..sparse_ops.kernels.Kernels`
+    the family's layers run (:meth:`set_kernels`); ``blocks``: its transformer blocks in order."""
+
+    family: str = "model"
+    supports_cuda_graphs = True
+    supports_scale_graphs = False
+    layer_groups = 0
+    sublayers: tuple = ("self_attn", "ffn")
+
+    def __init__(self, transformer, schedule: ScaleSchedule, blocks: Sequence):
+        self.transformer, self.schedule = transformer, schedule
+        self.blocks = list(blocks)
+        self.num_layers = len(self.blocks)
+        self.graph_streams = GraphStreams()            # the side streams of the engine's graphs
+        self.ops: Kernels = TORCH_KERNELS
+        self._workspace: Optional[Workspace] = None    # one at a time: the last call's shape's
+        self._workspace_key = None
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
 
     def model_info(self) -> ModelInfo:
         """Family, schedule and layer topology (what policies validate their settings against)."""
+        return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers,
+                         layer_groups=self.layer_groups, sublayers=self.sublayers)
+
+    def set_kernels(self, kind: str) -> None:
+        """Run the layers on the ``"torch"``, ``"triton"`` or ``"compile"`` kernels
+        (:class:`~..sparse_ops.kernels.Kernels`); a change frees the workspace (its graphs captured
+        the old kernels)."""
+        if kind != self.ops.kind:
+            self.ops = TORCH_KERNELS if kind == "torch" else Kernels(kind)
+            self.release()
+
+    def workspace(self, key, make: Callable[[], Workspace]) -> Workspace:
+        """The workspace of ``key`` (what fixes its buffers: batch size, schedule, device, dtype …):
+        the last call's when the key matches, else a new one, made after the old one is freed (so
+        memory is bounded by the largest shape in flight, not by every shape seen; a workspace's
+        CUDA graphs serve its shape only, so alternating shapes re-allocate and re-capture)."""
+        if self._workspace_key != key:
+            self.release()                             # the old one goes first: its memory can serve the new one
+            self._workspace, self._workspace_key = make(), key
+        return self._workspace
+
+    def release(self) -> None:
+        """Free the workspace (KV cache, CUDA graphs); on the CPU, hand the freed memory back to the
+        operating system (engine/memory.py)."""
+        ws, self._workspace, self._workspace_key = self._workspace, None, None
+        if ws is not None:
+            device = ws.device
+            del ws
+            trim_host_heap(device)
 
     def begin(self, run: RunState, conditioning: Any) -> None:
         """Set up a generation: conditioning rows ([cond; uncond]), hoisted per-image projections,
         the (reused) workspace (an :class:`~.workspace.Workspace`) with its KV cache and latent,
         the first stage input; sets ``run.workspace``."""
+        raise NotImplementedError
 
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
         """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32, read from the
         workspace only (a scale's compute may be captured as a CUDA graph and replayed later)."""
+        raise NotImplementedError
 
     # the layer loop's family part (engine/layers.py runs the loop; see there)
     def chains_layers(self) -> bool:
         """Whether layers no sub-layer wrapper acts on run the chained dense path."""
+        raise NotImplementedError
 
     def chains_into_head(self) -> bool:
         """Whether the last chained block may also compute the head's modulated input."""
+        raise NotImplementedError
 
     def scale_constants(self, si: int, run: RunState, pos: torch.Tensor) -> Any:
         """Whatever the scale's layers share (e.g. RoPE of its positions), passed to layer_call."""
+        raise NotImplementedError
 
     def layer_call(self, si: int, i: int, run: RunState, pos: torch.Tensor, valid_Rn: Optional[torch.Tensor],
                    record: bool, shared: Any) -> LayerCall:
         """Where layer ``i`` runs: a :class:`LayerCall` with the family's per-layer constants."""
+        raise NotImplementedError
 
     def layer(self, i: int, x_RlC: torch.Tensor, call: LayerCall) -> torch.Tensor:
-        """Block ``i`` with its sub-layer hooks (``run.hooks.wraps(i)``), unchained."""
+        """Block ``i`` with its sub-layer hooks (``run.hooks.wraps(i)``), unchained: the block called
+        with its AdaLN rows (``workspace.ada_NR6C``)."""
+        return self.blocks[i](x_RlC, call.run.workspace.ada_NR6C[i, :call.run.rows], call)
 
     def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Block ``i``'s modulated first sub-layer input, where a chain starts."""
+        """Block ``i``'s modulated first sub-layer input, where a chain starts: LN(x)·(1 + s1) + b1."""
+        blk, ada_R6C = self.blocks[i], run.workspace.ada_NR6C[i, :run.rows]
+        return self.ops.modulate(x_RlC, ada_R6C[:, 2:3], ada_R6C[:, 4:5], blk.norm_eps, blk.ffn.fc1.weight.dtype)
 
     def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool,
                       call: LayerCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Block ``i`` on the chained path from its modulated input ``y_RlC``: (x, the next block's
         modulated input — or the head's after the last block — when ``chain_next``, else None)."""
+        raise NotImplementedError
 
     def head(self, x_RLC: torch.Tensor, run: RunState, modulated: bool = False) -> torch.Tensor:
         """The logits of every row, (R, h·w, V), in float32 or in a dtype :meth:`guide` takes;
         ``modulated``: ``x_RLC`` already is the head's LayerNorm + AdaLN output."""
+        raise NotImplementedError
 
     def guide(self, si: int, logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance (the family's formula) → guided float32 logits (B, h·w, V)."""
+        raise NotImplementedError
 
     def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Draw this scale's codes from the guided logits with ``run.generator``.
@@ -78,21 +148,31 @@ class ModelAdapter(Protocol):
         noise_NV=…)`` uses that noise instead of drawing; ``accumulate`` must then change nothing
         but :meth:`latent`, so that the engine can capture compute → guide → sample → residual →
         accumulate as one graph."""
+        raise NotImplementedError
 
     def residual(self, si: int, codes: torch.Tensor, run: RunState) -> torch.Tensor:
         """Per-token residual of the sampled codes, (B, h·w, c) (what ``post_residual`` may edit)."""
+        raise NotImplementedError
 
     def accumulate(self, si: int, residual: torch.Tensor, run: RunState) -> None:
         """Add the residual into the latent and prepare the next scale's input."""
+        raise NotImplementedError
 
     def drop_uncond(self, run: RunState) -> None:
-        """Switch to conditional rows only (cond-only mode): slice every per-row state."""
+        """Switch to conditional rows only (cond-only mode): slice every per-row state (here the KV
+        cache's rows; the other per-row buffers are read through ``run.rows``)."""
+        run.workspace.kv.keep_rows(run.batch_size)
 
     def latent(self, run: RunState) -> torch.Tensor:
         """The latent accumulated so far (what decode would turn into images)."""
+        raise NotImplementedError
 
     def decode(self, run: RunState) -> torch.Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from the accumulated latent."""
+        raise NotImplementedError
 
     def end(self, run: RunState, keep_workspace: bool) -> None:
         """Release per-run state; drop the workspace too unless asked to keep it."""
+        run.workspace = None
+        if not keep_workspace:
+            self.release()

@@ -23,8 +23,6 @@ from ..sparse_ops import ops as sparse_ops
 if TYPE_CHECKING:  # pragma: no cover
     from .state import ModelInfo, RunState
 
-SUBLAYER_KINDS = ("self_attn", "cross_attn", "ffn")
-
 
 HOOKS = ("plan_scale", "wrap_sublayer", "observe", "attention", "post_hidden", "post_residual", "after_scale")
 IN_LAYER_HOOKS = ("wrap_sublayer", "attention")          # run inside the layers, on every token row

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
 
 class Workspace:
     """Buffers of one batch size and schedule, reused across generations of that shape (an adapter
@@ -12,7 +14,8 @@ class Workspace:
     ``run.shape_cache``) and the CUDA graphs captured for this shape with their memory pool, input
     buffers and pre-drawn noise (engine/graphs.py)."""
 
-    def __init__(self):
+    def __init__(self, device):
+        self.device = torch.device(device)
         self.kv: Any = None
         self.policy_cache: dict = {}
         self.graphs: dict = {}

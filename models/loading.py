@@ -403,13 +403,7 @@ def describe_checkpoint(path) -> dict:
 
 
 def _describe_pipeline_folder(p: Path) -> dict:
-    from .bsq_vae import BSQVAE
-    from .infinity import InfinityTransformer
-    from .var import VARTransformer
-
     pipeline = read_json_file(p / "model_index.json", "pipeline folder").get("_class_name")
-    classes = {"VARPipeline": {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
-               "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE}}.get(pipeline, {})
     if pipeline in _PIPELINE_USE:                    # the checks a load makes: every component present and agreeing
         check_pipeline_folder(p, pipeline, pipeline_components(pipeline), "")
     info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
@@ -418,8 +412,6 @@ def _describe_pipeline_folder(p: Path) -> dict:
     for sub in ("transformer", "vqvae", "vae"):
         if not (p / sub).is_dir():
             continue
-        if sub in classes:
-            check_component_folder(p / sub, classes[sub])
         config = read_json_file(p / sub / "config.json", f"{sub} folder")
         info[sub] = {k: v for k, v in config.items() if not k.startswith("_")}
         files, shapes = component_weight_shapes(p / sub)
@@ -695,7 +687,7 @@ _PIPELINE_USE = {
     "VARPipeline": "VARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
     "InfinityPipeline": "InfinityPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
 }
-_RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
+RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
 
 
 def read_json_file(path, what: str = "file") -> dict:
@@ -703,20 +695,20 @@ def read_json_file(path, what: str = "file") -> dict:
     raises FileNotFoundError / ValueError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing: the {what} is incomplete; {_RECONVERT}")
+        raise FileNotFoundError(f"{p} is missing: the {what} is incomplete; {RECONVERT}")
     if p.stat().st_size == 0:
-        raise ValueError(f"{p} is empty (0 bytes): the copy or conversion did not finish; {_RECONVERT}")
+        raise ValueError(f"{p} is empty (0 bytes): the copy or conversion did not finish; {RECONVERT}")
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"{p} is not a JSON text file (it holds binary data); {_RECONVERT}") from None
+        raise ValueError(f"{p} is not a JSON text file (it holds binary data); {RECONVERT}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file or "
-                         f"{_RECONVERT}") from None
+                         f"{RECONVERT}") from None
     if not isinstance(obj, dict):
         kind = {list: "list", str: "string", int: "number", float: "number", bool: "true/false", type(None): "null"}
         raise ValueError(f"{p} holds a JSON {kind.get(type(obj), type(obj).__name__)}, not an object of settings; "
-                         f"{_RECONVERT}")
+                         f"{RECONVERT}")
     return obj
 
 
@@ -731,21 +723,21 @@ def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -
         if index.is_file():
             weight_map = read_json_file(index, "shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index} has no weight_map (the name → shard table); {_RECONVERT}")
-            files = [folder / f for f in _shard_names(index, weight_map, _RECONVERT)]
+                raise ValueError(f"{index} has no weight_map (the name → shard table); {RECONVERT}")
+            files = [folder / f for f in _shard_names(index, weight_map, RECONVERT)]
             for f in files:
                 if not f.is_file():
                     raise FileNotFoundError(f"shard {f} listed in {index.name} is missing; copy every shard into "
-                                            f"{folder}, or {_RECONVERT}")
+                                            f"{folder}, or {RECONVERT}")
             break
         if single.exists():
             if not single.is_file():
-                raise ValueError(f"{single} is a folder, not a weight file; {_RECONVERT}")
+                raise ValueError(f"{single} is a folder, not a weight file; {RECONVERT}")
             files = [single]
             break
     else:
         raise FileNotFoundError(f"{folder / names[0]} is missing: {folder} holds no weights (the folder is "
-                                f"incomplete); {_RECONVERT}")
+                                f"incomplete); {RECONVERT}")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         dtypes: dict[str, str] = {}
@@ -761,7 +753,7 @@ def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -
         if ints:
             raise ValueError(f"{f} holds {dtypes[ints[0]]} integers in {ints[0]}"
                              f"{f' (and {len(ints) - 1} more tensors)' if len(ints) > 1 else ''}, where the model "
-                             f"has floating-point weights: the file was not written by save_pretrained; {_RECONVERT}")
+                             f"has floating-point weights: the file was not written by save_pretrained; {RECONVERT}")
     return files, shapes
 
 
@@ -794,7 +786,7 @@ def _init_kwargs(cls, config: dict, cfg_path: Path, weights_say) -> dict:
             ok, need = True, ""
         if not ok:
             said = weights_say(name)
-            fix = f"set \"{name}\": {json.dumps(said)}" if said is not None else f"fix it or {_RECONVERT}"
+            fix = f"set \"{name}\": {json.dumps(said)}" if said is not None else f"fix it or {RECONVERT}"
             raise ValueError(f"{cfg_path}: \"{name}\": {json.dumps(value)} is not {need}; {fix}")
         kwargs[name] = value
     return kwargs
@@ -868,7 +860,7 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
     named = config.get("_class_name")
     if named is not None and named != cls.__name__:
         raise ValueError(f"{cfg_path} describes a {named!r}, but {folder.name}/ must hold a {cls.__name__}: the "
-                         f"folder's parts are mixed up; {_RECONVERT}")
+                         f"folder's parts are mixed up; {RECONVERT}")
     files, shapes = component_weight_shapes(folder, names)
     weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
     source = "the weights"
@@ -912,8 +904,8 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
     if build_error is not None:
         raise ValueError(f"{cfg_path}: these settings do not build a {cls.__name__} "
                          f"({type(build_error).__name__}: {str(build_error).splitlines()[0][:200] if str(build_error) else ''}); "
-                         f"fix the file or {_RECONVERT}")
-    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, shapes)}; {_RECONVERT}")
+                         f"fix the file or {RECONVERT}")
+    raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, shapes)}; {RECONVERT}")
 
 
 def _refuse_differences(cls, cfg_path: Path, weights, kwargs: dict, implied: dict) -> None:
@@ -927,7 +919,7 @@ def _refuse_differences(cls, cfg_path: Path, weights, kwargs: dict, implied: dic
                          + ("" if k in kwargs else " (the default; the file does not set it)") for k, c, _ in diffs)
         fix = ", ".join(f"\"{k}\": {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, _, v in diffs)
         raise ValueError(f"{cfg_path} says {have}, but the weights in {weights} are for {said}; set {fix} in "
-                         f"config.json, or {_RECONVERT}")
+                         f"config.json, or {RECONVERT}")
 
 
 def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
@@ -948,7 +940,7 @@ def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
     return cfg
 
 
-def check_saved_text_encoder(folder, fix: str = _RECONVERT) -> dict:
+def check_saved_text_encoder(folder, fix: str = RECONVERT) -> dict:
     """Check a saved T5 encoder folder (``config.json`` + weights) before it is loaded: the JSON parses,
     the weights are whole, and the encoder its config builds (on the meta device) holds the tensors of
     the weights (the shared token embedding may be stored once; a full T5's decoder and LM head, which
@@ -1036,7 +1028,7 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
     for sub in components:
         if not (path / sub).is_dir():
             raise FileNotFoundError(f"{path / sub} is missing or not a folder (a {pipeline} folder has "
-                                    f"{', '.join(s + '/' for s in components)}); {_RECONVERT}")
+                                    f"{', '.join(s + '/' for s in components)}); {RECONVERT}")
     configs = {}
     for sub, cls in components.items():
         if cls == "text_encoder":
@@ -1060,7 +1052,7 @@ def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:
             if t != v:
                 raise ValueError(f"{path}: the transformer and the VQVAE do not match: transformer/config.json has "
                                  f"{field} = {t}, vqvae/config.json {field} = {v}; put the VQVAE the transformer was "
-                                 f"trained with in vqvae/, or {_RECONVERT}")
+                                 f"trained with in vqvae/, or {RECONVERT}")
     if pipeline == "InfinityPipeline" and {"transformer", "text_encoder"} <= set(configs):
         from .infinity import InfinityTransformer
         t = configs["transformer"].get("text_channels", _default(InfinityTransformer, "text_channels"))
@@ -1082,24 +1074,3 @@ def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[t
                                 **kw)
     check_finite(model, folder, "the weights in")
     return model.eval().requires_grad_(False)
-
-
-def load_pretrained_text_encoder(text_encoder_folder, tokenizer_folder, dtype: torch.dtype = torch.float32):
-    """(tokenizer, T5EncoderModel) of a pipeline folder's ``tokenizer/`` and ``text_encoder/``, frozen and in
-    eval mode; a folder transformers cannot read raises a ValueError naming it."""
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    from .text_encoder import check_tokenizer_files
-    check_tokenizer_files(tokenizer_folder, _RECONVERT[0].upper() + _RECONVERT[1:])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
-    except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
-        raise ValueError(f"{tokenizer_folder}: the tokenizer could not be loaded ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); {_RECONVERT}") from None
-    try:
-        t5 = T5EncoderModel.from_pretrained(str(text_encoder_folder), local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"{text_encoder_folder}: the T5 encoder could not be loaded ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); {_RECONVERT}") from None
-    check_finite(t5, text_encoder_folder, "T5 encoder")
-    return tokenizer, t5.to(dtype).eval().requires_grad_(False)

@@ -126,8 +126,10 @@ def check_tokenizer_files(folder, fix: str) -> None:
                                 f"so every prompt would become the same unknown tokens. {fix}")
 
 
-def load_t5(path, dtype: torch.dtype = torch.float32):
-    """(tokenizer, T5EncoderModel) from a local folder, frozen and in eval mode.
+def load_t5(path, dtype: torch.dtype = torch.float32, tokenizer_path=None, fix: Optional[str] = None):
+    """(tokenizer, T5EncoderModel) from a local folder, frozen and in eval mode: a Flan-T5 folder, or a
+    pipeline folder's ``text_encoder/`` with its ``tokenizer/`` apart (``tokenizer_path``; ``fix``:
+    what its errors advise). A folder transformers cannot read raises a ValueError naming it.
 
     A full T5 (encoder + decoder, as google/flan-t5-xl ships) loads too: the decoder weights are
     left out, like the official loader does.
@@ -136,20 +138,21 @@ def load_t5(path, dtype: torch.dtype = torch.float32):
 
     from .loading import check_finite, check_saved_text_encoder
 
-    p = check_text_encoder_folder(path)
-    check_saved_text_encoder(p, fix=f"put {FLAN_T5_HINT} there")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
-        raise ValueError(f"{p}: the T5 tokenizer could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-                         f"The folder needs tokenizer.json (or spiece.model with `pip install sentencepiece`) and "
-                         f"tokenizer_config.json, as in google/flan-t5-xl") from e
-    try:
-        model = T5EncoderModel.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"{p}: the T5 encoder could not be loaded ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}). Put {FLAN_T5_HINT} there") from e
-    check_finite(model, p, "T5 encoder")
+    if tokenizer_path is None:
+        path = tokenizer_path = check_text_encoder_folder(path)
+        fix = f"put {FLAN_T5_HINT} there"
+        check_saved_text_encoder(path, fix=fix)
+    else:
+        check_tokenizer_files(tokenizer_path, fix[0].upper() + fix[1:])
+    loaded = []
+    for cls, folder, what in ((AutoTokenizer, tokenizer_path, "tokenizer"), (T5EncoderModel, path, "T5 encoder")):
+        try:
+            loaded.append(cls.from_pretrained(str(folder), local_files_only=True))
+        except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
+            raise ValueError(f"{folder}: the {what} could not be loaded ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}); {fix}") from None
+    tokenizer, model = loaded
+    check_finite(model, path, "T5 encoder")
     return tokenizer, model.to(dtype).eval().requires_grad_(False)
 
 

@@ -28,17 +28,16 @@ from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
 from ..engine.layers import LayerCall
-from ..engine.memory import trim_host_heap
 from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
-from ..engine.state import ModelInfo, RunState
+from ..engine.state import RunState
 from ..engine.contract import SubLayer, SubLayerContext
-from ..engine.graphs import GraphStreams
+from ..engine.adapter import ModelAdapter
 from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
-from ._blocks import (EAGER_OPS, CosineSelfAttentionWeights, ElementwiseOps, TanhGeluFFN, layer_norm_no_affine,
-                      trunc_normal_init_)
+from ..sparse_ops.kernels import TORCH_KERNELS, Kernels
+from ._blocks import CosineSelfAttentionWeights, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
 from .vqvae import bicubic_operator
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
@@ -74,7 +73,7 @@ class VARSelfAttention(CosineSelfAttentionWeights):
         ``project=False`` returns the heads' output (R, l, C) before the output projection."""
         R, l, C = x_RlC.shape
         H, d = self.num_heads, self.head_dim
-        ops = ctx.ops if ctx is not None else EAGER_OPS
+        ops = ctx.ops if ctx is not None else TORCH_KERNELS
         bias = ctx.qkv_bias if ctx is not None else self.qkv_bias()
         mult = ctx.qk_mult if ctx is not None else self.qk_multiplier()
         qkv_Rl3Hd = ops.linear(x_RlC, self.mat_qkv.weight, bias).view(R, l, 3, H, d)
@@ -107,7 +106,7 @@ class _LayerCall(LayerCall):
 
     __slots__ = ("qkv_bias", "qk_mult")
 
-    def __init__(self, kv, si: int, layer: int, run: RunState, ops: ElementwiseOps, qkv_bias: torch.Tensor,
+    def __init__(self, kv, si: int, layer: int, run: RunState, ops: Kernels, qkv_bias: torch.Tensor,
                  qk_mult: torch.Tensor, pos: torch.Tensor, valid_Rl: Optional[torch.Tensor], record: bool):
         super().__init__(kv, si, layer, run, ops, pos, valid_Rl, record)
         self.qkv_bias, self.qk_mult = qkv_bias, qk_mult
@@ -141,7 +140,7 @@ class VARBlock(nn.Module):
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         g1, g2, m1, m2, b1, b2 = mod_R6C.unsqueeze(2).unbind(1)                     # each (R, 1, C)
         wdtype = self.ffn.fc1.weight.dtype
-        ops = ctx.ops if ctx is not None else EAGER_OPS
+        ops = ctx.ops if ctx is not None else TORCH_KERNELS
         eps = self.norm_eps
 
         def attn_branch(y, idx_Rn=None):
@@ -250,7 +249,7 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return torch.stack((ada[:, 0] + 1, ada[:, 1]), dim=1)
 
     def logits(self, h_RlC: torch.Tensor, head_mod_R2C: Optional[torch.Tensor],
-               ops: Optional[ElementwiseOps] = None, float32: bool = True) -> torch.Tensor:
+               ops: Optional[Kernels] = None, float32: bool = True) -> torch.Tensor:
         """Codebook logits (R, l, V) of hidden states, float32 (or the head's dtype without
         ``float32``); ``head_mod_R2C`` from :meth:`head_adaln`, or None when ``h_RlC`` already is
         the head's LayerNorm + AdaLN output (the last block chained into it). Fused ``ops`` run the
@@ -258,13 +257,13 @@ class VARTransformer(ModelMixin, ConfigMixin):
         GEMM at few rows)."""
         if head_mod_R2C is None:
             y = h_RlC
-        elif ops is not None and ops.kind != "eager":
+        elif ops is not None and ops.kind != "torch":
             mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
             y = ops.modulate(h_RlC, mul_R1C, shift_R1C, self.config.norm_eps, self.head.weight.dtype)
         else:
             mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
             y = (layer_norm_no_affine(h_RlC, self.config.norm_eps) * mul_R1C + shift_R1C).to(self.head.weight.dtype)
-        if ops is not None and ops.kind == "fused":
+        if ops is not None and ops.kind == "triton":
             logits_RlV = ops.linear(y, self.head.weight, self.head.bias)
         else:
             logits_RlV = self.head(y)
@@ -332,7 +331,7 @@ class _VARWorkspace(Workspace):
     engine replays from CUDA graphs — the graphs with their memory pool (engine/graphs.py)."""
 
     def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
-        super().__init__()
+        super().__init__(device)
         cfg, sch = model.config, model.schedule
         R, C = 2 * batch, cfg.embed_dim
         self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)
@@ -348,7 +347,7 @@ class _VARWorkspace(Workspace):
         self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)
 
 
-class VARAdapter:
+class VARAdapter(ModelAdapter):
     """The engine's view of a VAR transformer + its multi-scale VQVAE (engine/adapter.py).
 
     Conditioning is a LongTensor of class ids (B,). Rows through the transformer are
@@ -357,7 +356,6 @@ class VARAdapter:
     """
 
     family = "var"
-    supports_cuda_graphs = True
     # guide, sample (with its noise drawn beforehand), residual and accumulate capture with the
     # scale's compute into one CUDA graph; accumulate changes only the latent (engine/adapter.py)
     supports_scale_graphs = True
@@ -369,24 +367,8 @@ class VARAdapter:
                 f"transformer and VQVAE do not match: transformer expects vocab {transformer.config.vocab_size} × "
                 f"{transformer.config.z_channels} channels, the VQVAE has {vqvae.config.vocab_size} × "
                 f"{vqvae.config.z_channels}; pass the VQVAE the transformer was trained with")
-        self.transformer, self.vqvae = transformer, vqvae
-        self.blocks = list(transformer.blocks)
-        self.graph_streams = GraphStreams()
-        self.schedule = transformer.schedule
-        self.num_layers = transformer.config.depth
-        # one workspace at a time (see begin): the last batch size's, kept for the next call
-        self._workspace: Optional[_VARWorkspace] = None
-        self._workspace_key = None
-        self.ops = EAGER_OPS
-
-    def set_compiled_elementwise(self, enabled) -> None:
-        """Fuse the blocks' elementwise steps (CUDA + Triton only): ``True`` / ``"fused"`` for the
-        hand-written kernels, ``"compile"`` for torch.compile alone, ``False`` for eager. Kernels are
-        built at the first call; CUDA graphs then capture them like any kernel."""
-        kind = {False: "eager", True: "fused"}.get(enabled, enabled)
-        if kind != self.ops.kind:
-            self.ops = EAGER_OPS if kind == "eager" else ElementwiseOps(kind=kind)
-            self.release()
+        super().__init__(transformer, transformer.schedule, transformer.blocks)
+        self.vqvae = vqvae
 
     @property
     def device(self) -> torch.device:
@@ -396,37 +378,16 @@ class VARAdapter:
     def dtype(self) -> torch.dtype:
         return self.transformer.head.weight.dtype
 
-    def model_info(self) -> ModelInfo:
-        return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers, layer_groups=0)
-
-    def release(self) -> None:
-        """Free the workspace (KV cache, CUDA graphs); on the CPU, hand the freed memory back to the
-        operating system (engine/memory.py)."""
-        ws, self._workspace, self._workspace_key = self._workspace, None, None
-        if ws is not None:
-            device = ws.f_hat_BChw.device
-            del ws
-            trim_host_heap(device)
-
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, run: RunState, class_labels_B: torch.Tensor) -> None:
-        """Set up a generation in the workspace of this batch size, device and dtype.
-
-        One workspace is kept at a time: the last call's, reused when the next call has the same
-        batch size, device, dtype and weights, else freed before the new one is made (so memory is
-        bounded by the largest batch in flight, not by the sum over every batch size seen; a
-        workspace's CUDA graphs are captured for its batch size and are not reused by another).
-        Alternating batch sizes therefore re-allocate (and, with graphs, re-capture) each time."""
+        """Set up a generation in the workspace of this batch size, device, dtype and weights
+        (:meth:`~..engine.adapter.ModelAdapter.workspace`: one kept at a time)."""
         m, B = self.transformer, run.batch_size
         # captured graphs hold the weights' addresses: a model moved away and back (ComfyUI offloading,
         # a dtype round trip) has new storage, so its old workspace and graphs must go
         key = (B, self.device, self.dtype, tuple(p.data_ptr() for p in m.parameters()))
-        if self._workspace_key != key:
-            self.release()                           # the old one goes first: its memory can serve the new one
-            self._workspace = _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype)
-            self._workspace_key = key
-        ws = self._workspace
+        ws = self.workspace(key, lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype))
         labels_B = class_labels_B.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
         first_l = self.schedule.tokens(0)
@@ -458,7 +419,7 @@ class VARAdapter:
         return True
 
     def chains_into_head(self) -> bool:
-        return self.ops.kind == "fused"
+        return self.ops.kind == "triton"
 
     def scale_constants(self, si: int, run: RunState, pos: torch.Tensor) -> None:
         return None
@@ -466,14 +427,6 @@ class VARAdapter:
     def layer_call(self, si: int, i: int, run: RunState, pos, valid_Rn, record: bool, shared) -> _LayerCall:
         ws = run.workspace
         return _LayerCall(ws.kv, si, i, run, self.ops, ws.qkv_bias_N3C[i], ws.qk_mult_N2H1[i], pos, valid_Rn, record)
-
-    def layer(self, i: int, x_RlC: torch.Tensor, call: _LayerCall) -> torch.Tensor:
-        return self.blocks[i](x_RlC, call.run.workspace.ada_NR6C[i, :call.run.rows], call)
-
-    def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Block ``i``'s modulated attention input, LN(x)·(1 + s1) + b1."""
-        blk, ada_R6C = self.blocks[i], run.workspace.ada_NR6C[i, :run.rows]
-        return self.ops.modulate(x_RlC, ada_R6C[:, 2:3], ada_R6C[:, 4:5], blk.norm_eps, blk.ffn.fc1.weight.dtype)
 
     def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool, call: _LayerCall):
         """Block ``i`` on the chained path; with ``chain_next`` its last step also modulates the next
@@ -490,7 +443,7 @@ class VARAdapter:
         """Raw logits (R, L, V): float32, except under fused ops (there in the head's dtype; :meth:`guide`
         casts them in its pass). ``modulated``: ``x_RLC`` is already the head's LayerNorm + AdaLN."""
         head_mod_R2C = None if modulated else run.workspace.head_mod_R2C[:run.rows]
-        return self.transformer.logits(x_RLC, head_mod_R2C, self.ops, float32=self.ops.kind != "fused")
+        return self.transformer.logits(x_RLC, head_mod_R2C, self.ops, float32=self.ops.kind != "triton")
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Classifier-free guidance with VAR's ramp: t = cfg·si/(S−1), (1+t)·cond − t·uncond, float32
@@ -512,7 +465,7 @@ class VARAdapter:
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState,
                noise_NV: Optional[torch.Tensor] = None) -> torch.Tensor:
         s = run.settings
-        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "fused",
+        return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "triton",
                                       noise_NV=noise_NV)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
@@ -539,9 +492,6 @@ class VARAdapter:
         weight, bias, ratio = self.vqvae.phi_parameters(si, sch.num_scales)
         self.ops.phi_accumulate(h_BChw, weight, bias, ratio, ws.f_hat_BChw)            # f_hat += φ(h), float32
 
-    def drop_uncond(self, run: RunState) -> None:
-        run.workspace.kv.keep_rows(run.batch_size)
-
     def latent(self, run: RunState) -> torch.Tensor:
         return run.workspace.f_hat_BChw
 
@@ -551,7 +501,3 @@ class VARAdapter:
         img = self.vqvae.fhat_to_img(f_hat.to(self.vqvae.quantize.embedding.weight.dtype)).float()
         return (img + 1) * 0.5                                                         # [-1, 1] → [0, 1]
 
-    def end(self, run: RunState, keep_workspace: bool) -> None:
-        run.workspace = None
-        if not keep_workspace:
-            self.release()

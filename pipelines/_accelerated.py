@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 from ..sparse_ops._backend import resolve_backend
+from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class _DropCPUHalfWarning(logging.Filter):
 class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …), run state and the shared parts of a call, for
     VARPipeline and InfinityPipeline. A pipeline supplies ``adapter()`` (which passes
-    ``self._compiled_elementwise`` to the adapter), ``PRESET_FAMILY`` (its key in ``SPARSEVAR_PRESETS``
+    ``self._kernels`` to the adapter's ``set_kernels``), ``PRESET_FAMILY`` (its key in ``SPARSEVAR_PRESETS``
     / ``FASTVAR_PRESETS``), ``DEFAULTS`` and ``_output_class``; its ``__call__`` checks its own inputs,
     then calls :meth:`_check_call`, :meth:`_call_policies` and :meth:`_generate`."""
 
@@ -98,7 +100,7 @@ class AcceleratedPipelineMixin:
 
     def __init__(self):
         super().__init__()
-        self._policies, self._adapter, self._compiled_elementwise = PolicyStack(), None, False
+        self._policies, self._adapter, self._kernels = PolicyStack(), None, "torch"
         self._interrupt, self._current_scale = False, None
 
     def to(self, *args, **kwargs):
@@ -163,36 +165,50 @@ class AcceleratedPipelineMixin:
                 index[name] = [LIBRARY_NAME, type(module).__name__]
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "AcceleratedPipelineMixin":
-        """Fuse each block's small elementwise steps (LayerNorm + AdaLN, cosine q/k norm with the
-        KV-cache write, gated residual) into single kernels. At batch 1 these steps, not the matrix
-        products, dominate a VAR step; Infinity runs ~20 of them per layer at every scale. CUDA + Triton only.
+    @property
+    def kernels(self) -> str:
+        """The kernels the layers run: ``"torch"`` (default), ``"triton"`` or ``"compile"`` (:meth:`set_kernels`)."""
+        return self._kernels
 
-        kernels: ``"fused"`` (default) runs the hand-written Triton kernels of
-            ``sparse_ops.dense_fused`` (one launch per step), plus ``sparse_ops.linear`` for matrix
-            products of ≤ 64 rows (there, on sm_90+, a layer's kernels are chained by programmatic
-            dependent launch: ``sparse_ops._gdc``) and ``sparse_ops.sample`` for codebook sampling
-            (filter and draw in one launch per scale); ``"compile"`` lets torch.compile fuse
-            each step (the first call compiles for tens of seconds; one more launch per layer).
+    def set_kernels(self, kernels: str = "triton") -> "AcceleratedPipelineMixin":
+        """Choose the kernels of every step of the layers and of the scale loop
+        (``sparse_ops.kernels.Kernels``). At batch 1 a block's small steps (LayerNorm + AdaLN, cosine
+        q/k norm with the KV-cache write, gated residual), not its matrix products, dominate a VAR step;
+        Infinity runs ~20 of them per layer at every scale.
+
+        kernels: ``"triton"`` runs this package's hand-written Triton kernels (``sparse_ops.dense_fused``,
+            one launch per step; ``sparse_ops.linear`` for matrix products of ≤ 64 rows, chained on
+            sm_90+ by programmatic dependent launch; ``sparse_ops.sample`` for codebook sampling) —
+            CUDA and Triton only; where they cannot run (a GPU older than sm_80, ROCm) it falls back to
+            ``"compile"`` with a warning. ``"compile"``: torch.compile fuses each plain-torch step (the
+            first call compiles for tens of seconds). ``"torch"``: plain torch, the reference (CPU too).
         """
-        if kernels not in ("fused", "compile"):
-            raise ValueError(f"kernels={kernels!r}: use 'fused' (hand-written Triton kernels) or 'compile' "
-                             f"(torch.compile)")
-        if enabled:
+        if kernels not in KERNEL_KINDS:
+            raise ValueError(f"kernels={kernels!r}: use 'triton' (this package's Triton kernels), 'compile' "
+                             f"(torch.compile) or 'torch' (plain torch)")
+        if kernels != "torch":
             if self.transformer.device.type != "cuda":
-                raise ValueError("enable_compiled_elementwise needs the model on a CUDA device; call pipe.to('cuda') "
-                                 "first (on CPU the eager path is used)")
+                raise ValueError(f"set_kernels({kernels!r}) needs the model on a CUDA device; call pipe.to('cuda') "
+                                 f"first (on CPU the torch kernels run)")
             try:
                 import triton  # noqa: F401
             except ImportError:
-                raise ValueError("enable_compiled_elementwise needs Triton: pip install 'sparsevar[triton]'") from None
-            if kernels == "fused" and resolve_backend("auto", self.transformer.device) != "triton":
-                # e.g. a GPU older than sm_80 or ROCm: the hand-written kernels do not run, torch.compile does
-                logger.warning("enable_compiled_elementwise: the fused Triton kernels cannot run on this device "
-                               "(sparsevar info --backends says why); using kernels='compile' (torch.compile)")
+                raise ValueError(f"set_kernels({kernels!r}) needs Triton: pip install 'sparsevar[triton]'") from None
+            if kernels == "triton" and resolve_backend("auto", self.transformer.device) != "triton":
+                logger.warning("set_kernels: this package's Triton kernels cannot run on this device (sparsevar info "
+                               "--backends says why); using kernels='compile' (torch.compile)")
                 kernels = "compile"
-        self._compiled_elementwise = kernels if enabled else False
+        self._kernels = kernels
         return self
+
+    def enable_compiled_elementwise(self, enabled: bool = True, kernels: str = "fused") -> "AcceleratedPipelineMixin":
+        """Deprecated (removed in the next release): ``set_kernels("triton")`` for ``kernels="fused"``,
+        ``set_kernels("compile")`` for ``"compile"``, ``set_kernels("torch")`` for ``enabled=False``."""
+        warnings.warn("enable_compiled_elementwise() is deprecated and will be removed in the next release; use "
+                      "pipe.set_kernels('triton') (or 'compile', 'torch')", DeprecationWarning, stacklevel=2)
+        if kernels not in ("fused", "compile"):
+            raise ValueError(f"kernels={kernels!r}: use 'fused' or 'compile' (better: pipe.set_kernels('triton'))")
+        return self.set_kernels({"fused": "triton", "compile": "compile"}[kernels] if enabled else "torch")
 
     # ---- policies ---------------------------------------------------------------------------------
     @property

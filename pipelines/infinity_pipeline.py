@@ -161,7 +161,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         dtype (or diffusers' name ``torch_dtype``): the transformer blocks' (default: as saved); vae_dtype,
         text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
         "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
-        from ..models.loading import load_pretrained_component, load_pretrained_text_encoder
+        from ..models.loading import RECONVERT, load_pretrained_component
         path, _, dtype, vae_dtype, text_encoder_dtype = cls._pretrained_arguments(
             pretrained_model_name_or_path, "load the official files with InfinityPipeline.from_single_file("
             "transformer_ckpt, vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
@@ -170,7 +170,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         transformer = load_pretrained_component(InfinityTransformer, path, "transformer")
         transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
         vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)
-        tokenizer, t5 = load_pretrained_text_encoder(path / "text_encoder", path / "tokenizer", text_encoder_dtype)
+        tokenizer, t5 = load_t5(path / "text_encoder", text_encoder_dtype, path / "tokenizer", RECONVERT)
         return cls(transformer=transformer, vae=vae, text_encoder=t5, tokenizer=tokenizer)
 
     # ---- sizes ------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vae is not self.vae:
             a = self._adapter = InfinityAdapter(self.transformer, self.vae, DEFAULT_RESOLUTION)
-        a.set_compiled_elementwise(self._compiled_elementwise)
+        a.set_kernels(self._kernels)
         return a
 
     def flop_speedup(self, stats: GenerationStats, height: int = 1024, width: int = 1024,

@@ -279,7 +279,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
             a = self._adapter = VARAdapter(self.transformer, self.vqvae)
-        a.set_compiled_elementwise(self._compiled_elementwise)
+        a.set_kernels(self._kernels)
         return a
 
     def memory_needed(self, batch_size: int) -> dict[str, int]:

@@ -125,7 +125,7 @@ def use_fused_cache_attention(available: bool, attn_mask: Optional[torch.Tensor]
     19 µs at its last; 3.4 against 9.4 µs and 101 against 103 µs at batch 8's first and last."""
     min_rh, lo, hi = FUSED_CACHE_ATTENTION_GAP
     if not available:
-        ok, why = False, "fused kernels not in use (ElementwiseOps kind is not 'fused')"
+        ok, why = False, "this package's Triton kernels not in use (Kernels kind is not 'triton')"
     elif attn_mask is not None:
         ok, why = False, "key-padding mask (rows kept different token counts): norm + cache write, then SDPA"
     elif policy_attends:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevar.benchmarks.bench_gemm_rows import padding_table, table_json
-from sparsevar.models._blocks import ElementwiseOps
+from sparsevar.sparse_ops.kernels import Kernels
 from sparsevar.sparse_ops.gemm_rows import (DIR_ENV, ROW_SLACK, TABLE_DIR, GemmRowTable, empty_rows, file_name,
                                             linear_rows, padded_rows, shape_key, spare_rows, table_dirs,
                                             user_table_dir)
@@ -119,9 +119,9 @@ def test_sweep_pads_to_the_smallest_count_near_the_fastest():
 
 
 def test_row_table_only_under_fused_cuda_ops():
-    assert ElementwiseOps(kind="eager").row_table(torch.device("cpu")) is None
-    assert ElementwiseOps(kind="fused").row_table(torch.device("cpu")) is None
-    assert ElementwiseOps(kind="fused", row_padding=False).row_table(torch.device("cuda", 0)) is None
+    assert Kernels("torch").row_table(torch.device("cpu")) is None
+    assert Kernels("triton").row_table(torch.device("cpu")) is None
+    assert Kernels("triton", row_padding=False).row_table(torch.device("cuda", 0)) is None
 
 
 def test_tables_are_found_in_the_users_folder_before_the_shipped_ones(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def test_fixture_greedy_run_on_cuda_with_and_without_graphs(var_official_files, 
                 assert torch.equal(c.cpu(), ar[f"r{i}.idx_s{k}"]), (i, graphs, k)
 
 
-@pytest.mark.parametrize("kernels", ["fused", "compile"])
+@pytest.mark.parametrize("kernels", ["triton", "compile"])
 def test_compiled_elementwise_ops_reproduce_the_fixture_greedy_codes(var_official_files, var_fixture_dir,
                                                                     var_fixture_config, kernels):
     """Fused elementwise steps (hand-written Triton kernels, or torch.compile) round differently
@@ -54,7 +54,7 @@ def test_compiled_elementwise_ops_reproduce_the_fixture_greedy_codes(var_officia
     ar = load_file(var_fixture_dir / "var_ar.safetensors")
     pipe = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"]).to("cuda")
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_compiled_elementwise(kernels=kernels)
+    pipe.set_kernels(kernels)
     labels = ar["label_B"].tolist()
     for i, run in enumerate(var_fixture_config["ar_runs"]):
         if run["top_k"] != 1:
@@ -146,7 +146,7 @@ def test_sparsevar_whole_scale_replays_read_this_generations_plan():
     codes, not the captured one's, and a changed setting must recapture."""
     pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_compiled_elementwise(kernels="fused")
+    pipe.set_kernels("triton")
     pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3)
     _codes(pipe, [1, 2], 11, use_cuda_graphs=True)                       # capture
     for labels, seed in (([5, 7], 3), ([0, 9], 4)):
@@ -172,7 +172,7 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
     eager, under top-k / top-p sampling; a change of the baked-in settings recaptures."""
     pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_compiled_elementwise(kernels="fused")
+    pipe.set_kernels("triton")
     if policy == "sparsevar":
         pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3)
     elif policy == "fastvar":
@@ -255,12 +255,12 @@ def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
 
 def test_fused_linear_row_blocks_match_one_product_in_bfloat16():
     """Under the fused ops a long reduction on CHUNK_ROWS < rows < 2·CHUNK_ROWS runs through cuBLAS
-    in two row blocks (``ElementwiseOps._fused_linear``): every row is still one bf16 product with
+    in two row blocks (``Kernels._fused_linear``): every row is still one bf16 product with
     float32 accumulation, so its error against float64 stays within 2× that of a single
     ``F.linear`` plus one bf16 step; other shapes, GELU and autograd take the single product."""
-    from sparsevar.models._blocks import ElementwiseOps
-    ops = ElementwiseOps(kind="fused")
-    chunk = ElementwiseOps.CHUNK_ROWS
+    from sparsevar.sparse_ops.kernels import Kernels
+    ops = Kernels("triton")
+    chunk = Kernels.CHUNK_ROWS
     g = torch.Generator("cuda").manual_seed(0)
     w = torch.randn(192, 1536, device="cuda", generator=g).to(torch.bfloat16) * 0.03
     b = torch.randn(192, device="cuda", generator=g).to(torch.bfloat16)
@@ -281,19 +281,19 @@ def test_fused_linear_pads_rows_from_the_gpus_table():
     on the padded count (``sparse_ops.gemm_rows``): its rows are bit for bit those of the padded
     product, spare rows full of NaN never reach them, and against float64 it errs within 2× a plain
     ``F.linear`` (+ GELU) plus one bf16 step — another cuBLAS kernel, the same precision."""
-    from sparsevar.models._blocks import ElementwiseOps
+    from sparsevar.sparse_ops.kernels import Kernels
     from sparsevar.sparse_ops.gemm_rows import GemmRowTable, empty_rows, linear_rows, spare_rows
 
     table = GemmRowTable.for_device("cuda")
     if table is None:
         pytest.skip(f"no GEMM row table ships for {torch.cuda.get_device_name()} (bench_gemm_rows writes one)")
-    ops = ElementwiseOps(kind="fused")
+    ops = Kernels("triton")
     g = torch.Generator("cuda").manual_seed(0)
     for epilogue in ("bias", "gelu"):
         key, entries = max(((k, t) for k, t in table.entries.items() if k.endswith(":" + epilogue) and t),
                            key=lambda kt: len(kt[1]))
         N, K = (int(v) for v in key.split(":")[0].split("x"))
-        M, M_pad = next((m, mp) for m, mp in sorted(entries.items()) if m > ElementwiseOps.SMALL_GEMM_ROWS)
+        M, M_pad = next((m, mp) for m, mp in sorted(entries.items()) if m > Kernels.SMALL_GEMM_ROWS)
         w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
         x = empty_rows((M, K), dtype=torch.bfloat16, device="cuda")

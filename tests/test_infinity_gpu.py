@@ -118,7 +118,7 @@ def _codes(pipe, prompts, graphs, seed=3, **kw):
 
 
 @pytest.mark.parametrize("absorb", ["never", "always"])
-@pytest.mark.parametrize("kernels", [False, "fused"], ids=["eager-ops", "fused-ops"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("setup", [
     lambda p: p,
     lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0),      # the tiny model has 2 groups
@@ -130,8 +130,7 @@ def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
     cross-attention as projections and in its absorbed form."""
     pipe = _tiny_bf16()
     pipe.adapter().absorb_cross_attention = absorb
-    if kernels:
-        pipe.enable_compiled_elementwise(True, kernels=kernels)
+    pipe.set_kernels(kernels)
     setup(pipe)
     prompts = ["w3 w4 w5 w6", "w7 w8"]                       # two lengths: the text key mask is used
     eager = _codes(pipe, prompts, graphs=False)
@@ -189,17 +188,17 @@ def test_fused_elementwise_kernels_track_the_eager_path():
     greedy bits of the first scales agree but for near-ties."""
     pipe = _tiny_bf16()
     out = {}
-    for kernels in (False, "fused"):
-        pipe.enable_compiled_elementwise(bool(kernels), **({"kernels": kernels} if kernels else {}))
+    for kernels in ("torch", "triton"):
+        pipe.set_kernels(kernels)
         got = []
         pipe("w3 w4 w5 w6", height=256, width=256, generator=torch.Generator("cuda").manual_seed(0), top_k=1,
              output_type="latent", callback_on_step_end=lambda p, si, t, d: got.append((d["logits"].clone(),
                                                                                        d["codes"].clone())),
              callback_on_step_end_tensor_inputs=("logits", "codes"))
         out[kernels] = got
-    l_eager, l_fused = out[False][0][0], out["fused"][0][0]
+    l_eager, l_fused = out["torch"][0][0], out["triton"][0][0]
     rel = ((l_fused - l_eager).norm() / l_eager.norm()).item()
     assert rel < 2e-2, rel
-    bits_e = torch.cat([c for _, c in out[False][:4]], 1)
-    bits_f = torch.cat([c for _, c in out["fused"][:4]], 1)
+    bits_e = torch.cat([c for _, c in out["torch"][:4]], 1)
+    bits_f = torch.cat([c for _, c in out["triton"][:4]], 1)
     assert (bits_e == bits_f).float().mean() > 0.97

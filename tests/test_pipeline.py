@@ -403,3 +403,18 @@ def test_sampling_defaults_agree_in_the_pipelines_the_cli_and_the_sampler_node(t
     assert r.returncode == 0, r.stderr[-3000:]
     widgets = json.loads(r.stdout.strip().splitlines()[-1])
     assert widgets == {"cfg": 4.0, "top_k": 900, "top_p": 0.95}
+
+
+def test_kernels_are_chosen_by_set_kernels_and_the_old_name_still_works_with_a_warning():
+    pipe = VARPipeline.from_demo()
+    assert pipe.kernels == "torch" and pipe.adapter().ops.kind == "torch"
+    with pytest.raises(ValueError, match=r"kernels='fused': use 'triton' .*, 'compile' .* or 'torch'"):
+        pipe.set_kernels("fused")
+    with pytest.raises(ValueError, match=r"set_kernels\('triton'\) needs the model on a CUDA device"):
+        pipe.set_kernels("triton")                     # this test runs on the CPU
+    assert pipe.kernels == "torch"
+    with pytest.warns(DeprecationWarning, match=r"use pipe.set_kernels\('triton'\)"):
+        assert pipe.enable_compiled_elementwise(False) is pipe
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        pipe.enable_compiled_elementwise()             # = set_kernels("triton")
+    assert pipe.set_kernels("torch").kernels == "torch"

@@ -893,8 +893,8 @@ def test_dependent_launch_only_where_the_gpu_can_and_the_chain_is_ours():
     with pytest.raises(ValueError, match=r"pdl=True but programmatic dependent launch needs a CUDA GPU of sm_90.*"
                                          r"pdl=None"):
         _backend.dependent_launch(cpu, 2, True)
-    from sparsevar.models._blocks import ElementwiseOps
-    assert ElementwiseOps.SMALL_GEMM_ROWS == _backend.CHAIN_ROWS       # the chain is ours up to there
+    from sparsevar.sparse_ops.kernels import Kernels
+    assert Kernels.SMALL_GEMM_ROWS == _backend.CHAIN_ROWS       # the chain is ours up to there
 
 
 def test_few_row_launch_shapes_follow_their_rules():

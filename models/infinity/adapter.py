@@ -9,13 +9,12 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ...engine.graphs import GraphStreams
+from ...engine.adapter import ModelAdapter
 from ...engine.kv_cache import KVCache, kv_tail_needed
-from ...engine.memory import trim_host_heap
 from ...engine.sampling import sample_codes_per_image
-from ...engine.state import ModelInfo, RunState
+from ...engine.state import RunState
 from ...engine.workspace import Workspace
-from .._blocks import EAGER_OPS, AbsorbedCrossMemory, CrossMemory, ElementwiseOps, absorbs_cross_attention
+from .._blocks import AbsorbedCrossMemory, CrossMemory, absorbs_cross_attention
 from ..bsq_vae import code_value, next_scale_input, upsample_codes
 from ..text_encoder import TextFeatures
 from .resolution import DEFAULT_RESOLUTION, VAE_STRIDE, InfinityResolution, level, rope_at, rope_cos_sin
@@ -47,7 +46,7 @@ class _InfinityWorkspace(Workspace):
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
                  patchify: bool, device, dtype, kv_tail="auto"):
-        super().__init__()
+        super().__init__(device)
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw
@@ -184,7 +183,7 @@ class _InfinityWorkspace(Workspace):
         self.kv = None
 
 
-class InfinityAdapter:
+class InfinityAdapter(ModelAdapter):
     """The engine's view of an Infinity transformer + its BSQ-VAE (engine/adapter.py).
 
     Conditioning is an :class:`InfinityConditioning`; rows through the transformer are
@@ -193,8 +192,8 @@ class InfinityAdapter:
     """
 
     family = "infinity"
-    supports_cuda_graphs = True
     supports_scale_graphs = False    # its sample takes no pre-drawn noise: guidance and sampling stay eager
+    sublayers = ("self_attn", "cross_attn", "ffn")
 
     def __init__(self, transformer: InfinityTransformer, vae, resolution: InfinityResolution = DEFAULT_RESOLUTION):
         d_tok, d_vae = transformer.config.token_dim, vae.config.codebook_dim
@@ -206,30 +205,15 @@ class InfinityAdapter:
             raise ValueError(f"transformer and VAE do not match: the transformer reads {d_tok}-bit tokens, the VAE has "
                              f"{d_vae} bits per position (expected {d_tok}, or {d_tok // 4} for a 2×2-patchify VAE); "
                              f"pass the VAE the transformer was trained with")
-        self.transformer, self.vae = transformer, vae
-        self.blocks = transformer.blocks
-        self.graph_streams = GraphStreams()
+        super().__init__(transformer, resolution.schedule, transformer.blocks)
+        self.vae, self.resolution = vae, resolution
+        self.layer_groups = transformer.config.num_block_chunks
         self._code = code_value(d_vae)                 # every code entry is ±this (1/√d of the VAE's bits)
-        self.resolution = resolution
-        self.schedule = resolution.schedule
-        self.num_layers = transformer.config.depth
-        self._workspace: Optional[_InfinityWorkspace] = None
-        self._workspace_key = None
-        self.ops = EAGER_OPS
         # "auto" | "always" | "never": fold the cross-attention's projections into the text memory
         # (_InfinityWorkspace.set_text); "auto" does where that is less work (short prompts)
         self.absorb_cross_attention = "auto"
         # "auto" | True | False: give the last scale's K/V one buffer shared by the layers (kv_tail_needed)
         self.kv_tail = "auto"
-
-    def set_compiled_elementwise(self, enabled) -> None:
-        """Fuse the blocks' elementwise steps (CUDA + Triton only): ``True`` / ``"fused"`` for the
-        hand-written kernels (LayerNorm + AdaLN with the residual add; q/k norm + RoPE + KV-cache
-        write), ``"compile"`` for torch.compile alone, ``False`` for eager."""
-        kind = {False: "eager", True: "fused"}.get(enabled, enabled)
-        if kind != self.ops.kind:
-            self.ops = EAGER_OPS if kind == "eager" else ElementwiseOps(kind=kind)
-            self.release()
 
     @property
     def device(self) -> torch.device:
@@ -239,26 +223,11 @@ class InfinityAdapter:
     def dtype(self) -> torch.dtype:
         return self.transformer.block_dtype()
 
-    def model_info(self) -> ModelInfo:
-        return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers,
-                         layer_groups=self.transformer.config.num_block_chunks,
-                         sublayers=("self_attn", "cross_attn", "ffn"))
-
-    def release(self) -> None:
-        """Free the workspace (KV cache, CUDA graphs); on the CPU, hand the freed memory back to the
-        operating system (engine/memory.py)."""
-        ws, self._workspace, self._workspace_key = self._workspace, None, None
-        if ws is not None:
-            device = ws.summed_BdHW.device
-            del ws
-            trim_host_heap(device)
-
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, run: RunState, cond: InfinityConditioning) -> None:
-        """Set up a generation. One workspace is kept at a time: the last call's, reused when the
-        batch size, resolution, device, dtype and ``kv_tail`` match, else freed before the new one
-        is made (memory is bounded by the largest shape in flight, not by every shape seen)."""
+        """Set up a generation in the workspace of this batch size, resolution, device, dtype and
+        ``kv_tail`` (:meth:`~...engine.adapter.ModelAdapter.workspace`: one kept at a time)."""
         m, B = self.transformer, run.batch_size
         if not isinstance(cond, InfinityConditioning):
             raise TypeError(f"Infinity conditioning must be an InfinityConditioning, got {type(cond).__name__}")
@@ -270,12 +239,8 @@ class InfinityAdapter:
             raise ValueError(f"the run's schedule {run.schedule} is not that of {cond.resolution}")
         res = cond.resolution
         key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail)
-        if self._workspace_key != key:
-            self.release()                           # one workspace at a time: a KV cache can be gigabytes
-            self._workspace = _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
-                                                 self.device, self.dtype, self.kv_tail)
-            self._workspace_key = key
-        ws = self._workspace
+        ws = self.workspace(key, lambda: _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
+                                                            self.device, self.dtype, self.kv_tail))
         run.cfg_active = float(run.settings.guidance_scale) != 1.0
         text = cond.prompt
         if run.cfg_active:
@@ -317,7 +282,7 @@ class InfinityAdapter:
 
     # ---- the layer loop's family part (engine/layers.py) -------------------------------------------
     def chains_layers(self) -> bool:
-        return self.ops.kind != "eager"
+        return self.ops.kind != "torch"
 
     def chains_into_head(self) -> bool:
         return False
@@ -331,14 +296,6 @@ class InfinityAdapter:
         return _Call(kv=ws.kv, si=si, layer=i, run=run, qkv_bias=ws.qkv_bias_N3C[i], q_mult=ws.q_mult_NH1[i],
                      cos_LD=ws.cos_LD, sin_LD=ws.sin_LD, pos=pos, valid_Rl=valid_Rn, record=record,
                      ca=ws.text_memory(i), rope_l=rope_l, ops=self.ops)
-
-    def layer(self, i: int, x_RlC: torch.Tensor, call: _Call) -> torch.Tensor:
-        return self.blocks[i](x_RlC, call.run.workspace.ada_NR6C[i, :call.run.rows], call)
-
-    def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Block ``i``'s modulated self-attention input, LN(x)·(1 + s1) + b1."""
-        blk, ada_R6C = self.blocks[i], run.workspace.ada_NR6C[i, :run.rows]
-        return self.ops.modulate(x_RlC, ada_R6C[:, 2:3], ada_R6C[:, 4:5], blk.norm_eps, blk.ffn.fc1.weight.dtype)
 
     def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool, call: _Call):
         ws, R = call.run.workspace, call.run.rows
@@ -386,9 +343,6 @@ class InfinityAdapter:
         start, end = sch.offsets[si + 1], sch.offsets[si + 2]
         ws.next_BLD[:, start:end].copy_(next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify))
 
-    def drop_uncond(self, run: RunState) -> None:
-        run.workspace.kv.keep_rows(run.batch_size)
-
     def latent(self, run: RunState) -> torch.Tensor:
         return run.workspace.summed_BdHW
 
@@ -408,8 +362,3 @@ class InfinityAdapter:
         del img
         ws.ensure_kv()
         return out.add_(1).mul_(0.5).clone()                                         # [-1, 1] → [0, 1]
-
-    def end(self, run: RunState, keep_workspace: bool) -> None:
-        run.workspace = None
-        if not keep_workspace:
-            self.release()

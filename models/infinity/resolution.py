@@ -8,7 +8,6 @@ from typing import Sequence
 import torch
 
 from ...engine.schedule import ScaleSchedule
-from ...sparse_ops.ref import rope_pairs
 
 VAE_STRIDE = 16                       # pixels per transformer token (also with the 8B's 8-px VAE + 2×2 patchify)
 
@@ -159,11 +158,6 @@ def rope_cos_sin(hw: Sequence[tuple[int, int]], rope_grid: tuple[int, int], head
     pos_L2 = rope_positions(hw, rope_grid).float()
     angle_LD = torch.cat((pos_L2[:, :1] * inv_freq, pos_L2[:, 1:] * inv_freq), dim=-1)      # (L, hd/2)
     return torch.cos(angle_LD), torch.sin(angle_LD)
-
-
-def apply_rope(x_RlHd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2p, 2p+1) of (R, l, H, d) by cos/sin (R or 1, l, 1, d/2)."""
-    return rope_pairs(x_RlHd, cos, sin)
 
 
 def level(si: int) -> int:

@@ -37,9 +37,9 @@ from diffusers.configuration_utils import register_to_config
 from ...engine.contract import SubLayer, SubLayerContext
 from ...engine.layers import LayerCall
 from ...sparse_ops.attention import dense_attention
-from .._blocks import (EAGER_OPS, AbsorbedCrossMemory, CosineSelfAttentionWeights, CrossMemory, ElementwiseOps,
-                       TanhGeluFFN, absorb_cross_attention, absorbed_cross_attention, dense_linear,
-                       layer_norm_no_affine, trunc_normal_init_)
+from ...sparse_ops.kernels import TORCH_KERNELS, Kernels, dense_linear
+from .._blocks import (AbsorbedCrossMemory, CosineSelfAttentionWeights, CrossMemory, TanhGeluFFN,
+                       absorb_cross_attention, absorbed_cross_attention, layer_norm_no_affine, trunc_normal_init_)
 from ..text_encoder import TextFeatures
 from .resolution import InfinityResolution, level_index, rope_at, rope_cos_sin
 
@@ -54,7 +54,7 @@ class _Call(LayerCall):
     __slots__ = ("qkv_bias", "q_mult", "cos_LD", "sin_LD", "ca", "attn_mask", "rope_l")
 
     def __init__(self, *, kv, si, layer, run, qkv_bias, q_mult, cos_LD, sin_LD, pos, valid_Rl, record, ca,
-                 attn_mask=None, rope_l=None, ops: ElementwiseOps = EAGER_OPS):
+                 attn_mask=None, rope_l=None, ops: Kernels = TORCH_KERNELS):
         super().__init__(kv, si, layer, run, ops, pos, valid_Rl, record)
         self.qkv_bias, self.q_mult, self.cos_LD, self.sin_LD = qkv_bias, q_mult, cos_LD, sin_LD
         self.ca, self.attn_mask, self.rope_l = ca, attn_mask, rope_l
@@ -126,7 +126,7 @@ class InfinityCrossAttention(nn.Module):
         return absorb_cross_attention(k_RHTd, v_RHTd, valid_RT, self.mat_q.weight, self.mat_q.bias, self.proj.weight,
                                       self.proj.bias, 1.0 / math.sqrt(self.head_dim), self.proj.weight.dtype)
 
-    def forward(self, y_RlC: torch.Tensor, mem, ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+    def forward(self, y_RlC: torch.Tensor, mem, ops: Optional[Kernels] = None) -> torch.Tensor:
         """``mem``: a ``CrossMemory`` (text K/V, key mask) or an ``AbsorbedCrossMemory`` of these rows."""
         if isinstance(mem, AbsorbedCrossMemory):
             return absorbed_cross_attention(y_RlC, mem, ops)
@@ -401,11 +401,11 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
         return torch.stack((ada[:, 0] + 1, ada[:, 1]), dim=1)
 
     def logits(self, h_RlC: torch.Tensor, head_mod_R2C: torch.Tensor,
-               ops: Optional[ElementwiseOps] = None) -> torch.Tensor:
+               ops: Optional[Kernels] = None) -> torch.Tensor:
         """Bit logits (R, l, 2d) float32: entries 2j / 2j+1 = bit j is 0 / 1. ``head_mod_R2C`` from
         :meth:`head_adaln`; fused ``ops`` run the LayerNorm + AdaLN in one kernel."""
         mul_R1C, shift_R1C = head_mod_R2C[:, 0:1], head_mod_R2C[:, 1:2]
-        if ops is not None and ops.kind != "eager":
+        if ops is not None and ops.kind != "torch":
             y = ops.modulate(h_RlC, mul_R1C, shift_R1C, self.config.norm_eps, torch.float32)
         else:
             y = layer_norm_no_affine(h_RlC, self.config.norm_eps) * mul_R1C + shift_R1C
