@@ -3,6 +3,10 @@ setting, zeroes the tokens its rule names, composes with the shipped policies, a
 under CUDA graphs without declaring anything about capture."""
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,7 +130,11 @@ def _check_zeroed(before: Recorder, after: Recorder, quiet: QuietTokens, pipe, b
 
 
 # ---- CPU ------------------------------------------------------------------------------------------------
-def test_the_example_declares_nothing_about_capture():
+def test_the_example_is_the_documents_and_declares_nothing_about_capture():
+    doc = (Path(__file__).resolve().parents[1] / "CONTRIBUTING.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) == 1 and inspect.getsource(QuietTokens).strip() in blocks[0]
+    assert "from sparsevar.policies import Policy" in blocks[0]
     assert QuietTokens.plan_scale is Policy.plan_scale          # no plan: every hook it overrides acts
 
 
@@ -183,7 +191,7 @@ def test_cuda_graphs_replay_it_with_the_eager_result():
     call) and replay (second) give the eager codes and images bit for bit."""
     pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_compiled_elementwise(kernels="fused")
+    pipe.set_kernels("triton")
 
     def run(graphs: bool):
         codes = []
