@@ -201,17 +201,17 @@ class ScaleHooks:
     capture: built by :meth:`PolicyStack.plan_scale` from the policies' plans, kept in ``run.hooks``
     for the hook dispatch, the adapters' layer loops and the engine's graphs (engine/graphs.py).
 
-    ``hooks[name]``: the acting policies, in stack order. ``wrapped`` / ``taps``: the layers a
-    sub-layer wrapper acts on / whose taps ``observe`` reads (None: all). ``static``: every acting
-    policy's plan is static. ``key``: the acting policies' :func:`graph_key`. ``writes`` / ``reads``:
-    the (policy name, state entry) pairs of their plans' ``writes`` / ``reads``."""
+    ``hooks[name]``: the acting policies, in stack order. ``wrapped`` / ``attended`` / ``taps``: the
+    layers a sub-layer wrapper / an attention hook acts on / whose taps ``observe`` reads (None:
+    all). ``static``: every acting policy's plan is static. ``key``: the acting policies'
+    :func:`graph_key`. ``writes`` / ``reads``: the (policy name, state entry) pairs of their plans'
+    ``writes`` / ``reads``."""
 
-    __slots__ = ("by_hook", "wrapped", "taps", "static", "key", "writes", "reads")
+    __slots__ = ("by_hook", "wrapped", "attended", "taps", "static", "key", "writes", "reads")
 
     def __init__(self, acting: Sequence[tuple[Policy, Optional[ScalePlan]]] = ()):
         by_hook: dict[str, list] = {h: [] for h in HOOKS}
-        wrapped: Optional[set] = set()
-        taps: Optional[set] = set()
+        layer_sets: dict[str, Optional[set]] = {"wrap_sublayer": set(), "attention": set(), "observe": set()}
         static, key, writes, reads = True, [], [], []
         for policy, plan in acting:
             declared = plan.hooks if plan is not None and plan.hooks is not None else HOOKS
@@ -219,10 +219,9 @@ class ScaleHooks:
             layers = plan.layers if plan is not None else None
             for h in hooks:
                 by_hook[h].append(policy)
-            if "wrap_sublayer" in hooks and wrapped is not None:
-                wrapped = None if layers is None else wrapped | set(layers)
-            if "observe" in hooks and taps is not None:
-                taps = None if layers is None else taps | set(layers)
+            for h, got in layer_sets.items():
+                if h in hooks and got is not None:
+                    layer_sets[h] = None if layers is None else got | set(layers)
             if hooks or (plan is not None and plan.token_index is not None):
                 static = static and plan is not None and plan.static
                 key.append(graph_key(policy))
@@ -230,8 +229,7 @@ class ScaleHooks:
                     writes += [(policy.name, entry) for entry in plan.writes]
                     reads += [(policy.name, entry) for entry in plan.reads]
         self.by_hook = {h: tuple(v) for h, v in by_hook.items()}
-        self.wrapped = None if wrapped is None else frozenset(wrapped)
-        self.taps = None if taps is None else frozenset(taps)
+        self.wrapped, self.attended, self.taps = (None if v is None else frozenset(v) for v in layer_sets.values())
         self.static, self.key, self.writes, self.reads = static, tuple(key), tuple(writes), tuple(reads)
 
     def __getitem__(self, hook: str) -> tuple[Policy, ...]:
@@ -250,6 +248,10 @@ class ScaleHooks:
         """Whether a sub-layer wrapper acts on ``layer`` (elsewhere the adapters run their chained
         dense path, whose fused steps span the sub-layer borders)."""
         return bool(self.by_hook["wrap_sublayer"]) and (self.wrapped is None or layer in self.wrapped)
+
+    def attends(self, layer: int) -> bool:
+        """Whether an attention hook acts on ``layer``."""
+        return bool(self.by_hook["attention"]) and (self.attended is None or layer in self.attended)
 
     def tapped(self, layer: int) -> bool:
         return bool(self.by_hook["observe"]) and (self.taps is None or layer in self.taps)
@@ -348,6 +350,7 @@ class PolicyStack:
             p.observe(si, unit, x_in, x_out, run)
 
     def attention(self, ctx, q, k, v, run):
+        """The first acting policy's attention output at ``ctx``'s layer, or None (the dense backend)."""
         for p in run.hooks["attention"]:
             out = p.attention(ctx, q, k, v, run)
             if out is not None:

@@ -186,8 +186,7 @@ class KVCache:
 
 
 # The full KV cache (no shared last-scale tail) is kept up to this size: the tail costs one copy of
-# each layer's cache at the last scale (4.6 ms of 240 for Infinity-2B at 1024² on an H100) and saves
-# the last scale's K/V of all but one layer (2.0 GB there; 8.0 GB at 2048²)
+# each layer's cache at the last scale and saves the last scale's K/V of all but one layer
 KV_FULL_MAX_BYTES = 8 << 30
 KV_FULL_MAX_DEVICE_FRACTION = 0.25
 

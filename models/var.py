@@ -86,12 +86,12 @@ class VARSelfAttention(CosineSelfAttentionWeights):
             k_dst, v_dst = ctx.reserve(l, idx_Rn)                                  # this scale's cache slots
             k, v = ctx.kv.view(ctx.layer)                                          # (R, H, L, d), ending with them
             attn_mask = ctx.kv.key_mask(ctx.layer)
-            if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.hooks["attention"],
+            if use_fused_cache_attention(ops.qk_norm_attend is not None, attn_mask, ctx.run.hooks.attends(ctx.layer),
                                          R, H, l, k.shape[2], d):
                 out_RlC = ops.qk_norm_attend(qkv_Rl3Hd, mult, k, v).view(R, l, C)  # norm, cache write, attention
                 return ops.linear(out_RlC, self.proj.weight, self.proj.bias) if project else out_RlC
             q = ops.qk_normalize_store(qkv_Rl3Hd, mult, k_dst, v_dst)
-            if ctx.run.hooks["attention"]:
+            if ctx.run.hooks.attends(ctx.layer):
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
@@ -469,8 +469,8 @@ class VARAdapter(ModelAdapter):
                                       noise_NV=noise_NV)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
-        # indexing, not F.embedding: for ≤ 16 codes that takes torch's index_select kernel for few
-        # indices, 3–7 µs on an H100 against 1.6 µs here (same values: a copy of the rows)
+        # indexing, not F.embedding, whose index_select kernel for few indices is slower (the same
+        # values: a copy of the rows)
         return self.vqvae.quantize.embedding.weight[codes_Bl].float()                # (B, l, Cvae)
 
     @torch.no_grad()

@@ -93,7 +93,7 @@ class InfinitySelfAttention(CosineSelfAttentionWeights):
             q = ctx.ops.qk_norm_rope_store(qkv_Rl3Hd, ctx.q_mult, cos, sin, k_dst, v_dst)  # (R, H, l, d)
             k, v = ctx.kv.view(ctx.layer)
             attn_mask = ctx.kv.key_mask(ctx.layer)
-            if ctx.run.hooks["attention"]:
+            if ctx.run.hooks.attends(ctx.layer):
                 out = ctx.run.policies.attention(SubLayerContext(ctx.si, ctx.layer, "self_attn"), q, k, v, ctx.run)
         if out is None:
             out = dense_attention(q, k, v, scale=1.0, attn_mask=attn_mask)
