@@ -87,11 +87,9 @@ ABSORBED_MAX_BYTES = 1 << 30
 
 def absorbs_cross_attention(heads: int, text_tokens: int, dim: int, memory_bytes: int = 0) -> bool:
     """Whether the absorbed form is the one to use: its two products have H·T columns / rows where
-    the projections have C, so it does less work while H·T ≤ C/2 (T ≤ head_dim / 2). On an H100 with
-    Infinity-2B's shapes it took 137 against 224 µs per layer at 4096 queries and T = 32, 194 against
-    227 µs at T = 64, and lost at T = 128 (318 against 223 µs). ``memory_bytes``: what its buffers
-    would take for every layer and row, kept to 1 GiB (Infinity-2B, one image, T = 32: 0.27 GB;
-    Infinity-8B: 1.0 GB; larger batches keep K/V)."""
+    the projections have C, so it does less work while H·T ≤ C/2 (T ≤ head_dim / 2).
+    ``memory_bytes``: what its buffers would take for every layer and row, kept to 1 GiB
+    (Infinity-2B, one image, T = 32: 0.27 GB; Infinity-8B: 1.0 GB; larger batches keep K/V)."""
     return 2 * heads * text_tokens <= dim and memory_bytes <= ABSORBED_MAX_BYTES
 
 

@@ -342,10 +342,9 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         negative = negative.repeat_each(k) if negative is not None else None
         B = text.batch
         cond = InfinityConditioning(prompt=text, negative=negative, temperature=float(temperature), resolution=resolution)
-        # at zero-shot sizes the scales past the trained schedule run eagerly: their kernels do not
-        # wait on the host, and a graph pool holding the activations of 128×128-token maps would cost
-        # gigabytes; the trained scales before them replay from graphs (eager, each of those spent
-        # 40-90 ms waiting on kernel launches at 2048², H100)
+        # at zero-shot sizes the scales past the trained schedule run eagerly: their kernels do not wait on the
+        # host, and a graph pool holding the activations of 128×128-token maps would cost gigabytes; the
+        # trained scales before them replay from graphs (eagerly they would wait on kernel launches)
         sched = resolution.schedule
         graph_max_tokens = max(h * w for h, w in sched.hw[:TRAINED_SCALES]) if resolution.pn in ZERO_SHOT_PN else None
         return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,

@@ -127,7 +127,7 @@ SPARSEVAR_PRESETS: dict[str, SparseVARConfig] = {
 def anchor_mask(h: int, w: int, alpha: int, device=None) -> torch.Tensor:
     """(h, w) bool: rows and columns 0, α, 2α, … plus the last row / column."""
     # arithmetic on aranges, not item assignment: ``rows[-1] = True`` on a CUDA tensor copies a host
-    # scalar and synchronises the stream (measured: it stalled every pruned scale by 2–5 ms)
+    # scalar and synchronises the stream
     r, c = torch.arange(h, device=device), torch.arange(w, device=device)
     rows = (r % alpha == 0) | (r == h - 1)
     cols = (c % alpha == 0) | (c == w - 1)

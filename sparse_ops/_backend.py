@@ -95,7 +95,7 @@ def resolve_backend(backend: str, device: torch.device | str, name: str = "backe
 # Products of at most this many rows run on this package's GEMM under the fused kernels
 # (Kernels.SMALL_GEMM_ROWS), so a layer there is a chain of this package's kernels only, and
 # only there do they use programmatic dependent launch (``_gdc``). Above it cuBLAS's products sit
-# between them, and dependent launches of the short kernels measured ~1.5 µs per layer slower.
+# between them, where dependent launches of the short kernels are slower.
 CHAIN_ROWS = 64
 
 

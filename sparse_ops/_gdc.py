@@ -2,8 +2,8 @@
 
 At VAR's first scales a layer is seven short launches — the four products (2–64 rows, this
 package's GEMM), the attention step and two residual + norm steps — and at each border between
-two of them the GPU drained: the next grid was set up only after the last program of the previous
-one had finished. Launched with programmatic dependent launch (``launch_pdl``), a kernel may start
+two of them the GPU drains: the next grid is set up only after the last program of the previous
+one has finished. Launched with programmatic dependent launch (``launch_pdl``), a kernel may start
 while the previous one still runs; ``PDL`` in the kernels below decides where:
 
 - the short kernels (norms, attention, split-K sums) release the next launch at once and wait for
@@ -13,18 +13,13 @@ while the previous one still runs; ``PDL`` in the kernels below decides where:
   release the next launch after their reduction loop, so the next (short) kernel is set up while
   their results are written.
 
-VAR-d30's batch-1 dense loop on an H100 (two alternating runs each): 21.7 ms plain; 21.4 ms with
-the launches above at ≤ 32 rows; 21.2 ms with the products' 33–64-row scale moved from cuBLAS onto
-the chain; 21.0 ms with the two-step prefetch. Measured and not kept: releasing a product's
-successor at its start, so that launches pile up (22.4 ms), and prefetching a product's whole
-share of the weights before its wait (23.7 ms with early release, 21.8 ms without).
-
-``griddepcontrol.wait`` returns once the whole previous grid has finished and its writes are
-visible; that grid waited the same way on its own predecessor, so every earlier result is visible
-after it. Nothing is read or written before the wait (the L2 prefetch reads nothing into the
-program). ``_backend.dependent_launch`` says where these launches are used (a CUDA GPU of sm_90 or
-newer, at most ``CHAIN_ROWS`` rows, never in Triton's interpreter); elsewhere ``PDL`` is False and
-the kernels are the plain ones.
+Releasing a product's successor earlier, or prefetching more of its weights, measured slower
+(benchmarks/results/README.md). ``griddepcontrol.wait`` returns once the whole previous grid has
+finished and its writes are visible; that grid waited the same way on its own predecessor, so every
+earlier result is visible after it. Nothing is read or written before the wait (the L2 prefetch
+reads nothing into the program). ``_backend.dependent_launch`` says where these launches are used (a
+CUDA GPU of sm_90 or newer, at most ``CHAIN_ROWS`` rows, never in Triton's interpreter); elsewhere
+``PDL`` is False and the kernels are the plain ones.
 """
 from __future__ import annotations
 

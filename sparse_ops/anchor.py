@@ -102,10 +102,9 @@ def _anchor_match_kernel(lg_ptr, src_ptr, cand_ptr, keep_ptr, anchor_ptr,
 
 def launch_shape(V: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_V, warps). Codebook logits (V ≥ 1024): 4 tokens per program over 1024-wide
-    chunks with two warps — on an H100, 16–18 µs against 39–44 µs for 8 tokens × 256 with four warps at
-    VAR-d30 batch 8's pruned scales (10², 13², 16²), 15 against 37 µs at batch 1, 34 against 83 µs at
-    64² from 48² (what costs is each program's chain of dependent V chunks; the sweep is in
-    benchmarks/results/README.md). Bit logits (V = 64): 32 tokens × 64, four warps (fastest there)."""
+    chunks with two warps, so each program's chain of dependent V chunks is short (the sweep is in
+    benchmarks/results/README.md). Bit logits (V = 64): 32 tokens × 64, four warps (fastest
+    there)."""
     if interpreting():
         block_v = min(triton.next_power_of_2(V), 1024)
         return max(1, min(64, 8192 // block_v)), block_v, 4

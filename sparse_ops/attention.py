@@ -3,17 +3,16 @@
 Three cases, each with its backend (research/kernels.md §0, §1):
 
 - **dense scale, no mask** → ``F.scaled_dot_product_attention`` without a mask, so torch keeps
-  its fast kernels eligible (cuDNN, then flash, then memory-efficient on an H100). A VAR step is
+  its fast kernels eligible (cuDNN, then flash, then memory-efficient). A VAR step is
   plain non-causal attention of this scale's queries against the KV cache (``Lq != Lk``). With
   at most ``SMALL_QUERY_TOKENS`` queries per row (VAR's first scales) the memory-efficient kernel
   is put first ("sdpa-small"): measured faster than cuDNN there, slower above.
 - **images of a batch keep different token counts** (SparseVAR with padding; the cache holds
   padding keys between each scale's tokens; Infinity's padded prompts) → SDPA with the key mask.
   Varlen flash attention (``torch.nn.attention.varlen``, ``backend="varlen"``) needs every row's
-  valid keys packed back to back first; on an H100 that packing made it slower than the masked
-  SDPA at every measured shape (VAR-d30 batch 8: 0.31 vs 0.07 ms; Infinity-2B's last scale: 2.07
-  vs 1.40 ms; Infinity's cross-attention: 0.23 vs 0.09 ms; benchmarks/results/ops_H100.csv), so
-  "auto" does not pick it. It pays off only once the KV cache stores each row's keys compacted.
+  valid keys packed back to back first, which makes it slower than the masked SDPA at every
+  measured shape (benchmarks/results/README.md), so "auto" does not pick it. It pays off only once
+  the KV cache stores each row's keys compacted.
 - **block-sparse pattern** (a FlexAttention ``BlockMask``, SparVAR) → FlexAttention, which skips
   the empty blocks. Pass a compiled ``flex_attention`` as ``flex_fn`` for speed.
 
@@ -33,8 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flex")
-# Below this many queries per row (VAR's first scales) SDPA's memory-efficient kernel beats cuDNN's
-# (H100, torch 2.11, d 64: 4.8–5.1 µs against 6.4 µs at batch 1, 7.6 against 12.7 µs at batch 8)
+# Up to this many queries per row (VAR's first scales) SDPA's memory-efficient kernel beats cuDNN's
 SMALL_QUERY_TOKENS = 32
 
 
@@ -104,11 +102,9 @@ def choose_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, *, attn_mask: O
     return "sdpa", "dense, no mask: SDPA keeps cuDNN / flash / memory-efficient eligible"
 
 
-# With many (row, head) pairs and 89–112 queries per row, SDPA's cuDNN kernel beats the fused one on an
-# H100: VAR-d30 batch 8 (16 × 30 row-heads), whole scale loop, three alternated runs of each — at 100
-# queries (dense 10 × 10) cuDNN's path is 0.25 ms faster over the 30 layers; at 85 (SparseVAR keep 0.5
-# at 13 × 13) the fused step is 0.27 ms faster, as the separate norm + cache write launch and the
-# idle time around cuDNN's kernel (~9 µs per layer in the trace) outweigh its faster attention.
+# With many (row, head) pairs and 89–112 queries per row, SDPA's cuDNN kernel beats the fused one;
+# elsewhere the separate norm + cache write launch and the idle time around cuDNN's kernel outweigh
+# its faster attention.
 FUSED_CACHE_ATTENTION_GAP = (256, 88, 112)        # (row-heads at least, queries above, queries at most)
 
 
@@ -120,9 +116,7 @@ def use_fused_cache_attention(available: bool, attn_mask: Optional[torch.Tensor]
     It does when the fused kernels are in use (``available``), no key mask is needed (every row
     attends to every cached key), no policy chooses the attention itself (sparse attention), the
     head dim is a power of two from 16 to 256 (the kernel's tiles), and the shape is not one where
-    cuDNN measured faster (``FUSED_CACHE_ATTENTION_GAP``). Measured on an
-    H100 at VAR-d30's scales, per layer: 2.6 against 6.9 µs at batch 1's first scale, 18 against
-    19 µs at its last; 3.4 against 9.4 µs and 101 against 103 µs at batch 8's first and last."""
+    cuDNN measured faster (``FUSED_CACHE_ATTENTION_GAP``)."""
     min_rh, lo, hi = FUSED_CACHE_ATTENTION_GAP
     if not available:
         ok, why = False, "this package's Triton kernels not in use (Kernels kind is not 'triton')"

@@ -2,10 +2,8 @@
 
 Unfused, a VAR layer's attention is three kernels: the q/k cosine norm with the cache write
 (``dense_fused.qk_norm_store``), SDPA over the cache, and (for the first scales) the copy of SDPA's
-(R, H, l, d) output into the (R, l, C) rows of the output projection. At batch 1 each of them is
-far below a microsecond of work, and inside a CUDA graph each costs its launch and ramp-up: the
-step took 7–8 µs per layer at VAR-d30's first scales, and SDPA's kernels added ~6 µs of set-up per
-layer at its last ones (H100, torch 2.11).
+(R, H, l, d) output into the (R, l, C) rows of the output projection. At batch 1 each of them is far
+below a microsecond of work, and inside a CUDA graph each costs its launch and ramp-up.
 
 Here one program owns (a block of ≤ 64 queries, one head, one row):
 1. it normalises its queries (× the head's temperature) and its own tokens' keys, and writes those
@@ -102,11 +100,10 @@ def _qk_norm_attend_kernel(qkv_ptr, mult_ptr, k_ptr, v_ptr, o_ptr, l, start, H,
 
 
 def launch_shape(rows: int, heads: int, l: int, L: int) -> tuple[int, int, int, int]:
-    """(query block, key block, warps, pipeline stages) for ``rows`` × ``heads`` × ``l`` queries over
-    ``L`` keys. Measured best on an H100 at VAR-d30's shapes (30 heads of 64; batch 1 and 8 with
-    CFG, every scale; 30-layer chains in a CUDA graph): with few (row, head) pairs, small query
-    blocks put more programs on the SMs; with many, 64-query blocks read each key block fewer times,
-    and 32-key blocks are faster up to 128 queries."""
+    """(query block, key block, warps, pipeline stages) for ``rows`` × ``heads`` × ``l`` queries
+    over ``L`` keys, the fastest of a sweep over VAR-d30's shapes: with few (row, head) pairs, small
+    query blocks put more programs on the SMs; with many, 64-query blocks read each key block fewer
+    times, and 32-key blocks are faster up to 128 queries."""
     if interpreting():
         return 16, 16, 4, 1
     if rows * heads < 256:

@@ -89,7 +89,7 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
 
 def _colsum_launch(d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes (64×128 tiles, 4 warps: the best of
-    a sweep on an H100 at d=128, 250 TFLOP/s)."""
+    a sweep at d=128)."""
     if interpreting():
         return 16, 32, 4, 1
     return 64, 128, 4, 3

@@ -1,13 +1,11 @@
 """Triton: the dense path's per-layer elementwise steps, fused. Twins of ``ref.residual_norm_modulate``,
 ``ref.qk_norm_store`` (VAR) and ``ref.qk_norm_rope_store`` (Infinity), same signatures.
 
-At VAR-d30 batch 1 a layer of the first scales moves about 90 MB of weights in ~30 µs of GEMMs, and
-each extra elementwise kernel costs 3–5 µs of launch and ramp-up inside a CUDA graph, whatever its
-size. So these kernels exist to remove launches: the gated residual, the next LayerNorm and the
+At small batches each elementwise kernel costs more in launch and ramp-up inside a CUDA graph than
+in work, so these kernels exist to remove launches: the gated residual, the next LayerNorm and the
 AdaLN modulation in one pass; q/k cosine normalisation, the temperature and both KV-cache writes in
-another (torch.compile produced three to four kernels for the latter). Rows are held whole in
-registers; bf16 only at load / store, float32 arithmetic, so the kernels also run in Triton's CPU
-interpreter (research/kernels.md §4.2).
+another. Rows are held whole in registers; bf16 only at load / store, float32 arithmetic, so the
+kernels also run in Triton's CPU interpreter (research/kernels.md §4.2).
 """
 from __future__ import annotations
 
@@ -176,8 +174,8 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
                        sin_Rl1P: torch.Tensor, k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
     """Triton twin of ``ref.qk_norm_rope_store``: cosine q (×temperature) with RoPE as (R, H, l, d);
     normalised, rotated k and raw v written into their cache slots. One program per token and row;
-    every load and store is a contiguous row (a first version that loaded and stored the even and
-    odd channels separately ran at a tenth of HBM bandwidth on an H100)."""
+    every load and store is a contiguous row (even and odd channels loaded separately are far
+    slower)."""
     R, l, three, H, D = qkv_Rl3Hd.shape
     P = D // 2
     assert three == 3 and D % 2 == 0 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)

@@ -19,10 +19,8 @@ from ._backend import interpreting
 
 
 # A row-wise LayerNorm launch over at most this many rows in all runs one row per program with 8
-# warps (4 below 2048-wide rows). VAR-d30 (C = 1920) gated residual + LayerNorm + AdaLN on an H100, 30
-# chained launches in a CUDA graph, µs per launch at 72 / 128 / 200 / 338 / 512 / 800 rows: 2.71 /
-# 2.96 / 3.89 / 4.39 / 4.85 / 5.79 with two rows and 4 warps per program, 2.35 / 2.51 / 3.31 / 3.90
-# / 4.44 / 5.53 with one row and 8 warps; at 1360 and 2048 rows two rows and 4 warps were as fast.
+# warps (4 below 2048-wide rows): faster than two rows and 4 warps at 72–800 rows, as fast at
+# 1360 and 2048 (benchmarks/results/README.md).
 FEW_ROWS = 1024
 
 
@@ -56,12 +54,9 @@ def _norm_modulate_rows(xf, m2, C, eps, mul, shift):
 def _load_row(row_ptr, c, cm):
     """One row of BLOCK_C parameters (a modulation, a gate, a bias) as float32.
 
-    The norm kernels load these first, beside the rows they normalise, so that one memory round
-    trip serves both. Loaded after the row statistics, their latency came after the two
-    reductions: at a few rows each of these launches is a chain of latencies on the layer's
-    critical path. Moving the loads (and the few-row GEMM's bias load, ahead of its reduction loop)
-    took VAR-d30's batch-1 dense loop from 20.24 / 20.26 to 19.80 / 19.81 ms on an H100 (A/B in
-    separate processes)."""
+    The norm kernels load these first, beside the rows they normalise, so that one memory round trip
+    serves both and their latency does not come after the two reductions: at a few rows each of
+    these launches is a chain of latencies on the layer's critical path."""
     return tl.load(row_ptr + c, mask=cm, other=0.0).to(tl.float32)
 
 

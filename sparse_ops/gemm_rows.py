@@ -2,10 +2,9 @@
 kernel choice at M was measured to be slow.
 
 Why: cuBLAS picks its kernel from (M, N, K) by a heuristic, and at some row counts it picks a poor
-one. VAR-d30's fc2 (N = 1920, K = 7680) on an H100 (torch 2.11, CUDA 13.0, weights cold) takes
-58.7 µs at 800 rows and 34.6 µs at 808; its proj 14.4 and 11.4 µs (``gemm_rows_H100.csv``). Rows of a
-product are independent, so the first M rows of the M'-row product are the M-row product, rounded
-by the kernel chosen for M' (deterministic: the same M' always takes the same kernel).
+one (an example is in benchmarks/results/README.md). Rows of a product are independent, so the first
+M rows of the M'-row product are the M-row product, rounded by the kernel chosen for M'
+(deterministic: the same M' always takes the same kernel).
 
 How:
 - the producers of the layers' product inputs on the fused path (the LayerNorm + AdaLN launch,

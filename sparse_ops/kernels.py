@@ -95,7 +95,7 @@ class Kernels:
     """
 
     # Up to this many rows the Triton GEMM, chained by programmatic dependent launch, beats cuBLAS
-    # on an H100 (benchmarks/results/README.md, Sessions 15–16)
+    # (benchmarks/results/README.md)
     SMALL_GEMM_ROWS = CHAIN_ROWS
 
     def __init__(self, kind: str = "torch", row_padding: bool = True):

@@ -2,11 +2,10 @@
 runs at, twin of ``ref.linear``.
 
 Why a GEMM of our own: a next-scale sampler multiplies every weight matrix by a few to a few
-thousand rows. At 2–128 rows the product is bound by streaming the weights, and at a few hundred
-to a few thousand rows a (1920 or 2048)-wide output makes so few 128×256 tiles that most of the
-GPU idles: measured on an H100 (torch 2.11, cuBLASLt), VAR-d30's four per-layer GEMMs stream
-their 88 MB at 35–60 % of HBM at the small scales. This kernel takes its tile shape and its
-split of the reduction dimension (split-K) from the shape, so every scale fills the GPU.
+thousand rows. At 2–128 rows the product is bound by streaming the weights, and at a few hundred to
+a few thousand rows a (1920 or 2048)-wide output makes so few 128×256 tiles that most of the GPU
+idles under cuBLAS. This kernel takes its tile shape and its split of the reduction dimension
+(split-K) from the shape, so every scale fills the GPU.
 
 Split-K is deterministic: each split writes float32 partial sums to its own slice of a workspace
 and a second kernel adds them in a fixed order (then the bias and the activation), so the same
@@ -27,9 +26,8 @@ from . import _gdc
 from ._backend import dependent_launch, interpreting
 
 # Under programmatic dependent launch (``_gdc``) a program asks L2 for its first PREFETCH_STEPS
-# reduction steps of weights before it waits for the previous kernel. VAR-d30 batch 1 on an H100
-# (dense loop, two alternating runs of each): none 21.20 ms, 2 steps 21.04, 5 steps 21.33, the
-# whole reduction 21.78
+# reduction steps of weights before it waits for the previous kernel (2: the fastest of the counts
+# measured, benchmarks/results/README.md)
 PREFETCH_STEPS = 2
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -163,13 +161,8 @@ def _few_rows_config(M: int, N: int, K: int, num_sms: int, min_split_k: int) -> 
       weights), split-K while the tiles fill less than 90 % of the SMs; where even so fewer than
       60 % of the SMs would work, 32-wide tiles as above.
 
-    Measured on an H100 (VAR-d30's products, 30 chained launches in a CUDA graph, weights cold,
-    dependent launch on, µs per product): qkv (5760 × 1920) at 18 / 32 rows 11.85 / 11.83 with
-    64-wide tiles against 11.02 / 10.66 with 32-wide; fc1 (7680 × 1920) 12.92 / 12.99 against 12.52
-    / 12.52; the head (4096 × 1920) at 2 / 18 / 32 / 50 rows 8.73 / 9.89 / 11.34 / 8.38 against
-    8.05 / 8.25 / 8.06 / 7.96; fc2 (1920 × 7680, splits summed by the next norm) at 50 rows 14.81
-    with 32-wide tiles in 4 splits against 12.45 with 64-wide in 4; qkv and fc1 at 50 rows and
-    every product at 2 and 8 rows level (within 0.4 %) or better as chosen here."""
+    Each choice is level with or faster than the other tile width at VAR-d30's products
+    (benchmarks/results/README.md)."""
     block_m = _pow2_at_least(M, 16)
     if block_m == 64:
         tiles = triton.cdiv(N, 64)

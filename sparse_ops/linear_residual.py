@@ -30,7 +30,7 @@ from .linear import LinearConfig, choose_config, partial_products
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # each split keeps at least this much of the reduction dimension (the splits cost no launch here);
-# measured on an H100 at VAR-d30's output projections (K = 1920 and 7680, 2–32 rows)
+# the best measured at VAR-d30's output projections (K = 1920 and 7680, 2–32 rows)
 MIN_SPLIT_K = 512
 
 

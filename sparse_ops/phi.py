@@ -1,20 +1,17 @@
 """Triton: VAR's φ latent update in one launch, twin of ``ref.phi_accumulate``.
 
-Each scale of a VAR generation adds its upsampled residual ``h`` to the latent through the
-VQVAE's φ: ``f_hat += (1 − r)·h + r·(conv3×3(h) + bias)``, in float32. In torch that is a cuDNN
-convolution and four elementwise launches; on a 16 × 16 map with 32 channels the convolution alone
-took 11.4 µs per scale at batch 1 on an H100 (a float32 implicit-GEMM kernel, almost all of it
-ramp), the whole step ~16 µs. Here one program owns (a block of pixels, a block of output channels,
-one image): it sums the nine taps as nine small products (weights of the tap × the input channels
-at the shifted pixels, zero outside the map), adds the bias, mixes with ``h`` and adds the result
-into ``f_hat``.
+Each scale of a VAR generation adds its upsampled residual ``h`` to the latent through the VQVAE's
+φ: ``f_hat += (1 − r)·h + r·(conv3×3(h) + bias)``, in float32. In torch that is a cuDNN convolution
+(on such small maps almost all of it ramp) and four elementwise launches. Here one program owns (a
+block of pixels, a block of output channels, one image): it sums the nine taps as nine small
+products (weights of the tap × the input channels at the shifted pixels, zero outside the map), adds
+the bias, mixes with ``h`` and adds the result into ``f_hat``.
 
 The products run in float32 (``input_precision="ieee"``: no TF32) and sum the taps and channels in
-another order than cuDNN, so the two paths agree to float32 rounding, not bit for bit. Against a
-float64 oracle on an H100 the kernel was 2.4e-7–2.7e-6 off; torch's path 2e-6 on the contiguous
-input the sampler passes and 9e-4 on a channels-last one, where cuDNN ran the convolution in TF32
-(torch's default for cuDNN). The tests hold the kernel to the tolerance rule of
-``tests/test_sparse_ops.py`` against a float64 oracle computed on the CPU.
+another order than cuDNN, so the two paths agree to float32 rounding, not bit for bit (on a
+channels-last input cuDNN may run the convolution in TF32, torch's default for cuDNN). The tests
+hold the kernel to the tolerance rule of ``tests/test_sparse_ops.py`` against a float64 oracle
+computed on the CPU.
 """
 from __future__ import annotations
 

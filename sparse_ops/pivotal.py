@@ -1,11 +1,10 @@
 """Triton: FastVAR's pivotal-token selection, twin of ``ref.pivotal_tokens``.
 
-FastVAR chooses its tokens afresh before every pruned sub-layer: per batch row, the ``keep``
-tokens whose residual-stream rows lie farthest (squared L2) from the row's spatial mean. In torch
-that is a mean, a subtraction, a square, a sum, a top-k and a sort — about ten launches, two of
-them sorts — per sub-layer, 60 times per scale at VAR-d30 and 75 at Infinity-2B: more GPU time
-than the pruning saves (H100: a pruned VAR-d30 scale took twice its dense time). Here it is three
-launches, each reading what it needs once:
+FastVAR chooses its tokens afresh before every pruned sub-layer: per batch row, the ``keep`` tokens
+whose residual-stream rows lie farthest (squared L2) from the row's spatial mean. In torch that is a
+mean, a subtraction, a square, a sum, a top-k and a sort — about ten launches, two of them sorts —
+per sub-layer, 60 times per scale at VAR-d30 and 75 at Infinity-2B: more GPU time than the pruning
+saves. Here it is three launches, each reading what it needs once:
 
 1. column sums of every row over chunks of tokens (float32 partial sums, one slice per chunk);
 2. each token's score: the partial sums added in a fixed order into the mean, then
@@ -88,10 +87,10 @@ def _pick_kernel(score_ptr, idx_ptr, slot_ptr, L, keep, POS_BITS: tl.constexpr, 
 
 def launch_shape(R: int, L: int, C: int) -> tuple[int, int, int, int, int]:
     """(token chunks of the column sums, their BLOCK_C, score rows per program, score BLOCK_C,
-    selection warps), for R rows of L tokens × C channels. Measured on an H100 in CUDA graphs
-    (VAR-d30's 13 × 13 and 16 × 16 scales at batch 1 and 8 with CFG, Infinity-2B's 32 × 32 and
-    40 × 40): chunks of ~128 tokens, 64-wide column blocks while they do not fill the SMs once and
-    256-wide beyond, 8 tokens per score program, four warps for the selection up to 2048 tokens."""
+    selection warps), for R rows of L tokens × C channels, the fastest measured at VAR-d30's and
+    Infinity-2B's pruned scales: chunks of ~128 tokens, 64-wide column blocks while they do not fill
+    the SMs once and 256-wide beyond, 8 tokens per score program, four warps for the selection up to
+    2048 tokens."""
     if interpreting():
         return 2 if L > 64 else 1, min(triton.next_power_of_2(C), 128), 64, min(triton.next_power_of_2(C), 128), 4
     split = max(1, min(16, triton.cdiv(L, 128)))

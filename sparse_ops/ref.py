@@ -150,11 +150,10 @@ def filter_top_k_top_p(logits_NV: torch.Tensor, top_k: int = 0, top_p: float = 0
     """A masked copy of ``logits_NV`` (the input is not modified).
 
     With both filters on, one ascending sort serves both: the k-th largest logit is read from it
-    (instead of a separate top-k pass; on an H100 the top-k kernel alone took as long as the sort,
-    about 25 µs per scale for 4096 codes), and masking the sorted copy below it gives exactly the
-    sorted masked logits the nucleus step needs. Only where logits tie exactly at the nucleus
-    boundary can the surviving one of them differ from sorting the masked logits (the order of
-    ties is arbitrary either way)."""
+    (instead of a separate top-k pass, which costs as much as the sort), and masking the sorted copy
+    below it gives exactly the sorted masked logits the nucleus step needs. Only where logits tie
+    exactly at the nucleus boundary can the surviving one of them differ from sorting the masked
+    logits (the order of ties is arbitrary either way)."""
     if logits_NV.shape[-1] == 2:
         return _filter_pairs(logits_NV, top_k, top_p)
     return _filter_sorted(logits_NV, top_k, top_p)
@@ -184,11 +183,10 @@ def _filter_sorted(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 def _filter_pairs(logits_N2: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """:func:`filter_top_k_top_p` for two-way logits (Infinity's bits) in closed form, without the
-    sort and the cumulative sum: on an H100 the cumulative sum over rows of two alone took 0.8 ms at
-    a 64 × 64 scale (262k rows). Same result as the sorted path: top_k = 1 keeps the larger entry
-    (both at a tie), any other top_k keeps both; the nucleus removes the smaller entry when its
-    probability is <= 1 - top_p (at a tie entry 0 counts as the smaller, where the sort may take
-    either)."""
+    sort and the cumulative sum, which are slow over many rows of two. Same result as the sorted
+    path: top_k = 1 keeps the larger entry (both at a tie), any other top_k keeps both; the nucleus
+    removes the smaller entry when its probability is <= 1 - top_p (at a tie entry 0 counts as the
+    smaller, where the sort may take either)."""
     out = logits_N2
     if top_k == 1:
         out = logits_N2.masked_fill(logits_N2 < logits_N2.amax(dim=-1, keepdim=True), float("-inf"))

@@ -1,29 +1,20 @@
 """Triton: top-k / top-p filtering and one categorical draw per row in one launch, twin of
 ``ref.sample_top_k_top_p``.
 
-Why: the torch path spends about 17 small launches per scale on it (top-k, sort, softmax,
-cumulative sum, scatter, masked fills, softmax, exponential noise, division, argmax); on an H100
-that was ~0.1 ms of VAR-d30's 2–4 ms scales, most of it launch latency. Here one program handles
-one row of logits in registers and draws with the exponential-race identity that
-``torch.multinomial`` itself uses for a single sample: ``argmax(p / q)`` with ``q ~ Exp(1)``
-drawn by the caller from its generator.
+Why: the torch path spends about 17 small launches per scale on it (top-k, sort, softmax, cumulative
+sum, scatter, masked fills, softmax, exponential noise, division, argmax), most of their time launch
+latency. Here one program handles one row of logits in registers and draws with the exponential-race
+identity that ``torch.multinomial`` itself uses for a single sample: ``argmax(p / q)`` with
+``q ~ Exp(1)`` drawn by the caller from its generator.
 
-No sort: both cut-offs are found by a bitwise search over the logits' order-preserving integer
-keys (the float32 bits as int32, with the magnitude bits of negative values flipped), 32 steps of
-one masked reduction each:
+No sort (a sort in one program is slower, per row, whatever the number of rows): both cut-offs are
+found by a bitwise search over the logits' order-preserving integer keys (the float32 bits as int32,
+with the magnitude bits of negative values flipped), 32 steps of one masked reduction each:
 
 - top-k: the largest key ``t`` with ``count(key >= t) >= k`` is exactly the k-th largest logit;
 - top-p: the largest key ``t`` with ``mass(key < t) <= (1 - top_p) · mass(kept)`` is the smallest
   logit the nucleus keeps (the sorted path's first entry whose ascending cumulative probability
   exceeds ``1 - top_p``); the largest logit always survives.
-
-Measured and not kept (H100, V 4096, top-k 900, top-p 0.95, in a graph): deciding 2 bits per step
-(three candidate cut-offs per masked reduction over a (4, V) tile, 16 steps per search) took
-24.5 µs at 1 row and 388 µs at 2048 rows against 18.8 and 173 µs here; 16 warps instead of 8
-took 20.2 and 322 µs.
-
-A bitonic sort of 4096 logits in one program took 68 µs on an H100 — per row, whatever the
-number of rows — and was 0.8 ms of VAR-d30's 24 ms batch-1 loop.
 
 The kept set is decided by value (keep ``x >= cut``), so where logits tie exactly at the nucleus
 boundary all tied entries survive (the torch path keeps an arbitrary subset of them); where the
@@ -90,8 +81,7 @@ def sample_top_k_top_p(logits_NV: torch.Tensor, noise_NV: torch.Tensor, top_k: i
     block_v = triton.next_power_of_2(V)
     use_k = 0 < top_k < V
     use_p = top_p > 0.0
-    # measured on an H100 at V = 4096, 1 to 2048 rows: 8 warps fastest throughout (21 µs for a few
-    # rows against 28 with 4; 176 against 263 µs at 2048 rows)
+    # 8 warps: fastest at every row count of the sweep (benchmarks/results/README.md)
     warps = 8 if block_v >= 4096 else 4
     _sample_kernel[(N,)](x, q, out, V, x.stride(0), q.stride(0), top_k if use_k else 0, 1.0 - float(top_p),
                          USE_K=use_k, USE_P=use_p, BLOCK_V=block_v, num_warps=warps)

@@ -2,10 +2,10 @@
 ``ref.bias_softmax``.
 
 Why: the absorbed cross-attention (``models._blocks.absorbed_cross_attention``) turns a layer's
-attention to a short prompt into two products around a softmax over H groups of T logits. In
-torch that softmax is three launches — the bias add, the float32 softmax, the cast to bf16 — each
-a full pass over the (R, l, H·T) logits (38 µs per layer at Infinity-2B's 64 × 64 scale on an H100).
-Here one program reads a block of rows of T logits with their bias, and writes the probabilities.
+attention to a short prompt into two products around a softmax over H groups of T logits. In torch
+that softmax is three launches — the bias add, the float32 softmax, the cast to bf16 — each a full
+pass over the (R, l, H·T) logits. Here one program reads a block of rows of T logits with their
+bias, and writes the probabilities.
 """
 from __future__ import annotations
 

@@ -2,18 +2,17 @@
 
 Why: in torch the next scale's input is seven launches — the area pooling of the latent, a cast to
 the weights' dtype, the word embedding (cuBLAS, with a split-K reduction at some sizes), its cast to
-float32, the level + position add and the copy for the second CFG half — each a few microseconds
-of work and ramp at VAR-d30 batch 1 (~23 µs per scale with the gaps between them in a CUDA graph,
-H100). Here one program owns (a block of tokens, a block of channels, one image): it pools its
-tokens' K latent channels, multiplies them by the matching (K, channels) slice of the embedding,
-adds the bias and the position rows and writes every copy.
+float32, the level + position add and the copy for the second CFG half — each a few microseconds of
+work and ramp at batch 1. Here one program owns (a block of tokens, a block of channels, one image):
+it pools its tokens' K latent channels, multiplies them by the matching (K, channels) slice of the
+embedding, adds the bias and the position rows and writes every copy.
 
 Same pooling bits as torch's CUDA kernel: each window is summed in float32 row by row, left to
-right, then divided by its height and then by its width (correctly rounded divisions). The
-embedding sums its K = 32 products in float32 and rounds to the weight's dtype once, after the
-bias. Torch's path on an H100 (cuBLAS, split over K at some sizes) gave a value one step of that
-dtype away in ~30 % of the elements; both stay within the tests' tolerance of a float64 oracle,
-so the kernel is no less exact, but its maps are not torch's bit for bit.
+right, then divided by its height and then by its width (correctly rounded divisions). The embedding
+sums its K = 32 products in float32 and rounds to the weight's dtype once, after the bias. Torch's
+path (cuBLAS, split over K at some sizes) gives a value one step of that dtype away in part of the
+elements; both stay within the tests' tolerance of a float64 oracle, so the kernel is no less exact,
+but its maps are not torch's bit for bit.
 
 Two workarounds for Triton's CPU interpreter: ``tl.dot`` on bf16 is wrong there (triton#11584), so
 the operands are cast to float32 first (exact products, ``UPCAST``); and its float32 → bf16 cast
