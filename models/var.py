@@ -331,8 +331,8 @@ class _VARWorkspace(Workspace):
     engine replays from CUDA graphs — the graphs with their memory pool (engine/graphs.py)."""
 
     def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
-        super().__init__(device)
         cfg, sch = model.config, model.schedule
+        super().__init__(device, sch.total_tokens)
         R, C = 2 * batch, cfg.embed_dim
         self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)
         H, W = sch.latent_hw
@@ -341,7 +341,6 @@ class _VARWorkspace(Workspace):
         self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, sch.tokens(0), C, device=device, dtype=torch.float32)
         self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
-        self.positions_L = torch.arange(sch.total_tokens, device=device)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
         self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)

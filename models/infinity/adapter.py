@@ -46,11 +46,11 @@ class _InfinityWorkspace(Workspace):
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
                  patchify: bool, device, dtype, kv_tail="auto"):
-        super().__init__(device)
-        cfg = model.config
-        R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
+        super().__init__(device, L)
+        cfg = model.config
+        R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
         last = hw[-1][0] * hw[-1][1]
         if kv_tail not in ("auto", True, False):
             raise ValueError(f"kv_tail={kv_tail!r}: choose 'auto', True (a last-scale tail shared by the layers) "
@@ -77,7 +77,6 @@ class _InfinityWorkspace(Workspace):
         self.ada_NR6C = torch.zeros(N, R, 6, C, device=device, dtype=torch.float32)
         self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
-        self.positions_L = torch.arange(L, device=device)
         self.qkv_bias_N3C = torch.zeros(N, 3 * C, device=device, dtype=dtype)
         self.q_mult_NH1 = torch.zeros(N, cfg.num_heads, 1, device=device, dtype=torch.float32)
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, model.head_dim)
