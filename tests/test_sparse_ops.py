@@ -990,7 +990,7 @@ def test_fused_cache_attention_is_chosen_per_call_and_logs_why(caplog):
         assert not use_fused_cache_attention(True, None, False, 2, 30, 4, 5, head_dim=48)    # not a power of two
         assert use_fused_cache_attention(True, None, False, 2, 30, 4, 5, head_dim=128)
     text = caplog.text
-    for why in ("unmasked: one Triton launch", "fused kernels not in use", "key-padding mask",
+    for why in ("unmasked: one Triton launch", "Triton kernels not in use", "key-padding mask",
                 "a policy chooses the attention pattern", "cuDNN measured faster", "head dim 48 is not a power of two"):
         assert why in text, why
 
