@@ -147,15 +147,17 @@ class GraphRunner:
     def _capture(self, fn, kv, state: dict, writes, read: dict, preserve) -> _Captured:
         before = kv.host_state()
         saved = [t.clone() for t in preserve]
+        prior = {(p, k): state[p].get(k) for p, k in writes}
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()                                       # warm-up (allocations, cuBLAS handles, compiles)
         torch.cuda.current_stream().wait_stream(stream)
-        for t, old in zip(preserve, saved):
+        for t, old in zip(preserve, saved):            # the warm-up's effects are undone: its latent
             t.copy_(old)
-        kv.set_host_state(before)
-        prior = {(p, k): state[p].get(k) for p, k in writes}
+        kv.set_host_state(before)                      # update, its KV bookkeeping, the state it set
+        for (p, k), v in prior.items():                # (freed now, before the capture allocates its own)
+            state[p][k] = v
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.ws.graph_pool, stream=stream):
             out = fn()
