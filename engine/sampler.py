@@ -64,6 +64,16 @@ class _ScaleTimer:
         return {k: (b - a) * 1e3 for k, (a, b) in self.marks.items()}
 
 
+def _timed(timer: _ScaleTimer, key, on: bool, fn: Callable, *args):
+    """``fn(*args)``, timed under ``key`` when ``on``."""
+    if not on:
+        return fn(*args)
+    timer.start(key)
+    out = fn(*args)
+    timer.stop(key)
+    return out
+
+
 def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              settings: SamplingSettings,
              generator: GeneratorArg = None,
@@ -114,20 +124,18 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         schedule = run.schedule
         skipping = False
         hook_timer = _ScaleTimer(run.device)            # the policies' own work, for the stats
+        timing = len(policies) > 0
         for si in range(schedule.num_scales):
             h, w = schedule.hw[si]
             run.si = si
             if not skipping:
                 timer.start(si)                        # the scale's time includes the policies' plan
-                if len(policies):
-                    hook_timer.start(("plan", si))
-            plan = policies.plan_scale(si, run) if not skipping else None
-            if not skipping and len(policies):
-                hook_timer.stop(("plan", si))
-            if skipping or plan.skip:
-                timer.cancel(si)
-                hook_timer.cancel(("plan", si))
-                skipping = True
+                plan = _timed(hook_timer, ("plan", si), timing, policies.plan_scale, si, run)
+                if plan.skip:
+                    timer.cancel(si)
+                    hook_timer.cancel(("plan", si))
+                    skipping = True
+            if skipping:
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
                 continue
             run.plan = plan
@@ -143,18 +151,10 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 logits = compute_scale(adapter, si, plan, run) if out is None else out[0]
                 guided = adapter.guide(si, logits, run)
                 codes = adapter.sample(si, guided, run)
-                residual = adapter.residual(si, codes, run)
-                if len(policies):
-                    hook_timer.start(("post", si))
-                residual = policies.post_residual(si, residual, run)
-                if len(policies):
-                    hook_timer.stop(("post", si))
+                residual = _timed(hook_timer, ("post", si), timing, policies.post_residual, si,
+                                  adapter.residual(si, codes, run), run)
                 adapter.accumulate(si, residual, run)
-            if len(policies):
-                hook_timer.start(("after", si))
-            policies.after_scale(si, guided, run)
-            if len(policies):
-                hook_timer.stop(("after", si))
+            _timed(hook_timer, ("after", si), timing, policies.after_scale, si, guided, run)
             timer.stop(si)
             if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
                 n = run.tokens_computed

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from ..sparse_ops import ops as sparse_ops
-from ..sparse_ops import ref as sparse_ref
 from ..sparse_ops._backend import check_backend, resolve_backend
 # token roles in the maps stored for visualisation (GenerationStats.token_maps); defined beside the ops
 from ..sparse_ops.ref import TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT  # noqa: F401
@@ -178,38 +177,6 @@ def nearest_source(src_hw: tuple[int, int], hw: tuple[int, int], device=None) ->
     (hs, ws), (h, w) = src_hw, hw
     pos_1hw = torch.arange(hs * ws, device=device, dtype=torch.float32).view(1, hs, ws)   # (M,) → (1, h', w'); exact
     return upsample_map(pos_1hw, (h, w), "nearest").reshape(h * w).long()                 # (1, h, w) → (L,)
-
-
-def select_tokens(change_BL: torch.Tensor, anchors_L: torch.Tensor, tau: float,
-                  keep_ratio: Optional[float], num_anchors: Optional[int] = None) -> torch.Tensor:
-    """(B, L) bool kept tokens: anchors ∪ (change > tau · max) — or, with ``keep_ratio``, anchors
-    ∪ the largest changes up to ``ceil(keep_ratio · L)`` tokens in all (ties broken by position).
-    The rule of ``sparse_ops.select_kept``, on a map already at this scale's size."""
-    B, L = change_BL.shape
-    budget = None
-    if keep_ratio is not None:
-        if num_anchors is None:
-            num_anchors = int(anchors_L.sum())           # a host read; callers that know it pass it
-        budget = max(math.ceil(keep_ratio * L), num_anchors)
-    src_L = torch.arange(L, device=change_BL.device)
-    return sparse_ref.select_kept(change_BL, src_L, anchors_L, tau, budget)[2]
-
-
-def pack_indices(keep_BL: torch.Tensor):
-    """Kept positions per image, padded to the batch's largest count.
-
-    Returns (index (B, n), valid (B, n) bool or None when all counts are equal, counts list).
-    Padding entries repeat the image's first kept token (their keys are masked out; their
-    outputs equal the original's and are scattered onto it). One host read of the counts: the
-    shapes of the next kernels depend on it.
-    """
-    counts = keep_BL.sum(dim=1).tolist()
-    n = max(counts)
-    order = torch.sort((~keep_BL).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # kept first, in order
-    valid = torch.arange(n, device=keep_BL.device)[None, :] < torch.tensor(counts, device=keep_BL.device)[:, None]
-    if all(c == n for c in counts):
-        return order, None, counts
-    return torch.where(valid, order, order[:, :1]), valid, counts
 
 
 class SparseVARPolicy(Policy):

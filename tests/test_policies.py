@@ -4,6 +4,7 @@ validation errors."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from sparsevar import VARPipeline
 from sparsevar.policies import FastVARConfig, Policy, ScalePlan, ScaleSkipConfig, SparseVARConfig
 from sparsevar.policies.fastvar import pivotal_tokens
 from sparsevar.policies.sparsevar import (TOKEN_ANCHOR, TOKEN_COPIED, TOKEN_EXCLUDED, TOKEN_KEPT, anchor_candidates,
-                                          anchor_count, anchor_mask, pack_indices, select_tokens)
+                                          anchor_count, anchor_mask)
+from sparsevar.sparse_ops import ref as sparse_ref
 
 
 @pytest.fixture
@@ -95,6 +97,14 @@ def test_anchor_candidates_are_the_corners_of_the_token_cell():
     assert anchor_mask(h, w, a).view(-1)[cand.view(-1)].all()
 
 
+def select_tokens(change_BL, anchors_L, tau, keep_ratio):
+    """The kept set of ``sparse_ops.ref.select_kept`` on a map at its scale's size, with the policy's
+    budget: ceil(keep_ratio · L) tokens, and at least the anchors."""
+    L = change_BL.shape[1]
+    budget = None if keep_ratio is None else max(math.ceil(keep_ratio * L), int(anchors_L.sum()))
+    return sparse_ref.select_kept(change_BL, torch.arange(L), anchors_L, tau, budget)[2]
+
+
 def test_tau_rule_is_strict_and_per_image():
     change = torch.tensor([[0.0, 1.0, 6.0, 10.0], [5.0, 5.0, 5.0, 5.0]])
     anchors = torch.tensor([False, False, False, False])
@@ -109,15 +119,6 @@ def test_keep_ratio_counts_anchors_and_breaks_ties_by_position():
     assert keep.tolist() == [[True, True, True, False, False, False]]
     keep = select_tokens(change, torch.ones(6, dtype=torch.bool), tau=0.6, keep_ratio=0.1)
     assert keep.all()                                                                 # at least the anchors
-
-
-def test_pack_indices_pads_with_the_first_kept_token():
-    keep = torch.tensor([[True, False, True, True], [False, True, False, False]])
-    idx, valid, counts = pack_indices(keep)
-    assert counts == [3, 1]
-    assert idx.tolist() == [[0, 2, 3], [1, 1, 1]] and valid.tolist() == [[True] * 3, [True, False, False]]
-    idx, valid, _ = pack_indices(torch.tensor([[True, False], [False, True]]))
-    assert valid is None and idx.tolist() == [[0], [1]]
 
 
 def test_pivotal_tokens_are_farthest_from_the_mean():

@@ -829,8 +829,7 @@ def test_nearest_source_is_what_nearest_upsampling_copies():
         assert torch.equal(m.reshape(2, -1)[:, nearest_source(src_hw, hw)], up)
 
 
-def test_select_kept_compacts_and_pads_like_the_policy_did():
-    from sparsevar.policies.sparsevar import pack_indices, select_tokens
+def test_select_kept_compacts_and_pads_with_the_first_kept_token():
     from sparsevar.sparse_ops import ref
     g = torch.Generator().manual_seed(0)
     change = torch.rand(3, 40, generator=g)
@@ -838,11 +837,12 @@ def test_select_kept_compacts_and_pads_like_the_policy_did():
     anchors = torch.zeros(40, dtype=torch.bool)
     anchors[::9] = True
     idx, count, keep = ref.select_kept(change, torch.arange(40), anchors, 0.6, None)
-    assert torch.equal(keep, select_tokens(change, anchors, 0.6, None))
-    want_idx, want_valid, counts = pack_indices(keep)
-    assert count.tolist() == counts
-    n = max(counts)
-    assert torch.equal(idx[:, :n], want_idx)
+    want_keep = anchors | (change > 0.6 * change.amax(dim=1, keepdim=True))   # the rule, strict
+    assert torch.equal(keep, want_keep)
+    counts = want_keep.sum(dim=1).tolist()
+    assert count.tolist() == counts and counts[1] == int(anchors.sum()) and min(counts) < max(counts)
+    for b in range(3):                                   # the kept positions first, in order
+        assert idx[b, :counts[b]].tolist() == want_keep[b].nonzero().view(-1).tolist()
     assert torch.equal(idx[1, counts[1]:], idx[1, :1].expand(40 - counts[1]))   # padding repeats the first kept
 
 
