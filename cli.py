@@ -629,6 +629,15 @@ def cmd_bench_quality(args) -> int:
     return 0
 
 
+def cmd_bench_observe(args) -> int:
+    from .benchmarks.bench_observe import run_from_args
+    _device(args.device)
+    if args.out is not None:
+        _check_writable(args.out, "--out")
+    run_from_args(args)
+    return 0
+
+
 def cmd_bench_ops(args) -> int:
     import torch
     _at_least(args.runs, 1, "--runs", "time each op at least once (e.g. --runs 50)")
@@ -827,6 +836,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.bench_quality import add_arguments as add_quality_arguments
     add_quality_arguments(q)
     q.set_defaults(func=cmd_bench_quality)
+    v = bsub.add_parser("observe", help="capture rate of every layer's change map: which layer SparseVAR should "
+                                         "observe (default model: the demo)")
+    from .benchmarks.bench_observe import add_arguments as add_observe_arguments
+    add_observe_arguments(v)
+    v.set_defaults(func=cmd_bench_observe)
     o = bsub.add_parser("ops", help="each sparse op (Triton and its torch twin) in GB/s or TFLOP/s against the roof (GPU)")
     o.add_argument("--ops", nargs="+", help="ops to run (default: all)")
     o.add_argument("--runs", type=int, default=50)

@@ -1,0 +1,355 @@
+"""Which layer should SparseVAR observe? The capture rate of every layer's change map (issue #34).
+
+    sparsevar bench observe --seeds 8 --keep 0.5 --scales 3 --out observe.csv
+    python -m sparsevar.benchmarks.bench_observe --model PATH
+
+SparseVAR keeps the tokens of scale k that one observed layer (or block group) changed most at scale
+k − 1: the change map ``m(i) = mean_c (x_out − x_in)²`` of that layer, averaged over the CFG rows
+(``sparse_ops.ref.change_map``, as the policy computes it), upsampled to scale k by nearest
+neighbour (``policies.sparsevar.nearest_source``). A good layer is one whose map points at the
+tokens that matter at scale k. This harness measures that for every layer of a checkpoint.
+
+For every seed (class ``seed % num_classes``) the model generates once, dense, with a recording
+policy (:class:`LayerTaps`) that keeps every layer's change map at the scales before the pruned ones
+and the per-token residual ``Δr_k`` (what the adapter's ``residual`` returns: for VAR the codebook
+embedding of the sampled code) at the pruned scales: the last ``scales`` scales. At each pruned
+scale k with L tokens it keeps ``n = ceil(keep · L)`` tokens by the upsampled map (ties: the earlier
+position, as ``select_kept`` breaks them) and reports the share of the scale's residual energy
+``e_k(i) = ‖Δr_k(i)‖²`` they hold (the **capture rate**). References at the same n: ``random`` (a
+uniformly random subset, drawn from one generator seeded 0; its expectation is n / L) and
+``oracle`` (the top n by ``e_k`` itself: the most any selection of n tokens captures).
+
+Per layer (and per block group for models that have groups): the mean over seeds of the capture
+averaged over the pruned scales, with a 95 % confidence interval over seeds (Student t), and the
+mean per scale. The layer of the family preset is marked, and the best layer is compared with it
+seed by seed (the paired difference and its 95 % interval).
+
+A family whose residuals all have the same norm (Infinity's ±1/√d bits) gives every selection the
+same capture, n / L: the measure cannot rank its layers, and the harness says so.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..engine.contract import Policy, ScalePlan
+from ..pipelines.defaults import VAR_DEFAULTS
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
+from ..sparse_ops.ref import change_map
+from ._results import write_csv
+
+# two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (a table to 30; beyond,
+    the Cornish–Fisher expansion around 1.96, within 0.001 of the exact value)."""
+    if df < 1:
+        raise ValueError(f"df={df}: a t quantile needs at least 1 degree of freedom (2 seeds)")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95 % confidence interval); the half-width is nan for one value."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("mean_ci95 got no values")
+    m = statistics.fmean(vals)
+    if len(vals) < 2:
+        return m, math.nan
+    return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+# ---- the measure -----------------------------------------------------------------------------------------------
+def kept_count(keep: float, L: int) -> int:
+    """Tokens kept at a scale of ``L`` tokens: ``ceil(keep · L)``, as SparseVAR's keep_ratio budget
+    (which adds the anchors on top; here no anchors)."""
+    return math.ceil(keep * L)
+
+
+def top_share(score_BL: torch.Tensor, energy_BL: torch.Tensor, n: int) -> torch.Tensor:
+    """(B,) share of each image's total ``energy_BL`` held by its ``n`` highest-scoring tokens (equal
+    scores: the earlier position first)."""
+    order_Bn = torch.sort(score_BL.float(), dim=1, descending=True, stable=True).indices[:, :n]
+    energy_BL = energy_BL.double()
+    return (energy_BL.gather(1, order_Bn).sum(1) / energy_BL.sum(1)).float()
+
+
+def capture_rate(prev_map_Bhw: torch.Tensor, energy_BL: torch.Tensor, hw: tuple[int, int], keep: float) -> torch.Tensor:
+    """(B,) capture rate of a change map measured at the previous scale, ``prev_map_Bhw`` (B, h', w'):
+    upsampled to ``hw`` by nearest neighbour, its top ``ceil(keep · h·w)`` tokens' share of the
+    energy ``energy_BL`` (B, h·w) of scale ``hw``."""
+    B, hp, wp = prev_map_Bhw.shape
+    src_L = nearest_source((hp, wp), hw, prev_map_Bhw.device)
+    score_BL = prev_map_Bhw.reshape(B, hp * wp).index_select(1, src_L)                 # (B, h', w') → (B, L)
+    return top_share(score_BL, energy_BL, kept_count(keep, hw[0] * hw[1]))
+
+
+class LayerTaps(Policy):
+    """Records, without changing the generation, every layer's change map (and every block group's,
+    from its first layer's input to its last layer's output) at the scales ``map_scales``, and the
+    per-token residual energy ``‖Δr(i)‖²`` at ``energy_scales``. The records stay in ``record``
+    (``{"maps": {(si, ("layer" | "group", i)): (B, L)}, "energy": {si: (B, L)}}``, float32 on the CPU)
+    after the generation."""
+
+    name = "observe_taps"
+
+    def __init__(self, map_scales: Sequence[int], energy_scales: Sequence[int]):
+        self.map_scales, self.energy_scales = frozenset(map_scales), frozenset(energy_scales)
+        self.record: dict = {"maps": {}, "energy": {}}
+
+    def validate(self, info) -> None:
+        S = info.schedule.num_scales
+        bad = sorted(s for s in self.map_scales | self.energy_scales if not 0 <= s < S)
+        if bad:
+            raise ValueError(f"LayerTaps scales {bad} are not scales of this model: use 0..{S - 1}")
+
+    def begin(self, run) -> None:
+        # the dict outlives the run's policy state, which the engine clears before decoding
+        self.record = {"maps": {}, "energy": {}}
+        run.policy_state[self.name] = {"record": self.record, "group_in": None}
+
+    def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
+        hooks = ({"observe"} if si in self.map_scales else set()) | \
+            ({"post_residual"} if si in self.energy_scales else set())
+        return ScalePlan(hooks=frozenset(hooks), static=not hooks)
+
+    def observe(self, si, unit, x_in, x_out, run) -> None:
+        if unit[0] != "layer":
+            return
+        st, B, L, i = run.policy_state[self.name], run.batch_size, run.schedule.tokens(si), unit[1]
+        idx_Bn = run.plan.token_index
+        idx_Bn = idx_Bn.to(x_out.device) if idx_Bn is not None else None
+        maps = st["record"]["maps"]
+        maps[(si, ("layer", i))] = change_map(x_in, x_out, B, idx_Bn, L).cpu()
+        per = run.info.layers_per_group
+        if run.info.layer_groups:
+            if i % per == 0:
+                st["group_in"] = x_in
+            if i % per == per - 1:
+                maps[(si, ("group", i // per))] = change_map(st["group_in"], x_out, B, idx_Bn, L).cpu()
+                st["group_in"] = None
+
+    def post_residual(self, si, residual_BLc, run):
+        run.policy_state[self.name]["record"]["energy"][si] = residual_BLc.float().square().sum(-1).cpu()
+        return residual_BLc
+
+
+def unit_label(unit: tuple[str, int]) -> str:
+    """``("layer", 5)`` → "5"; ``("group", 2)`` → "group2"."""
+    return str(unit[1]) if unit[0] == "layer" else f"{unit[0]}{unit[1]}"
+
+
+def preset_unit(info, family: str) -> Optional[tuple[str, int]]:
+    """The layer (or block group) the family's SparseVAR preset observes on this model, or None."""
+    cfg = SPARSEVAR_PRESETS.get(family)
+    if cfg is None:
+        return None
+    _, first, last = SparseVARPolicy(cfg).resolved(info)
+    if cfg.granularity == "group":
+        return ("group", first // info.layers_per_group)
+    return ("layer", first)
+
+
+def check_settings(keep, scales, seeds) -> None:
+    """The settings that need no model: one-line ValueError / TypeError naming the bad one."""
+    for v, name, what in ((keep, "keep", "a fraction"), (scales, "scales", "an int"), (seeds, "seeds", "an int")):
+        if isinstance(v, bool) or not isinstance(v, (int, float) if name == "keep" else int):
+            raise TypeError(f"{name}={v!r}: give {what}")
+    if not (math.isfinite(keep) and 0.0 < keep < 1.0):
+        raise ValueError(f"keep={keep}: give the fraction of tokens kept, strictly between 0 and 1 (e.g. 0.5)")
+    if scales < 1:
+        raise ValueError(f"scales={scales}: give the number of pruned final scales, at least 1 (e.g. 3)")
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: give the number of seeds, at least 1 (e.g. 8)")
+
+
+def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int = 3,
+                    guidance_scale: float = VAR_DEFAULTS.guidance_scale, top_k: int = VAR_DEFAULTS.top_k,
+                    top_p: float = VAR_DEFAULTS.top_p, random_seed: int = 0) -> dict:
+    """Per-seed capture rates of every layer (and block group) of a ``VARPipeline``'s model.
+
+    Returns ``{"units": [("layer", i), …, ("group", g), …], "scales": [(si, (h, w)), …] (the pruned
+    ones), "kept": [n per scale], "capture": (seeds, units, scales), "random": (seeds, scales),
+    "oracle": (seeds, scales)}`` (float32 tensors), ``"info"`` (the model's ``ModelInfo``) and
+    ``"constant_energy"`` (every residual had the same norm: the measure cannot rank layers)."""
+    seeds = list(seeds)
+    check_settings(keep, scales, len(seeds))
+    info = pipe.adapter().model_info()
+    S = info.schedule.num_scales
+    if scales >= S:
+        raise ValueError(f"scales={scales}: this model has {S} scales and the first has no previous one; "
+                         f"give 1..{S - 1}")
+    pruned = list(range(S - scales, S))
+    units = [("layer", i) for i in range(info.num_layers)] + [("group", g) for g in range(info.layer_groups)]
+    taps = LayerTaps(map_scales=[k - 1 for k in pruned], energy_scales=pruned)
+    rand_gen = torch.Generator().manual_seed(random_seed)
+    dev = pipe.adapter().device
+    capture, random_, oracle, constant = [], [], [], True
+    for seed in seeds:
+        pipe([seed % pipe.num_classes], guidance_scale=guidance_scale, top_k=top_k, top_p=top_p,
+             generator=torch.Generator(dev).manual_seed(seed), output_type="latent", policies=[taps])
+        rec = taps.record
+        cap_US, rnd_S, orc_S = [], [], []
+        for k in pruned:
+            hw, prev_hw = info.schedule.hw[k], info.schedule.hw[k - 1]
+            energy_1L = rec["energy"][k]
+            n = kept_count(keep, hw[0] * hw[1])
+            constant = constant and bool(torch.allclose(energy_1L, energy_1L[:, :1].expand_as(energy_1L)))
+            cap_US.append([float(capture_rate(rec["maps"][(k - 1, u)].view(1, *prev_hw), energy_1L, hw, keep)[0])
+                           for u in units])
+            rnd_S.append(float(top_share(torch.rand(energy_1L.shape, generator=rand_gen), energy_1L, n)[0]))
+            orc_S.append(float(top_share(energy_1L, energy_1L, n)[0]))
+        capture.append(torch.tensor(cap_US).T)                                           # (scales, U) → (U, scales)
+        random_.append(torch.tensor(rnd_S))
+        oracle.append(torch.tensor(orc_S))
+    return {"units": units, "scales": [(k, info.schedule.hw[k]) for k in pruned],
+            "kept": [kept_count(keep, h * w) for _, (h, w) in ((k, info.schedule.hw[k]) for k in pruned)],
+            "capture": torch.stack(capture), "random": torch.stack(random_), "oracle": torch.stack(oracle),
+            "info": info, "constant_energy": constant}
+
+
+def summarize(m: dict) -> list[dict]:
+    """CSV rows, one per unit: layer, capture, ci95, random, oracle (means over seeds of the mean over
+    scales), then per pruned scale ``capture_HxW``, ``random_HxW``, ``oracle_HxW`` (means over seeds)."""
+    cap_NUS, rnd_NS, orc_NS = m["capture"], m["random"], m["oracle"]
+    rnd, orc = statistics.fmean(rnd_NS.mean(1).tolist()), statistics.fmean(orc_NS.mean(1).tolist())
+    rows = []
+    for u_i, unit in enumerate(m["units"]):
+        mean, ci = mean_ci95(cap_NUS[:, u_i].mean(1).tolist())
+        row = {"layer": unit_label(unit), "capture": round(mean, 4), "ci95": round(ci, 4),
+               "random": round(rnd, 4), "oracle": round(orc, 4)}
+        for s_i, (_, (h, w)) in enumerate(m["scales"]):
+            row[f"capture_{h}x{w}"] = round(float(cap_NUS[:, u_i, s_i].mean()), 4)
+            row[f"random_{h}x{w}"] = round(float(rnd_NS[:, s_i].mean()), 4)
+            row[f"oracle_{h}x{w}"] = round(float(orc_NS[:, s_i].mean()), 4)
+        rows.append(row)
+    return rows
+
+
+def best_unit(m: dict, kind: str = "layer") -> Optional[int]:
+    """Index into ``m["units"]`` of the ``kind`` unit with the highest mean capture (None: none of that kind)."""
+    idx = [i for i, u in enumerate(m["units"]) if u[0] == kind]
+    if not idx:
+        return None
+    means = m["capture"].mean(2).mean(0)                                                # (N, U, S) → (U,)
+    return max(idx, key=lambda i: float(means[i]))
+
+
+def format_report(m: dict, rows: list[dict], preset: Optional[tuple[str, int]], title: str) -> str:
+    """The table and the verdict: best layer (and group) against the preset's, paired over seeds."""
+    scale_names = [f"{h}x{w}" for _, (h, w) in m["scales"]]
+    head = f"{'layer':>8}  {'capture ± 95% CI':>17}  {'- random':>8}  {'of oracle gain':>14}  " + \
+        "  ".join(f"{s:>7}" for s in scale_names)
+    lines = [title, head]
+    for unit, r in zip(m["units"], rows):
+        gain = (r["capture"] - r["random"]) / (r["oracle"] - r["random"]) if r["oracle"] > r["random"] else math.nan
+        mark = " preset" if unit == preset else ""
+        lines.append(f"{r['layer']:>8}  {r['capture']:>8.3f} ± {r['ci95']:<6.3f}  {r['capture'] - r['random']:>+8.3f}  "
+                     f"{gain:>13.0%}  " + "  ".join(f"{r['capture_' + s]:>7.3f}" for s in scale_names) + mark)
+    r0 = rows[0]
+    lines.append(f"{'random':>8}  {r0['random']:>8.3f}{'':>27}" + "  ".join(f"{r0['random_' + s]:>7.3f}" for s in scale_names))
+    lines.append(f"{'oracle':>8}  {r0['oracle']:>8.3f}{'':>27}" + "  ".join(f"{r0['oracle_' + s]:>7.3f}" for s in scale_names))
+    if m["constant_energy"]:
+        lines.append("every token's residual has the same norm: any selection captures n / L, so this measure "
+                     "cannot rank the layers of this model")
+        return "\n".join(lines)
+    per_seed = m["capture"].mean(2)                                                     # (N, U, S) → (N, U)
+    for kind in ("layer", "group"):
+        b = best_unit(m, kind)
+        if b is None:
+            continue
+        r = rows[b]
+        text = f"best {kind}: {r['layer']} ({r['capture']:.3f} ± {r['ci95']:.3f})"
+        if preset is not None and preset[0] == kind:
+            p = m["units"].index(preset)
+            diff, ci = mean_ci95((per_seed[:, b] - per_seed[:, p]).tolist())
+            text += f"; preset {kind} {rows[p]['layer']}: {rows[p]['capture']:.3f} ± {rows[p]['ci95']:.3f}; " \
+                    f"best − preset {diff:+.3f} ± {ci:.3f} (paired over seeds)"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, out=None, device: str = "auto",
+                log: Callable[[str], None] = print) -> list[dict]:
+    """Load ``model`` (None: the demo model; a VARPipeline folder; or a ``VARPipeline``), measure the
+    capture rate of every layer over seeds 0..``seeds``−1, print the table, write ``out`` (a CSV
+    path) when given. Returns the CSV rows."""
+    check_settings(keep, scales, seeds)
+    from .bench_quality import load_model
+    pipe, name, loaded = load_model(model, device=device)
+    if loaded:
+        pipe.set_progress_bar_config(disable=True)
+    m = measure_capture(pipe, range(seeds), keep=keep, scales=scales)
+    rows = summarize(m)
+    preset = preset_unit(m["info"], "var")
+    scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
+    title = (f"observe: {name}, {seeds} seeds, keep {keep:g} (n = {', '.join(map(str, m['kept']))} tokens), "
+             f"pruned scales {scale_names}; capture = share of the scale's residual energy in the kept tokens")
+    log(format_report(m, rows, preset, title))
+    if out is not None:
+        write_csv(rows, out, log)
+    return rows
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of ``sparsevar bench observe`` (also this module's own ``main``)."""
+    p.add_argument("--model", help="VARPipeline folder (default: the demo model that ships with the package)")
+    p.add_argument("--seeds", type=int, default=8, metavar="N", help="seeds 0..N-1, one image each (default 8)")
+    p.add_argument("--keep", type=float, default=0.5, help="fraction of each pruned scale's tokens kept (default 0.5)")
+    p.add_argument("--scales", type=int, default=3, metavar="N", help="pruned scales: the last N (default 3)")
+    p.add_argument("--out", type=Path, default=None, metavar="CSV", help="write the table as a CSV here")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
+    return p
+
+
+def run_from_args(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[dict]:
+    """``run_observe`` for parsed :func:`add_arguments` arguments (what the CLI calls)."""
+    for v, flag, what in ((args.keep, "--keep", "give the fraction of tokens kept, strictly between 0 and 1 "
+                                               "(e.g. 0.5)"),
+                          (args.scales, "--scales", "give the number of pruned final scales, at least 1 (e.g. 3)"),
+                          (args.seeds, "--seeds", "give the number of seeds, at least 1 (e.g. 8)")):
+        bad = not (0.0 < v < 1.0) if flag == "--keep" else v < 1
+        if bad:
+            raise ValueError(f"{flag} {v}: {what}")
+    try:
+        return run_observe(model=args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, out=args.out,
+                           device=args.device, log=log)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("scales="):                  # the model's own bound, found once it is loaded
+            msg = "--scales " + msg[len("scales="):]
+        raise ValueError(msg) from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_observe",
+                                              description="Capture rate of every layer's change map: which "
+                                                          "layer SparseVAR should observe."))
+    args = p.parse_args(argv)
+    try:
+        run_from_args(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"bench observe: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["LayerTaps", "add_arguments", "best_unit", "capture_rate", "check_settings", "format_report",
+           "kept_count", "main", "mean_ci95", "measure_capture", "preset_unit", "run_from_args", "run_observe",
+           "summarize", "t95", "top_share", "unit_label"]
+
+if __name__ == "__main__":
+    sys.exit(main())
