@@ -15,9 +15,9 @@ and the per-token residual ``Δr_k`` (what the adapter's ``residual`` returns: f
 embedding of the sampled code) at the pruned scales: the last ``scales`` scales. At each pruned
 scale k with L tokens it keeps ``n = ceil(keep · L)`` tokens by the upsampled map (ties: the earlier
 position, as ``select_kept`` breaks them) and reports the share of the scale's residual energy
-``e_k(i) = ‖Δr_k(i)‖²`` they hold (the **capture rate**). References at the same n: ``random`` (a
-uniformly random subset, drawn from one generator seeded 0; its expectation is n / L) and
-``oracle`` (the top n by ``e_k`` itself: the most any selection of n tokens captures).
+``e_k(i) = ‖Δr_k(i)‖²`` they hold (the **capture rate**). References at the same n: ``random`` (the
+mean over 64 uniformly random subsets, drawn from one generator seeded 0; its expectation is n / L)
+and ``oracle`` (the top n by ``e_k`` itself: the most any selection of n tokens captures).
 
 Per layer (and per block group for models that have groups): the mean over seeds of the capture
 averaged over the pruned scales, with a 95 % confidence interval over seeds (Student t), and the
@@ -177,15 +177,18 @@ def check_settings(keep, scales, seeds) -> None:
 
 def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int = 3,
                     guidance_scale: float = VAR_DEFAULTS.guidance_scale, top_k: int = VAR_DEFAULTS.top_k,
-                    top_p: float = VAR_DEFAULTS.top_p, random_seed: int = 0) -> dict:
+                    top_p: float = VAR_DEFAULTS.top_p, random_seed: int = 0, random_draws: int = 64) -> dict:
     """Per-seed capture rates of every layer (and block group) of a ``VARPipeline``'s model.
 
     Returns ``{"units": [("layer", i), …, ("group", g), …], "scales": [(si, (h, w)), …] (the pruned
     ones), "kept": [n per scale], "capture": (seeds, units, scales), "random": (seeds, scales),
     "oracle": (seeds, scales)}`` (float32 tensors), ``"info"`` (the model's ``ModelInfo``) and
-    ``"constant_energy"`` (every residual had the same norm: the measure cannot rank layers)."""
+    ``"constant_energy"`` (every residual had the same norm: the measure cannot rank layers).
+    ``random`` is the mean share of ``random_draws`` uniformly random subsets of the same size."""
     seeds = list(seeds)
     check_settings(keep, scales, len(seeds))
+    if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 1:
+        raise ValueError(f"random_draws={random_draws!r}: give the number of random subsets, an int >= 1 (e.g. 64)")
     info = pipe.adapter().model_info()
     S = info.schedule.num_scales
     if scales >= S:
@@ -209,7 +212,8 @@ def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int =
             constant = constant and bool(torch.allclose(energy_1L, energy_1L[:, :1].expand_as(energy_1L)))
             cap_US.append([float(capture_rate(rec["maps"][(k - 1, u)].view(1, *prev_hw), energy_1L, hw, keep)[0])
                            for u in units])
-            rnd_S.append(float(top_share(torch.rand(energy_1L.shape, generator=rand_gen), energy_1L, n)[0]))
+            draws_DL = torch.rand(random_draws, energy_1L.shape[1], generator=rand_gen)
+            rnd_S.append(float(top_share(draws_DL, energy_1L.expand(random_draws, -1), n).mean()))
             orc_S.append(float(top_share(energy_1L, energy_1L, n)[0]))
         capture.append(torch.tensor(cap_US).T)                                           # (scales, U) → (U, scales)
         random_.append(torch.tensor(rnd_S))

@@ -144,7 +144,7 @@ def test_measure_summary_invariants(tiny):
     assert m["units"] == [("layer", i) for i in range(4)] and m["capture"].shape == (2, 4, 2)
     cap, rnd, orc = m["capture"], m["random"], m["oracle"]
     assert (cap >= 0).all() and (cap <= orc[:, None, :] + 1e-6).all() and (orc <= 1 + 1e-6).all()
-    assert (rnd - 0.5).abs().max() < 0.1 and not m["constant_energy"]
+    assert (rnd - torch.tensor([85 / 169, 0.5])).abs().max() < 0.03 and not m["constant_energy"]   # 64 draws each
     rows = bo.summarize(m)
     assert [r["layer"] for r in rows] == ["0", "1", "2", "3"]
     assert list(rows[0])[:5] == ["layer", "capture", "ci95", "random", "oracle"]
