@@ -24,8 +24,10 @@ averaged over the pruned scales, with a 95 % confidence interval over seeds (Stu
 mean per scale. The layer of the family preset is marked, and the best layer is compared with it
 seed by seed (the paired difference and its 95 % interval).
 
-A family whose residuals all have the same norm (Infinity's ±1/√d bits) gives every selection the
-same capture, n / L: the measure cannot rank its layers, and the harness says so.
+The command line loads VARPipeline folders; :func:`measure_capture` also takes a text-to-image
+pipeline with one prompt per seed. A family whose residuals all have the same norm (Infinity's
+±1/√d bits) gives every selection the same capture, n / L: the measure cannot rank its layers, and
+the harness says so.
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..engine.contract import Policy, ScalePlan
-from ..pipelines.defaults import VAR_DEFAULTS
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
 from ..sparse_ops.ref import change_map
 from ._results import write_csv
@@ -97,32 +98,34 @@ def capture_rate(prev_map_Bhw: torch.Tensor, energy_BL: torch.Tensor, hw: tuple[
 
 
 class LayerTaps(Policy):
-    """Records, without changing the generation, every layer's change map (and every block group's,
-    from its first layer's input to its last layer's output) at the scales ``map_scales``, and the
-    per-token residual energy ``‖Δr(i)‖²`` at ``energy_scales``. The records stay in ``record``
-    (``{"maps": {(si, ("layer" | "group", i)): (B, L)}, "energy": {si: (B, L)}}``, float32 on the CPU)
-    after the generation."""
+    """Records, without changing the generation, at each of the last ``last`` scales k: every layer's
+    change map at scale k − 1 (and every block group's, from its first layer's input to its last
+    layer's output) and the per-token residual energy ``‖Δr_k(i)‖²`` at scale k. After a generation,
+    ``record`` holds ``{"maps": {(k − 1, ("layer" | "group", i)): (B, L)}, "energy": {k: (B, L)}}``
+    (float32, on the CPU), ``info`` the run's ``ModelInfo`` (its schedule: the call's) and ``pruned``
+    the scales k."""
 
     name = "observe_taps"
 
-    def __init__(self, map_scales: Sequence[int], energy_scales: Sequence[int]):
-        self.map_scales, self.energy_scales = frozenset(map_scales), frozenset(energy_scales)
+    def __init__(self, last: int):
+        self.last = last
         self.record: dict = {"maps": {}, "energy": {}}
+        self.info, self.pruned = None, ()
 
     def validate(self, info) -> None:
         S = info.schedule.num_scales
-        bad = sorted(s for s in self.map_scales | self.energy_scales if not 0 <= s < S)
-        if bad:
-            raise ValueError(f"LayerTaps scales {bad} are not scales of this model: use 0..{S - 1}")
+        if not 1 <= self.last < S:
+            raise ValueError(f"scales={self.last}: this model has {S} scales and the first has no previous one; "
+                             f"give 1..{S - 1}")
 
     def begin(self, run) -> None:
+        S = run.schedule.num_scales
         # the dict outlives the run's policy state, which the engine clears before decoding
-        self.record = {"maps": {}, "energy": {}}
+        self.record, self.info, self.pruned = {"maps": {}, "energy": {}}, run.info, tuple(range(S - self.last, S))
         run.policy_state[self.name] = {"record": self.record, "group_in": None}
 
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
-        hooks = ({"observe"} if si in self.map_scales else set()) | \
-            ({"post_residual"} if si in self.energy_scales else set())
+        hooks = ({"observe"} if si + 1 in self.pruned else set()) | ({"post_residual"} if si in self.pruned else set())
         return ScalePlan(hooks=frozenset(hooks), static=not hooks)
 
     def observe(self, si, unit, x_in, x_out, run) -> None:
@@ -152,11 +155,15 @@ def unit_label(unit: tuple[str, int]) -> str:
 
 
 def preset_unit(info, family: str) -> Optional[tuple[str, int]]:
-    """The layer (or block group) the family's SparseVAR preset observes on this model, or None."""
+    """The layer (or block group) the family's SparseVAR preset observes on this model, or None (no
+    preset, or one that does not fit this model)."""
     cfg = SPARSEVAR_PRESETS.get(family)
     if cfg is None:
         return None
-    _, first, last = SparseVARPolicy(cfg).resolved(info)
+    try:
+        _, first, last = SparseVARPolicy(cfg).resolved(info)
+    except ValueError:
+        return None
     if cfg.granularity == "group":
         return ("group", first // info.layers_per_group)
     return ("layer", first)
@@ -176,9 +183,15 @@ def check_settings(keep, scales, seeds) -> None:
 
 
 def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int = 3,
-                    guidance_scale: float = VAR_DEFAULTS.guidance_scale, top_k: int = VAR_DEFAULTS.top_k,
-                    top_p: float = VAR_DEFAULTS.top_p, random_seed: int = 0, random_draws: int = 64) -> dict:
-    """Per-seed capture rates of every layer (and block group) of a ``VARPipeline``'s model.
+                    guidance_scale: Optional[float] = None, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None, prompts: Optional[Sequence[str]] = None,
+                    random_seed: int = 0, random_draws: int = 64, **call_kwargs) -> dict:
+    """Per-seed capture rates of every layer (and block group) of a pipeline's model.
+
+    ``pipe``: a ``VARPipeline`` (seed s draws class ``s % num_classes``) or a text-to-image pipeline
+    of the same base (``InfinityPipeline``), which needs ``prompts``, one per seed;
+    ``call_kwargs`` go to every call (e.g. ``height``/``width``). Sampling: the family's defaults
+    (``pipe.DEFAULTS``) unless given.
 
     Returns ``{"units": [("layer", i), …, ("group", g), …], "scales": [(si, (h, w)), …] (the pruned
     ones), "kept": [n per scale], "capture": (seeds, units, scales), "random": (seeds, scales),
@@ -189,23 +202,25 @@ def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int =
     check_settings(keep, scales, len(seeds))
     if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 1:
         raise ValueError(f"random_draws={random_draws!r}: give the number of random subsets, an int >= 1 (e.g. 64)")
-    info = pipe.adapter().model_info()
-    S = info.schedule.num_scales
-    if scales >= S:
-        raise ValueError(f"scales={scales}: this model has {S} scales and the first has no previous one; "
-                         f"give 1..{S - 1}")
-    pruned = list(range(S - scales, S))
-    units = [("layer", i) for i in range(info.num_layers)] + [("group", g) for g in range(info.layer_groups)]
-    taps = LayerTaps(map_scales=[k - 1 for k in pruned], energy_scales=pruned)
-    rand_gen = torch.Generator().manual_seed(random_seed)
+    text = not hasattr(pipe, "num_classes")
+    if text and (prompts is None or isinstance(prompts, str) or len(prompts) != len(seeds)):
+        raise ValueError(f"prompts={prompts!r}: a text-to-image pipeline needs a list of one prompt per seed "
+                         f"({len(seeds)})")
+    d = pipe.DEFAULTS
+    sampling = dict(guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
+                    top_k=d.top_k if top_k is None else top_k, top_p=d.top_p if top_p is None else top_p)
+    taps = LayerTaps(last=scales)
     dev = pipe.adapter().device
+    rand_gen = torch.Generator().manual_seed(random_seed)
     capture, random_, oracle, constant = [], [], [], True
-    for seed in seeds:
-        pipe([seed % pipe.num_classes], guidance_scale=guidance_scale, top_k=top_k, top_p=top_p,
-             generator=torch.Generator(dev).manual_seed(seed), output_type="latent", policies=[taps])
-        rec = taps.record
+    for j, seed in enumerate(seeds):
+        cond = {"prompt": [prompts[j]]} if text else {"class_labels": [seed % pipe.num_classes]}
+        pipe(**cond, **sampling, generator=torch.Generator(dev).manual_seed(seed), output_type="latent",
+             policies=[taps], **call_kwargs)
+        rec, info = taps.record, taps.info
+        units = [("layer", i) for i in range(info.num_layers)] + [("group", g) for g in range(info.layer_groups)]
         cap_US, rnd_S, orc_S = [], [], []
-        for k in pruned:
+        for k in taps.pruned:
             hw, prev_hw = info.schedule.hw[k], info.schedule.hw[k - 1]
             energy_1L = rec["energy"][k]
             n = kept_count(keep, hw[0] * hw[1])
@@ -218,8 +233,9 @@ def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int =
         capture.append(torch.tensor(cap_US).T)                                           # (scales, U) → (U, scales)
         random_.append(torch.tensor(rnd_S))
         oracle.append(torch.tensor(orc_S))
-    return {"units": units, "scales": [(k, info.schedule.hw[k]) for k in pruned],
-            "kept": [kept_count(keep, h * w) for _, (h, w) in ((k, info.schedule.hw[k]) for k in pruned)],
+    info = taps.info
+    return {"units": units, "scales": [(k, info.schedule.hw[k]) for k in taps.pruned],
+            "kept": [kept_count(keep, info.schedule.tokens(k)) for k in taps.pruned],
             "capture": torch.stack(capture), "random": torch.stack(random_), "oracle": torch.stack(oracle),
             "info": info, "constant_energy": constant}
 
@@ -297,7 +313,7 @@ def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, 
         pipe.set_progress_bar_config(disable=True)
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales)
     rows = summarize(m)
-    preset = preset_unit(m["info"], "var")
+    preset = preset_unit(m["info"], pipe.PRESET_FAMILY)
     scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
     title = (f"observe: {name}, {seeds} seeds, keep {keep:g} (n = {', '.join(map(str, m['kept']))} tokens), "
              f"pruned scales {scale_names}; capture = share of the scale's residual energy in the kept tokens")

@@ -113,7 +113,7 @@ class _ReadChange(Policy):
 def test_taps_leave_the_generation_alone_and_record_what_the_codes_and_sparsevar_give(tiny):
     dense_images, dense_codes = _generate(tiny, [])
     S = tiny.adapter().schedule.num_scales
-    taps = bo.LayerTaps(map_scales=[S - 3, S - 2], energy_scales=[S - 2, S - 1])
+    taps = bo.LayerTaps(last=2)
     images, codes = _generate(tiny, [taps])
     assert torch.equal(images, dense_images) and len(codes) == S
     assert all(torch.equal(a, b) for a, b in zip(codes, dense_codes))
@@ -130,7 +130,7 @@ def test_taps_leave_the_generation_alone_and_record_what_the_codes_and_sparsevar
         assert m.shape == (1, tiny.adapter().schedule.tokens(si)) and (m > 0).all()
     # the map of a layer is the one SparseVAR reads for it (block 1, observed from scale S − 3 on)
     sv, reader = SparseVARPolicy(SparseVARConfig(keep_ratio=0.5, start_scale=-2, block=1)), _ReadChange()
-    taps2 = bo.LayerTaps(map_scales=[S - 3], energy_scales=[])
+    taps2 = bo.LayerTaps(last=2)
     _generate(tiny, [taps2, sv, reader])
     h, w = tiny.adapter().schedule.hw[S - 3]
     assert torch.equal(taps2.record["maps"][(S - 3, ("layer", 1))].view(1, h, w), reader.seen[S - 3].cpu())
@@ -161,6 +161,31 @@ def test_measure_summary_invariants(tiny):
     assert marked == ["2"]                                       # the preset's row, and only it, is marked
     with pytest.raises(ValueError, match=r"^scales=10: this model has 10 scales .*; give 1\.\.9$"):
         bo.measure_capture(tiny, seeds=[0], scales=10)
+
+
+def test_block_groups_and_equal_norm_residuals_on_a_tiny_infinity():
+    from sparsevar import InfinityPipeline
+    pipe = InfinityPipeline.from_random("infinity-tiny", seed=1)  # depth 4 in 2 groups; 256² → 7 scales, last 16×16
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(height=256, width=256, guidance_scale=3.0, top_k=1)
+    m = bo.measure_capture(pipe, seeds=[0], keep=0.5, scales=2, prompts=["w3 w4 w5"], **kw)
+    assert m["units"] == [("layer", i) for i in range(4)] + [("group", 0), ("group", 1)]
+    assert [hw for _, hw in m["scales"]] == [(12, 12), (16, 16)] and m["kept"] == [72, 128]
+    # every token's residual is ±1/√d bits, norm 1: any 72 of 144 tokens hold exactly half the energy
+    assert m["constant_energy"]
+    for t in (m["capture"], m["random"], m["oracle"]):
+        assert torch.allclose(t, torch.full_like(t, 0.5), atol=1e-6)
+    assert "cannot rank the layers" in bo.format_report(m, bo.summarize(m), None, "title")
+    # a group's map runs from its first layer's input to its last layer's output: SparseVAR's map of group 1
+    taps, reader = bo.LayerTaps(last=1), _ReadChange()
+    sv = SparseVARPolicy(SparseVARConfig(keep_ratio=0.5, start_scale=-1, granularity="group", block=1))
+    pipe(["w3 w4 w5"], generator=torch.Generator().manual_seed(0), output_type="latent", policies=[taps, sv, reader],
+         **kw)
+    maps = taps.record["maps"]
+    assert torch.equal(maps[(5, ("group", 1))].view(1, 12, 12), reader.seen[5].cpu())
+    assert not torch.equal(maps[(5, ("group", 1))], maps[(5, ("layer", 3))])
+    with pytest.raises(ValueError, match=r"^prompts=None: a text-to-image pipeline needs a list of one prompt per seed"):
+        bo.measure_capture(pipe, seeds=[0], scales=2)
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------
