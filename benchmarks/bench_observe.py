@@ -9,9 +9,9 @@ k − 1: the change map ``m(i) = mean_c (x_out − x_in)²`` of that layer, aver
 neighbour (``policies.sparsevar.nearest_source``). A good layer is one whose map points at the
 tokens that matter at scale k. This harness measures that for every layer of a checkpoint.
 
-For every seed (class ``seed % num_classes``) the model generates once, dense, with a recording
-policy (:class:`LayerTaps`) that keeps every layer's change map at the scales before the pruned ones
-and the per-token residual ``Δr_k`` (what the adapter's ``residual`` returns: for VAR the codebook
+For every seed (class ``seed % num_classes``, or a prompt per seed) the model generates once, dense,
+with a recording policy (:class:`LayerTaps`) that keeps every layer's change map at the scales before
+the pruned ones and the per-token residual ``Δr_k`` (what the adapter's ``residual`` returns: for VAR the codebook
 embedding of the sampled code) at the pruned scales: the last ``scales`` scales. At each pruned
 scale k with L tokens it keeps ``n = ceil(keep · L)`` tokens by the upsampled map (ties: the earlier
 position, as ``select_kept`` breaks them) and reports the share of the scale's residual energy
