@@ -1,4 +1,4 @@
-"""Quality benchmark (issue #7): how far each acceleration setting moves the picture, and what it buys.
+"""Quality benchmark (issues #7, #34): how far each acceleration setting moves the picture, and what it buys.
 
     sparsevar bench quality --settings sparsevar-keep0.5 fastvar-preset skip-last-1 --seeds 16
     python -m sparsevar.benchmarks.bench_quality --device cuda
@@ -9,6 +9,24 @@ it reports, against dense:
 
 - ``psnr_db`` / ``ssim``: mean over seeds (:mod:`.metrics`: PSNR over RGB with data range 1, ``inf``
   for identical pictures; SSIM with an 11×11 Gaussian window, σ = 1.5, per RGB channel and averaged);
+  ``psnr_ci95``: the half-width of the mean's 95 % Student-t interval over seeds
+  (:func:`.metrics.mean_ci95`; nan when a seed is inf or there is one seed);
+- ``teacher_psnr_db`` / ``teacher_psnr_ci95``: the teacher-forced PSNR, where each scale the
+  setting accelerates is computed on dense's history and only its own error counts. PSNR against
+  dense charges a setting for everything its changes at one scale do to the later ones (other
+  tokens drawn, so other sampling noise), which favours settings that touch only the last scale.
+  For every scale k from the first one the setting changes in its own run (skips, runs without the
+  unconditional half, or runs on fewer tokens) to the last (:func:`teacher_scales`), one more
+  generation with the same seed in which the setting acts at scale k only (:class:`_AtOneScale`:
+  before k its policies only observe and store, e.g. SparseVAR's change map and logits, FastVAR's
+  cache; the run stops after k) gives the latent after k; its latents before k are checked to equal
+  dense's bit for bit. The teacher-forced latent f_dense + Σ_k (f_k − f_dense,k) (f_dense,k:
+  dense's latent after k; a skipped scale adds nothing, so its term is minus its dense residual) is
+  decoded and compared with the dense picture; inf where the setting changes no scale. Mean and
+  interval as for ``psnr_db``; ``teacher_scales`` lists the scales measured (from the end, -1 = last);
+- ``classifier_acc``: the share of the setting's pictures a classifier (the demo model's
+  ``classifier.safetensors``; :func:`load_classifier`) names as their class; ``dense_classifier_acc``
+  the same for the dense pictures (the same in every row); nan without a classifier;
 - ``speedup``: the scale loop's measured time (sum of the per-scale ms in the generation's stats,
   CUDA events on a GPU), dense / accelerated per seed, median over seeds, after ``warmup``
   untimed generations of every setting; ``speedup_e2e`` the same for the whole call with decode;
@@ -17,12 +35,15 @@ it reports, against dense:
   unconditional half still counts all its tokens, so cond-only settings show 1.0 here).
 
 It writes ``quality.csv`` (one row per setting), ``quality.png`` (PSNR against measured speed-up,
-one marker per method family; drawn with PIL) and ``grid_<setting>.png`` (rows: the first seeds;
+one marker per method family, 95 % intervals as bars; drawn with PIL), ``quality_teacher.png``
+(teacher-forced PSNR against FLOP speed-up) and ``grid_<setting>.png`` (rows: the first seeds;
 columns: dense | accelerated | amplified absolute difference) into the output folder. Every file is
 written to a temporary name and renamed, so an interrupted run leaves no half-written file.
 
 Settings are named; several join with "+" (``sparsevar-keep0.5+skip-last-1``). The names:
-:func:`describe_settings` / ``--list-settings``.
+:func:`describe_settings` / ``--list-settings``. SparseVAR's keep and tau forms start at the VAR
+preset's start scale unless ``-from-<N>`` names another (``sparsevar-keep0.5-from-3``), so their rows
+are comparable.
 """
 from __future__ import annotations
 
@@ -44,14 +65,14 @@ import PIL.ImageDraw
 import PIL.ImageFont
 import torch
 
-from ..engine.contract import Policy, PolicyStack
+from ..engine.contract import HOOKS, Policy, PolicyStack, ScalePlan
 from ..engine.state import SamplingSettings
 from ..pipelines.defaults import VAR_DEFAULTS
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
 from ._results import atomic_write, write_csv
-from .metrics import psnr, ssim
+from .metrics import mean_ci95, psnr, ssim
 
 FAMILY = "var"                          # preset family of the models this harness loads (VARPipeline)
 
@@ -93,13 +114,22 @@ class QualitySetting:
         return " + ".join(parts)
 
 
+def _start(m) -> dict:
+    """The start scale a ``-from-<N>`` suffix names (N-th scale from the end); none: the preset's."""
+    if m[2] is None:
+        return {}
+    n = int(m[2])
+    if n < 1:
+        raise ValueError(f"-from-{n}: N counts scales from the end, 1 = the last scale; give N >= 1")
+    return {"start_scale": -n}
+
+
 def _sparsevar_keep(m) -> dict:
-    # the same meaning as bench_speed's sparsevar-keep* methods: a fixed share on the last 3 scales
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), start_scale=-3)}
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), **_start(m))}
 
 
 def _sparsevar_tau(m) -> dict:
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]))}
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]), **_start(m))}
 
 
 def _fastvar_ratios(m) -> dict:
@@ -123,10 +153,12 @@ SETTING_FORMS: tuple = (
     (re.compile(r"sparsevar-preset"), "sparsevar-preset",
      "SparseVAR, the VAR family preset (SPARSEVAR_PRESETS['var']: tau 0.6 from the second-to-last scale)",
      lambda m: {"sparsevar": SPARSEVAR_PRESETS[FAMILY]}),
-    (re.compile(rf"sparsevar-keep{_NUM}"), "sparsevar-keep<R>",
-     "SparseVAR keeping a fixed share R in (0, 1] of each of the last 3 scales (1.0 = neutral)", _sparsevar_keep),
-    (re.compile(rf"sparsevar-tau{_NUM}"), "sparsevar-tau<T>",
-     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token)", _sparsevar_tau),
+    (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?"), "sparsevar-keep<R>[-from-<N>]",
+     "SparseVAR preset keeping a fixed share R in (0, 1] of each pruned scale (1.0 = neutral); from the "
+     "preset's start scale, or with -from-N from the N-th scale from the end", _sparsevar_keep),
+    (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?"), "sparsevar-tau<T>[-from-<N>]",
+     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale as "
+     "for keep", _sparsevar_tau),
     (re.compile(r"fastvar-preset"), "fastvar-preset",
      "FastVAR, the VAR family preset (FASTVAR_PRESETS['var']: prune 50 % / 75 % of the last two scales)",
      lambda m: {"fastvar": FASTVAR_PRESETS[FAMILY]}),
@@ -141,19 +173,23 @@ SETTING_FORMS: tuple = (
 # Examples of every form, and what `--settings all` runs.
 SETTINGS: tuple[str, ...] = (
     "sparsevar-preset", "sparsevar-keep1.0", "sparsevar-keep0.7", "sparsevar-keep0.5", "sparsevar-keep0.3",
-    "sparsevar-tau0.0", "sparsevar-tau0.1", "sparsevar-tau0.3", "sparsevar-tau0.8",
+    "sparsevar-keep0.5-from-1", "sparsevar-keep0.5-from-3",
+    "sparsevar-tau0.0", "sparsevar-tau0.1", "sparsevar-tau0.3", "sparsevar-tau0.8", "sparsevar-tau0.8-from-3",
     "fastvar-preset", "fastvar-r0.25-0.5", "fastvar-r0.75-0.9",
-    "skip-last-1", "skip-last-2", "cond-only-last-2",
+    "skip-last-1", "skip-last-2", "cond-only-last-1", "cond-only-last-2",
     "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
 )
 
-# The sweep behind the README's quality / speed curves.
+# The sweep behind the README's quality / speed curves: every method near 1.3x, 1.8x and 2.3x FLOP
+# speed-up, and SparseVAR's keep and tau forms from the same start scale (the preset's), plus both
+# from the third scale from the end and keep on the last scale only.
 DEFAULT_SETTINGS: tuple[str, ...] = (
     "sparsevar-keep0.7", "sparsevar-keep0.5", "sparsevar-keep0.3",
-    "sparsevar-tau0.3", "sparsevar-preset", "sparsevar-tau0.8",
+    "sparsevar-keep0.5-from-1", "sparsevar-keep0.5-from-3",
+    "sparsevar-tau0.3", "sparsevar-preset", "sparsevar-tau0.8", "sparsevar-tau0.8-from-3",
     "fastvar-preset",
-    "skip-last-1", "skip-last-2",
-    "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2",
+    "skip-last-1", "skip-last-2", "cond-only-last-1",
+    "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
 )
 
 FAMILIES = ("sparsevar", "fastvar", "skip", "combo")
@@ -161,7 +197,7 @@ FAMILIES = ("sparsevar", "fastvar", "skip", "combo")
 
 def describe_settings() -> str:
     """The setting forms and examples, one per line (what an unknown name's error lists)."""
-    forms = "\n".join(f"  {form:<22} {text}" for _, form, text, _ in SETTING_FORMS)
+    forms = "\n".join(f"  {form:<29} {text}" for _, form, text, _ in SETTING_FORMS)
     return (f"setting forms (join several with '+'):\n{forms}\n"
             f"registered settings: {', '.join(SETTINGS)}\n"
             f"default sweep: {', '.join(DEFAULT_SETTINGS)}")
@@ -321,22 +357,216 @@ class _Sample:
     e2e_ms: float
     flop_speedup: float
     kept_ratio: float
+    scales: list                   # the generation's ScaleStats, one per scale
+    latents: dict                  # si → latent after scale si (dense runs; else empty), on the model's device
 
 
-def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSettings) -> _Sample:
+def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSettings,
+              latents: bool = False) -> _Sample:
     dev = pipe.transformer.device
     gen = torch.Generator(dev).manual_seed(seed)
+    kept: dict = {}
+
+    def keep_latent(_pipe, si, _t, tensors):             # the pipeline hands a copy
+        kept[si] = tensors["latent"]
+        return tensors
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     out = pipe([label], guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
-               generator=gen, output_type="pt", policies=policies)
+               generator=gen, output_type="pt", policies=policies,
+               callback_on_step_end=keep_latent if latents else None,
+               callback_on_step_end_tensor_inputs=("latent",) if latents else ("codes",))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     e2e_ms = (time.perf_counter() - t0) * 1e3
     st = out.stats[0]
     return _Sample(image_13HW=out.images.detach().float().clamp(0, 1).cpu(), loop_ms=st.transformer_ms,
-                   e2e_ms=e2e_ms, flop_speedup=pipe.flop_speedup(st), kept_ratio=st.tokens_computed / st.tokens)
+                   e2e_ms=e2e_ms, flop_speedup=pipe.flop_speedup(st), kept_ratio=st.tokens_computed / st.tokens,
+                   scales=list(st.scales), latents=kept)
+
+
+# ---- the teacher-forced measure -------------------------------------------------------------------------------
+_OUTPUT_HOOKS = frozenset({"attention", "post_hidden", "post_residual"})      # change their scale's output only
+
+
+class _AtOneScale(Policy):
+    """``inner`` acting at scale ``k`` only, every other scale dense, and the generation stopped
+    after ``k`` (every later scale planned as skipped).
+
+    Before ``k`` the inner policy still plans (its state follows the scales it saw) and keeps the
+    hooks that only read and store — ``observe``, ``after_scale``, and ``wrap_sublayer`` where its
+    plan declares state ``writes`` (FastVAR's cache scale stores every branch output while running
+    the scale whole) — but its subset, skip and cond-only requests and its output hooks are
+    dropped. Whether that left the scale dense is not assumed: :func:`_teacher_latent` checks the
+    latents bit for bit. At ``k`` its plan passes unchanged. It takes the inner policy's name (its
+    state lives under that name) and conflicts.
+    """
+
+    def __init__(self, inner: Policy, k: int):
+        self.inner, self.k = inner, k
+        self.name, self.incompatible = inner.name, inner.incompatible
+        inner_key = getattr(inner, "config", None)
+        self.config = ("teacher-forced", k, inner_key if inner_key is not None else id(inner))
+        self.own = frozenset(h for h in HOOKS if h != "plan_scale"
+                             and getattr(type(inner), h) is not getattr(Policy, h))
+
+    def validate(self, info) -> None:
+        self.inner.validate(info)
+
+    def begin(self, run) -> None:
+        self.inner.begin(run)
+
+    def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
+        if si > self.k:
+            return ScalePlan(skip=True)
+        q = self.inner.plan_scale(si, run)
+        hooks = self.own if q is None or q.hooks is None else q.hooks & self.own
+        if si == self.k:
+            return ScalePlan(hooks=hooks) if q is None else replace(q, hooks=hooks)
+        stores = hooks - _OUTPUT_HOOKS
+        if q is None or not q.writes:
+            stores -= {"wrap_sublayer"}
+        if q is None:
+            return ScalePlan(hooks=stores)
+        return ScalePlan(hooks=stores, layers=q.layers, writes=q.writes, reads=q.reads)
+
+    def wrap_sublayer(self, sub, x_RlC, run):
+        return self.inner.wrap_sublayer(sub, x_RlC, run)
+
+    def observe(self, si, unit, x_in, x_out, run) -> None:
+        self.inner.observe(si, unit, x_in, x_out, run)
+
+    def attention(self, ctx, q_RHld, k_RHLd, v_RHLd, run):
+        return self.inner.attention(ctx, q_RHld, k_RHLd, v_RHLd, run)
+
+    def post_hidden(self, si, h_RLC, run):
+        return self.inner.post_hidden(si, h_RLC, run)
+
+    def post_residual(self, si, residual_BLc, run):
+        return self.inner.post_residual(si, residual_BLc, run)
+
+    def after_scale(self, si, guided_logits_BLV, run) -> None:
+        self.inner.after_scale(si, guided_logits_BLV, run)
+
+
+def _changed_scales(acc: _Sample, dense: _Sample) -> list[int]:
+    """The scales a setting changed in its own run: skipped, run with fewer rows than dense (no
+    unconditional half) or with fewer tokens than the map holds."""
+    return [a.si for a, d in zip(acc.scales, dense.scales)
+            if a.skipped or a.rows < d.rows or a.tokens_computed < a.tokens]
+
+
+def teacher_scales(acc: _Sample, dense: _Sample) -> list[int]:
+    """The scales the teacher-forced measure runs: every one from the first the setting changed in
+    its own run to the last. Before that scale its own run had dense's history, so its decisions
+    there are the teacher-forced ones and changed nothing; after it, a decision taken on dense's
+    history may differ from its own, so every later scale is measured."""
+    changed = _changed_scales(acc, dense)
+    return list(range(changed[0], len(dense.scales))) if changed else []
+
+
+def _teacher_latent(pipe, label: int, seed: int, make_policies: Callable[[], list], sampling: SamplingSettings,
+                    dense: _Sample, scales: Sequence[int], setting: str = "") -> torch.Tensor:
+    """f_dense + Σ_k (f_k − f_dense,k): f_k is the latent after scale k of a generation (same seed)
+    in which the setting's policies act at scale k only (:class:`_AtOneScale`), f_dense,k dense's.
+    A scale the setting skips adds nothing (f_k is then the latent before k). Raises RuntimeError
+    when such a generation's latent before k is not dense's bit for bit."""
+    last = max(dense.latents)
+    f_tf = dense.latents[last].clone()
+    dev = pipe.transformer.device
+    for k in scales:
+        got: dict = {}
+
+        def keep_latent(_pipe, si, _t, tensors):
+            got[si] = tensors["latent"]
+            return tensors
+
+        out = pipe([label], guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
+                   generator=torch.Generator(dev).manual_seed(seed), output_type="latent",
+                   policies=[_AtOneScale(p, k) for p in make_policies()],
+                   callback_on_step_end=keep_latent, callback_on_step_end_tensor_inputs=("latent",))
+        for si in range(k):
+            if si not in got or not torch.equal(got[si], dense.latents[si]):
+                raise RuntimeError(
+                    f"teacher-forced run of setting {setting!r} at scale {k}, seed {seed}: the latent after scale "
+                    f"{si} differs from dense's, so a policy changed the picture before scale {k} through a hook "
+                    f"that must only observe or store; the teacher-forced measure cannot use this setting "
+                    f"(run with teacher=False / --no-teacher)")
+        f_tf += out.images - dense.latents[k]
+    return f_tf
+
+
+@torch.no_grad()
+def _decode(pipe, f_hat_BChw: torch.Tensor) -> torch.Tensor:
+    """The picture of a VAR latent, (B, 3, H, W) float32 in [0, 1] on the CPU: what the adapter's decode
+    does with its accumulated latent."""
+    vq = pipe.vqvae
+    img_B3HW = vq.fhat_to_img(f_hat_BChw.to(vq.quantize.embedding.weight.dtype)).float()
+    return ((img_B3HW + 1) * 0.5).clamp(0, 1).cpu()
+
+
+# ---- the classifier -------------------------------------------------------------------------------------------
+CLASSIFIER_FILE = "classifier.safetensors"
+
+
+def load_classifier(classifier, model, pipe) -> Optional[torch.nn.Module]:
+    """The judge of ``classifier_acc``: None = ``classifier.safetensors`` beside the model when the
+    harness loads it from a folder (the demo model ships one; no classifier otherwise), False = none,
+    a path to a :class:`~sparsevar.demo.classifier.SceneClassifier` file, or a module mapping images
+    (B, 3, H, W) in [0, 1] to class logits (B, K)."""
+    from ..demo.classifier import SceneClassifier
+
+    if classifier is False:
+        return None
+    if isinstance(classifier, torch.nn.Module):
+        return classifier.eval()
+    if classifier is None:
+        if model is None:
+            from ..demo import DEMO_MODEL_DIR
+            folder = Path(DEMO_MODEL_DIR)
+        elif isinstance(model, (str, os.PathLike)):
+            folder = Path(model)
+        else:
+            return None
+        classifier = folder / CLASSIFIER_FILE
+        if not classifier.is_file():
+            return None
+    if isinstance(classifier, (str, os.PathLike)):
+        if not Path(classifier).is_file():
+            raise FileNotFoundError(f"classifier={str(classifier)!r} is not a file; pass a SceneClassifier "
+                                    f".safetensors file (the demo's is {CLASSIFIER_FILE} in its folder), or None")
+        from safetensors import safe_open
+        with safe_open(str(classifier), framework="pt") as f:
+            k = f.get_slice("head.weight").get_shape()[0] if "head.weight" in f.keys() else None
+        if k != pipe.num_classes:
+            raise ValueError(f"classifier={str(classifier)!r} names {k} classes but the model has {pipe.num_classes}; "
+                             f"pass the classifier trained for this model, or classifier=False")
+        return SceneClassifier.from_file(classifier, pipe.num_classes)
+    raise TypeError(f"classifier must be None (the model folder's {CLASSIFIER_FILE}), False (none), a file path or "
+                    f"a torch module, got {type(classifier).__name__}")
+
+
+@torch.no_grad()
+def _predict(classifier: Optional[torch.nn.Module], image_13HW: torch.Tensor) -> Optional[int]:
+    if classifier is None:
+        return None
+    dev = next(classifier.parameters(), torch.empty(0)).device
+    return int(classifier(image_13HW.to(dev)).argmax(-1)[0])
+
+
+def _accuracy(predicted: Sequence[Optional[int]], labels: Sequence[int]) -> float:
+    if not predicted or predicted[0] is None:
+        return math.nan
+    return round(sum(p == y for p, y in zip(predicted, labels)) / len(labels), 4)
+
+
+def _mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    m, half = mean_ci95(values)
+    return round(m, 3), round(half, 3)
 
 
 def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Sequence[int] = range(16),
@@ -344,24 +574,29 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
                 device: str = "auto", dtype: Optional[torch.dtype] = None,
                 guidance_scale: float = VAR_DEFAULTS.guidance_scale, top_k: int = VAR_DEFAULTS.top_k,
                 top_p: float = VAR_DEFAULTS.top_p, log: Callable[[str], None] = print, warmup: int = 1,
-                grid_seeds: int = 4, diff_gain: float = 4.0, model_name: Optional[str] = None) -> list[dict]:
+                grid_seeds: int = 4, diff_gain: float = 4.0, model_name: Optional[str] = None,
+                teacher: bool = True, classifier=None) -> list[dict]:
     """Generate dense and accelerated images at the same seeds; measure quality and speed per setting.
 
     Args:
-        model: None (the demo model; FileNotFoundError until ``sparsevar train-demo`` wrote it), a
-            VARPipeline folder, or a ``VARPipeline`` used as is (its enabled policies are ignored:
-            every call passes its own).
+        model: None (the demo model that ships with the package), a VARPipeline folder, or a
+            ``VARPipeline`` used as is (its enabled policies are ignored: every call passes its own).
         settings: setting names (module docstring; None = :data:`DEFAULT_SETTINGS`, ["all"] =
             :data:`SETTINGS`). Checked before anything is generated.
         seeds: generator seeds, one image each. classes: None (seed % num_classes), one class id or
             name for all seeds, or one per seed.
-        out_dir: folder for quality.csv, quality.png and grid_<setting>.png (created).
+        out_dir: folder for quality.csv, quality.png, quality_teacher.png and grid_<setting>.png (created).
         device: "auto" (CUDA when available; for a passed pipeline: where it is), "cpu", "cuda", …
         dtype: transformer weight dtype when loading (None: bfloat16 on CUDA, float32 on CPU).
         guidance_scale, top_k, top_p: sampling, the pipeline's defaults.
         warmup: untimed generations of dense and of every setting before timing (first seed).
         grid_seeds: rows of each grid (the first seeds). diff_gain: factor on |dense − accelerated|.
         model_name: written into the CSV (default: "demo", the folder name, or the size of a pipeline).
+        teacher: measure ``teacher_psnr_db`` (module docstring; one more generation per seed and
+            measured scale, up to that scale); False leaves its columns nan.
+        classifier: the judge of ``classifier_acc`` (:func:`load_classifier`: None = the model
+            folder's ``classifier.safetensors``, False = none, a file, or a module); without one
+            the accuracy columns are nan.
     Returns:
         The CSV rows, one dict per setting.
     """
@@ -371,12 +606,15 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
         raise ValueError(f"warmup must be an int >= 0 (untimed generations per setting), got {warmup!r}")
     if isinstance(grid_seeds, bool) or not isinstance(grid_seeds, int) or grid_seeds < 1:
         raise ValueError(f"grid_seeds must be an int >= 1 (rows of each image grid), got {grid_seeds!r}")
+    if not isinstance(teacher, bool):
+        raise TypeError(f"teacher must be True or False (measure teacher_psnr_db), got {teacher!r}")
     sampling = SamplingSettings(guidance_scale=guidance_scale, top_k=top_k, top_p=top_p)
     pipe, default_name, loaded = load_model(model, device=device, dtype=dtype)
     name = model_name or default_name
     if loaded:
         pipe.set_progress_bar_config(disable=True)
     labels = _class_list(pipe, classes, seed_list)
+    judge = load_classifier(classifier, model, pipe)
 
     info = pipe.adapter().model_info()
     policies: dict[str, list] = {}
@@ -392,18 +630,23 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
 
     dev = pipe.transformer.device
     log(f"quality: {name} on {_device_name(dev)} ({dev.type}), {len(seed_list)} seeds, {len(parsed)} settings, "
-        f"cfg {sampling.guidance_scale} top_k {sampling.top_k} top_p {sampling.top_p}")
+        f"cfg {sampling.guidance_scale} top_k {sampling.top_k} top_p {sampling.top_p}"
+        f"{', teacher-forced' if teacher else ''}{', classifier' if judge is not None else ''}")
+    t_start = time.perf_counter()
     for _ in range(warmup):
         _generate(pipe, labels[0], seed_list[0], [], sampling)
         for s in parsed:
             _generate(pipe, labels[0], seed_list[0], policies[s.name], sampling)
 
-    per: dict[str, dict[str, list]] = {s.name: {k: [] for k in ("psnr", "ssim", "ratio", "ratio_e2e", "ms",
-                                                                "flops", "kept", "grid")} for s in parsed}
-    dense_ms, dense_grid = [], []
+    keys = ("psnr", "tpsnr", "ssim", "ratio", "ratio_e2e", "ms", "flops", "kept", "pred", "grid", "tscales")
+    per: dict[str, dict[str, list]] = {s.name: {k: [] for k in keys} for s in parsed}
+    dense_ms, dense_grid, dense_pred = [], [], []
+    S = info.schedule.num_scales
     for i, (seed, label) in enumerate(zip(seed_list, labels)):
-        dense = _generate(pipe, label, seed, [], sampling)          # [] = dense, whatever the pipe has enabled
+        # [] = dense, whatever the pipe has enabled; its latents after every scale feed the teacher-forced measure
+        dense = _generate(pipe, label, seed, [], sampling, latents=teacher)
         dense_ms.append(dense.loop_ms)
+        dense_pred.append(_predict(judge, dense.image_13HW))
         if i < grid_seeds:
             dense_grid.append((seed, label, dense.image_13HW))
         for s in parsed:
@@ -416,18 +659,33 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             r["ms"].append(acc.loop_ms)
             r["flops"].append(acc.flop_speedup)
             r["kept"].append(acc.kept_ratio)
+            r["pred"].append(_predict(judge, acc.image_13HW))
+            if teacher:
+                scales = teacher_scales(acc, dense)
+                r["tscales"] += scales
+                if scales:
+                    f_tf = _teacher_latent(pipe, label, seed, s.policies, sampling, dense, scales, s.name)
+                    r["tpsnr"].append(float(psnr(_decode(pipe, f_tf), dense.image_13HW)[0]))
+                else:
+                    r["tpsnr"].append(math.inf)
             if i < grid_seeds:
                 r["grid"].append(acc.image_13HW)
-        log(f"  seed {seed} (class {label}) done")
+        log(f"  seed {seed} (class {label}) done ({time.perf_counter() - t_start:.0f} s)")
 
     dev_name = _device_name(dev)
     wdtype = str(pipe.transformer.dtype).replace("torch.", "")
+    dense_acc = _accuracy(dense_pred, labels)
     rows = []
     for s in parsed:
         r = per[s.name]
+        psnr_db, psnr_ci = _mean_ci(r["psnr"])
+        t_db, t_ci = _mean_ci(r["tpsnr"])
         row = dict(setting=s.name, family=s.family,
-                   psnr_db=round(statistics.fmean(r["psnr"]), 3), psnr_db_min=round(min(r["psnr"]), 3),
+                   psnr_db=psnr_db, psnr_ci95=psnr_ci, psnr_db_min=round(min(r["psnr"]), 3),
+                   teacher_psnr_db=t_db, teacher_psnr_ci95=t_ci,
+                   teacher_psnr_db_min=round(min(r["tpsnr"]), 3) if r["tpsnr"] else math.nan,
                    ssim=round(statistics.fmean(r["ssim"]), 5), ssim_min=round(min(r["ssim"]), 5),
+                   classifier_acc=_accuracy(r["pred"], labels), dense_classifier_acc=dense_acc,
                    speedup=round(statistics.median(r["ratio"]), 3),
                    speedup_e2e=round(statistics.median(r["ratio_e2e"]), 3),
                    flop_speedup=round(statistics.fmean(r["flops"]), 3),
@@ -435,22 +693,32 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
                    loop_ms=round(statistics.median(r["ms"]), 3), dense_loop_ms=round(statistics.median(dense_ms), 3),
                    seeds=len(seed_list), device=dev_name, torch=torch.__version__, model=name, dtype=wdtype,
                    guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
+                   teacher_scales=" ".join(str(si - S) for si in sorted(set(r["tscales"]))),
                    config=s.describe())
         rows.append(row)
-        log(f"{s.name:<36} PSNR {row['psnr_db']:7.2f} dB  SSIM {row['ssim']:.4f}  speed-up {row['speedup']:5.2f}x "
+        log(f"{s.name:<36} PSNR {row['psnr_db']:6.2f} ± {row['psnr_ci95']:4.2f} dB  teacher "
+            f"{row['teacher_psnr_db']:6.2f} ± {row['teacher_psnr_ci95']:4.2f} dB  SSIM {row['ssim']:.4f}  "
+            f"classifier {row['classifier_acc']:.0%}  speed-up {row['speedup']:5.2f}x "
             f"(FLOPs {row['flop_speedup']:4.2f}x)  kept {row['kept_ratio']:.0%}")
+    log(f"dense: classifier {dense_acc:.0%}; the sweep took {time.perf_counter() - t_start:.0f} s")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "quality.csv")
     title = f"{name} on {dev_name}, {len(seed_list)} seeds"
-    plot = plot_quality(rows, title=title)
+    plot = plot_quality(rows, title=title, ci="psnr_ci95")
     atomic_write(out_dir / "quality.png", lambda p: plot.save(p, format="PNG"))
+    if teacher:
+        plot_t = plot_quality(rows, title=f"{title}: teacher-forced", x="flop_speedup", y="teacher_psnr_db",
+                              ci="teacher_psnr_ci95", x_label="FLOP speed-up (dense / accelerated)",
+                              y_label="teacher-forced PSNR against dense (dB)")
+        atomic_write(out_dir / "quality_teacher.png", lambda p: plot_t.save(p, format="PNG"))
     for s in parsed:
         grid = image_grid([(sd, lb, d, a) for (sd, lb, d), a in zip(dense_grid, per[s.name]["grid"])],
                           s.name, diff_gain=diff_gain)
         atomic_write(out_dir / f"grid_{s.name}.png", lambda p, g=grid: g.save(p, format="PNG"))
-    log(f"wrote {out_dir / 'quality.csv'}, quality.png and {len(parsed)} grids")
+    log(f"wrote {out_dir / 'quality.csv'}, quality.png{', quality_teacher.png' if teacher else ''} and "
+        f"{len(parsed)} grids")
     return rows
 
 
@@ -538,32 +806,47 @@ def place_labels(anchors: Sequence[tuple[float, float]], sizes: Sequence[tuple[f
     return out
 
 
-def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, height: int = 640) -> PIL.Image.Image:
-    """PSNR (y) against measured speed-up (x), one marker and colour per family, labelled points.
-    Identical-to-dense points (PSNR inf) sit on a band at the top marked "inf". Labels never overlap
-    each other, a marker or the legend (:func:`place_labels`; :func:`plot_quality_layout` returns
-    their boxes)."""
-    return plot_quality_layout(rows, title, width, height)[0]
+X_LABEL = "measured speed-up of the scale loop (dense / accelerated)"
+Y_LABEL = "PSNR against dense (dB)"
 
 
-def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000,
-                        height: int = 640) -> tuple[PIL.Image.Image, dict[str, Box], list[Box]]:
+def plot_quality(rows: Sequence[dict], title: str = "", width: int = 1000, height: int = 640, *,
+                 x: str = "speedup", y: str = "psnr_db", ci: Optional[str] = None, x_label: str = X_LABEL,
+                 y_label: str = Y_LABEL) -> PIL.Image.Image:
+    """Column ``y`` (default PSNR) against column ``x`` (default measured speed-up), one marker and
+    colour per family, labelled points, and with ``ci`` (a column of half-widths) an error bar
+    ``y ± ci`` per point. Identical-to-dense points (inf) sit on a band at the top marked "inf";
+    points whose ``x`` or ``y`` is nan are left out. Labels never overlap each other, a marker, a bar
+    or the legend (:func:`place_labels`; :func:`plot_quality_layout` returns their boxes)."""
+    return plot_quality_layout(rows, title, width, height, x=x, y=y, ci=ci, x_label=x_label, y_label=y_label)[0]
+
+
+def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000, height: int = 640, *,
+                        x: str = "speedup", y: str = "psnr_db", ci: Optional[str] = None, x_label: str = X_LABEL,
+                        y_label: str = Y_LABEL) -> tuple[PIL.Image.Image, dict[str, Box], list[Box]]:
     """:func:`plot_quality`'s picture, each setting's label box and the boxes labels must keep clear
-    of (the markers, the legend and the plot's own texts), all in pixels."""
+    of (the markers, the error bars, the legend and the plot's own texts), all in pixels."""
     img = PIL.Image.new("RGB", (width, height), "white")
     d = PIL.ImageDraw.Draw(img)
     f_small, f_mid, f_big = _font(12), _font(14), _font(17)
     left, right, top, bottom = 78, 24, 48, 64
     x0, x1, y0, y1 = left, width - right, top, height - bottom          # plot area in pixels
-    pts = [(r["speedup"], r["psnr_db"], r["setting"], r.get("family", "combo")) for r in rows
-           if isinstance(r["speedup"], (int, float)) and math.isfinite(r["speedup"])]
+
+    def number(v) -> float:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+    pts = [(number(r[x]), number(r[y]), r["setting"], r.get("family", "combo")) for r in rows]
+    pts = [p for p in pts if math.isfinite(p[0]) and not math.isnan(p[1])]
+    half = {r["setting"]: number(r.get(ci)) if ci else math.nan for r in rows}
+    bars = {p[2]: half[p[2]] for p in pts if math.isfinite(p[1]) and math.isfinite(half[p[2]])}
     finite = [p for p in pts if math.isfinite(p[1])]
     xs = [p[0] for p in pts] + [1.0]
     xlo, xhi = min(xs), max(xs)
     pad = max(0.08 * (xhi - xlo), 0.05)
     xlo, xhi = xlo - pad, xhi + pad
     if finite:
-        ylo, yhi = min(p[1] for p in finite), max(p[1] for p in finite)
+        ylo = min(p[1] - bars.get(p[2], 0.0) for p in finite)
+        yhi = max(p[1] + bars.get(p[2], 0.0) for p in finite)
         ypad = max(0.1 * (yhi - ylo), 1.0)
         ylo, yhi = ylo - ypad, yhi + ypad
     else:
@@ -583,6 +866,8 @@ def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000
     r_marker = 6
     centres = [(px(sx), py(sy)) for sx, sy, _, _ in pts]
     markers = [(cx - r_marker - 2, cy - r_marker - 2, cx + r_marker + 2, cy + r_marker + 2) for cx, cy in centres]
+    bar_boxes = [(px(sx) - 4, py(sy + bars[label]), px(sx) + 4, py(sy - bars[label]))
+                 for sx, sy, label, _ in pts if label in bars]
 
     def fixed_text(spots, text, font, fill):
         """Draw ``text`` at the first of ``spots`` ((xy, anchor) pairs) clear of every marker."""
@@ -620,7 +905,7 @@ def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000
     lx, ly = x1 - lw - 10, y_plot_top + 10
     legend: Box = (lx, ly, lx + lw, ly + 8 + 20 * len(present))
     obstacles.append(legend)
-    obstacles += markers
+    obstacles += markers + bar_boxes
     sizes = []
     for _, _, label, _ in pts:
         bl, bt, br, bb = d.textbbox((0, 0), label, font=f_small, anchor="lt")
@@ -632,6 +917,11 @@ def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000
         if far:                                                          # a leader line to a label moved away
             ex = box[0] if box[0] > cx else box[2]
             d.line((cx, cy, ex, (box[1] + box[3]) / 2), fill=(150, 150, 150))
+    for bl, bt, br, bb in bar_boxes:                                     # error bars under the markers
+        cx = (bl + br) / 2
+        d.line((cx, bt, cx, bb), fill=(110, 110, 110))
+        d.line((bl + 1, bt, br - 1, bt), fill=(110, 110, 110))
+        d.line((bl + 1, bb, br - 1, bb), fill=(110, 110, 110))
     for (sx, sy, label, fam), (cx, cy), (box, far) in zip(pts, centres, spots):
         _, colour, kind = FAMILY_STYLE.get(fam, FAMILY_STYLE["combo"])
         _marker(d, cx, cy, kind, colour, r=r_marker)
@@ -640,9 +930,8 @@ def plot_quality_layout(rows: Sequence[dict], title: str = "", width: int = 1000
         boxes[label] = d.textbbox((box[0] - bl, box[1] - bt), label, font=f_small, anchor="lt")
 
     d.text((width / 2, 12), title or "PSNR against measured speed-up", fill=(0, 0, 0), font=f_big, anchor="ma")
-    d.text(((x0 + x1) / 2, height - 22), "measured speed-up of the scale loop (dense / accelerated)",
-           fill=(0, 0, 0), font=f_mid, anchor="ma")
-    ylabel = "PSNR against dense (dB)"
+    d.text(((x0 + x1) / 2, height - 22), x_label, fill=(0, 0, 0), font=f_mid, anchor="ma")
+    ylabel = y_label
     tw = int(d.textlength(ylabel, font=f_mid)) + 4
     lab = PIL.Image.new("RGB", (tw, 20), "white")
     PIL.ImageDraw.Draw(lab).text((2, 2), ylabel, fill=(0, 0, 0), font=f_mid)
@@ -705,6 +994,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=VAR_DEFAULTS.top_p)
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per setting before timing")
     p.add_argument("--grid-seeds", type=int, default=4, help="rows of each image grid")
+    p.add_argument("--classifier", default=None, metavar="FILE",
+                   help="classifier for classifier_acc (default: classifier.safetensors in the model folder; the "
+                        "demo model ships one)")
+    p.add_argument("--no-teacher", action="store_true",
+                   help="skip the teacher-forced measure (teacher_psnr_db: one more generation per seed and "
+                        "accelerated scale)")
     p.add_argument("--list-settings", action="store_true", help="print the setting names and exit")
     return p
 
@@ -722,7 +1017,8 @@ def run_from_args(args: argparse.Namespace, log: Callable[[str], None] = print) 
                        out_dir=args.out, device=args.device,
                        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                        guidance_scale=args.cfg, top_k=args.top_k, top_p=args.top_p, log=log,
-                       warmup=args.warmup, grid_seeds=args.grid_seeds)
+                       warmup=args.warmup, grid_seeds=args.grid_seeds, teacher=not args.no_teacher,
+                       classifier=args.classifier)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -741,8 +1037,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["DEFAULT_SETTINGS", "SETTINGS", "SETTING_FORMS", "QualitySetting", "add_arguments", "describe_settings",
-           "image_grid", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "place_labels",
-           "plot_quality", "plot_quality_layout", "run_from_args", "run_quality"]
+           "image_grid", "load_classifier", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "place_labels",
+           "plot_quality", "plot_quality_layout", "run_from_args", "run_quality", "teacher_scales"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,8 +11,14 @@ float64, on the inputs' device.
   channel separately and averaged over the channels (the per-channel mean, not luma), over the
   "valid" window positions only (no padding; the reference implementation's choice). Identical
   images give exactly 1.
+
+Over seeds, :func:`mean_ci95` gives a mean and the half-width of its 95 % Student-t interval
+(:func:`t_quantile` computes the quantile exactly for integer degrees of freedom).
 """
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,4 +102,59 @@ def ssim(a_BCHW: torch.Tensor, b_BCHW: torch.Tensor, data_range: float = 1.0) ->
     return map_Nhw.flatten(1).mean(dim=1).view(B, C).mean(dim=1)      # (B·C,) → (B, C) → (B,)
 
 
-__all__ = ["gaussian_window", "mse", "psnr", "ssim"]
+def _t_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with ``df`` degrees of freedom (Abramowitz & Stegun 26.7.3-4:
+    a finite series in θ = atan(t / √df) for integer df)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:                              # odd: (2/π)(θ + sinθ cosθ (1 + 2/3 cos²θ + 2·4/(3·5) cos⁴θ + …))
+        term, total = 1.0, 0.0
+        for k in range(1, (df - 1) // 2 + 1):
+            total += term
+            term *= c2 * (2 * k) / (2 * k + 1)
+        return 2.0 / math.pi * (theta + s * math.cos(theta) * total) if df > 1 else 2.0 / math.pi * theta
+    term, total = 1.0, 0.0                  # even: sinθ (1 + 1/2 cos²θ + 1·3/(2·4) cos⁴θ + …)
+    for k in range(1, df // 2 + 1):
+        total += term
+        term *= c2 * (2 * k - 1) / (2 * k)
+    return s * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (0.5 <= p < 1) of Student's t with ``df`` >= 1 degrees of freedom, to about
+    1e-12 relative (bisection on the exact distribution function)."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"t_quantile(df={df!r}): the degrees of freedom must be an int >= 1")
+    if not 0.5 <= p < 1.0:
+        raise ValueError(f"t_quantile(p={p!r}): give a probability in [0.5, 1), e.g. 0.975 for a 95 % interval")
+    target = 2.0 * p - 1.0                  # P(|T| <= t)
+    lo, hi = 0.0, 1.0
+    while _t_two_sided(hi, df) < target:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _t_two_sided(mid, df) < target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95 % Student-t interval: t(0.975, n − 1) · s / √n, s the sample
+    standard deviation) of per-seed values. The half-width is nan for fewer than two values or when
+    any value is infinite (the mean is then ±inf or nan)."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("mean_ci95(values=[]): give at least one value")
+    n = len(xs)
+    mean = math.fsum(xs) / n if all(math.isfinite(x) for x in xs) else sum(xs) / n
+    if n < 2 or not all(math.isfinite(x) for x in xs):
+        return mean, math.nan
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+
+
+__all__ = ["gaussian_window", "mean_ci95", "mse", "psnr", "ssim", "t_quantile"]

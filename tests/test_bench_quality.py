@@ -1,6 +1,8 @@
-"""Quality harness (issue #7): the metrics on known inputs, setting names, and one small run of
-``run_quality`` on the random ``var-tiny`` model (2 seeds, 3 settings, CPU) — neutral setting equals
-dense, files written atomically, no policy state leaks into or out of the pipeline."""
+"""Quality harness (issues #7, #34): the metrics and confidence intervals on known inputs, setting
+names, and one small run of ``run_quality`` on the random ``var-tiny`` model (2 seeds, 5 settings,
+CPU) — neutral setting equals dense, the teacher-forced measure against the dense run's own latents,
+the classifier's accuracy against the pictures classified here, files written atomically, no policy
+state leaks into or out of the pipeline."""
 from __future__ import annotations
 
 import csv
@@ -13,9 +15,14 @@ import torch
 from sparsevar import VARPipeline
 from sparsevar.benchmarks import bench_quality as bq
 from sparsevar.benchmarks._results import atomic_write, write_csv
-from sparsevar.benchmarks.metrics import gaussian_window, mse, psnr, ssim
+from sparsevar.policies import SparseVARConfig
+from sparsevar.benchmarks.metrics import gaussian_window, mean_ci95, mse, psnr, ssim, t_quantile
+from sparsevar.demo import DEMO_MODEL_DIR
+from sparsevar.demo.classifier import SceneClassifier
+from sparsevar.engine.contract import Policy, ScalePlan
 
-SETTINGS = ["sparsevar-keep1.0", "skip-last-2", "sparsevar-keep0.5+cond-only-last-1"]
+SETTINGS = ["sparsevar-keep1.0", "skip-last-1", "skip-last-2", "sparsevar-keep0.5-from-1",
+            "sparsevar-keep0.5+cond-only-last-1"]
 
 
 # ---- metrics ------------------------------------------------------------------------------------------------
@@ -67,10 +74,36 @@ def test_metrics_reject_bad_inputs():
         psnr(a, a, data_range=0)
 
 
+def test_t_quantile_matches_scipy_and_ci_by_hand():
+    from scipy import stats
+    for df in (1, 2, 3, 4, 5, 8, 15, 31, 200):
+        for p in (0.6, 0.9, 0.975, 0.995):
+            assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-10), (p, df)
+    # [1, 2, 3, 4]: mean 2.5, sample variance 5/3, half-width t(0.975, 3) · √(5/3) / 2
+    mean, half = mean_ci95([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(3.182446305284263 * math.sqrt(5 / 3) / 2, rel=1e-12)
+    assert mean_ci95([7.0, 7.0])[1] == 0.0
+    assert math.isnan(mean_ci95([3.0])[1]) and mean_ci95([3.0])[0] == 3.0
+    assert mean_ci95([3.0, math.inf]) == (math.inf, pytest.approx(math.nan, nan_ok=True))
+    with pytest.raises(ValueError, match=r"df=0"):
+        t_quantile(0.975, 0)
+    with pytest.raises(ValueError, match=r"p=0.2"):
+        t_quantile(0.2, 3)
+    with pytest.raises(ValueError, match=r"values=\[\]"):
+        mean_ci95([])
+
+
 # ---- settings -----------------------------------------------------------------------------------------------
 def test_parse_settings_families_and_combinations():
     s = bq.parse_setting("sparsevar-keep0.5+skip-last-1")
-    assert s.family == "combo" and s.sparsevar.keep_ratio == 0.5 and s.sparsevar.start_scale == -3
+    preset = bq.SPARSEVAR_PRESETS["var"]
+    # keep and tau forms start where the preset starts, unless -from-N says otherwise (issue #34)
+    assert s.family == "combo" and s.sparsevar.keep_ratio == 0.5 and s.sparsevar.start_scale == preset.start_scale
+    assert bq.parse_setting("sparsevar-tau0.8").sparsevar.start_scale == preset.start_scale
+    assert bq.parse_setting("sparsevar-keep0.5-from-3").sparsevar == \
+        SparseVARConfig(**{**vars(preset), "keep_ratio": 0.5, "start_scale": -3})
+    assert bq.parse_setting("sparsevar-tau0.8-from-1").sparsevar == \
+        SparseVARConfig(**{**vars(preset), "tau": 0.8, "start_scale": -1})
     assert s.scale_skip.skip_last == 1 and s.fastvar is None
     assert [type(p).__name__ for p in s.policies()] == ["SparseVARPolicy", "ScaleSkipPolicy"]
     both = bq.parse_setting("skip-last-1+cond-only-last-2")       # one ScaleSkipConfig with both fields
@@ -90,6 +123,8 @@ def test_parse_settings_families_and_combinations():
     (["sparsevar-keep0.5+nope"], r"unknown setting 'nope' \(in 'sparsevar-keep0.5\+nope'\)"),
     (["dense"], r"'dense' is the reference"),
     (["sparsevar-keep1.5"], r"setting 'sparsevar-keep1.5'.*keep_ratio must be in \(0, 1\]"),
+    (["sparsevar-keep0.5-from-0"], r"setting 'sparsevar-keep0.5-from-0'.*-from-0: .*give N >= 1"),
+    (["sparsevar-tau0.5-from-x"], r"unknown setting 'sparsevar-tau0.5-from-x'"),
     (["sparsevar-preset+fastvar-preset"], r"combines SparseVAR with FastVAR"),
     (["skip-last-1+skip-last-2"], r"sets skip_last twice"),
     (["skip-last-1", "skip-last-1"], r"lists 'skip-last-1' twice"),
@@ -109,16 +144,42 @@ def tiny() -> VARPipeline:
 
 
 @pytest.fixture(scope="module")
-def quality_run(tiny, tmp_path_factory):
+def judge() -> SceneClassifier:
+    """The demo's classifier (12 classes): var-tiny draws noise, but its labels 0 and 1 are classes."""
+    return SceneClassifier.from_file(DEMO_MODEL_DIR / "classifier.safetensors", 12)
+
+
+@pytest.fixture(scope="module")
+def quality_run(tiny, judge, tmp_path_factory):
     out = tmp_path_factory.mktemp("quality")
     tiny.enable_scale_skip(skip_last=1)            # enabled on the pipeline: must not reach dense or the settings
     logs: list[str] = []
     try:
-        rows = bq.run_quality(tiny, settings=SETTINGS, seeds=range(2), out_dir=out, warmup=0, log=logs.append)
+        rows = bq.run_quality(tiny, settings=SETTINGS, seeds=range(2), out_dir=out, warmup=0, log=logs.append,
+                              classifier=judge)
         names_after = [p.name for p in tiny.policies]
     finally:
         tiny.disable_scale_skip()
     return rows, out, logs, names_after
+
+
+def _draw(pipe, seed, policies=()):
+    """(image, latents after every scale) of one generation of class ``seed`` (run_quality's default)."""
+    latents = []
+    out = pipe([seed], generator=torch.Generator().manual_seed(seed), output_type="pt", policies=list(policies),
+               callback_on_step_end=lambda p, si, t, kw: latents.append(kw["latent"]) or kw,
+               callback_on_step_end_tensor_inputs=["latent"])
+    return out.images, latents
+
+
+@pytest.fixture(scope="module")
+def dense_runs(tiny):
+    """The quality run's dense pictures and latents, drawn again here (seeds 0 and 1)."""
+    return [_draw(tiny, seed) for seed in range(2)]
+
+
+def _psnr_by_hand(a, b) -> float:
+    return 10 * math.log10(1.0 / (a.double() - b.double()).pow(2).mean().item())
 
 
 def test_run_quality_rows(quality_run):
@@ -140,17 +201,103 @@ def test_run_quality_rows(quality_run):
     assert any("skip-last-2" in line and "PSNR" in line for line in logs)
 
 
+def test_confidence_intervals_follow_the_seeds(quality_run, tiny, dense_runs):
+    """psnr_ci95 is the t-interval of the two seeds' PSNR, here recomputed from the pictures."""
+    rows, _, _, _ = quality_run
+    row = next(r for r in rows if r["setting"] == "sparsevar-keep0.5-from-1")
+    policies = bq.parse_setting("sparsevar-keep0.5-from-1").policies
+    values = [_psnr_by_hand(_draw(tiny, seed, policies())[0], dense) for seed, (dense, _) in enumerate(dense_runs)]
+    sd = abs(values[0] - values[1]) / math.sqrt(2)                    # sample standard deviation of two values
+    assert row["psnr_db"] == pytest.approx(sum(values) / 2, abs=1e-3)
+    assert row["psnr_ci95"] == pytest.approx(12.706204736174707 * sd / math.sqrt(2), abs=1e-3)   # t(0.975, 1)
+
+
+def test_teacher_forced_measure(quality_run, tiny, dense_runs):
+    """Issue #34. A setting that changes no scale: inf. skip-last-N: the teacher-forced latent is dense's
+    minus the last N scales' contributions, i.e. dense's latent before them (taken here from the dense
+    run's own callback), so its PSNR is that latent's picture against dense. A setting acting at the last
+    scale only has dense's history already: teacher-forced = plain PSNR. SparseVAR from the preset's
+    start scale is measured at every scale from there, on dense's history (checked bit for bit inside)."""
+    rows, _, _, _ = quality_run
+    by = {r["setting"]: r for r in rows}
+    assert math.isinf(by["sparsevar-keep1.0"]["teacher_psnr_db"]) and by["sparsevar-keep1.0"]["teacher_scales"] == ""
+    for n in (1, 2):
+        values = []
+        for dense, latents in dense_runs:
+            with torch.no_grad():
+                before = (tiny.vqvae.fhat_to_img(latents[-1 - n]).float() + 1) / 2      # latent before the last n
+            values.append(_psnr_by_hand(before, dense))
+        row = by[f"skip-last-{n}"]
+        assert row["teacher_psnr_db"] == pytest.approx(sum(values) / 2, abs=1e-3)
+        assert row["teacher_scales"] == " ".join(str(-k) for k in range(n, 0, -1))
+    last = by["sparsevar-keep0.5-from-1"]
+    assert last["teacher_scales"] == "-1" and last["teacher_psnr_db"] == last["psnr_db"]
+    assert last["teacher_psnr_ci95"] == last["psnr_ci95"] and math.isfinite(last["psnr_db"])
+    combo = by["sparsevar-keep0.5+cond-only-last-1"]
+    start = bq.SPARSEVAR_PRESETS["var"].start_scale
+    assert combo["teacher_scales"] == " ".join(str(k) for k in range(start, 0))
+    assert math.isfinite(combo["teacher_psnr_db"]) and combo["teacher_psnr_ci95"] >= 0
+
+
+class _Nudge(Policy):
+    """Moves the latent from ``after_scale``, a hook the teacher-forced runs keep before the measured
+    scale because it should only store what later scales read."""
+
+    name = "nudge"
+
+    def after_scale(self, si, guided_logits, run):
+        run.workspace.f_hat_BChw.add_(1.0)
+
+
+def test_teacher_forced_refuses_a_policy_that_changes_the_history(tiny):
+    sampling = bq.SamplingSettings(guidance_scale=4.0, top_k=900, top_p=0.95)
+    dense = bq._generate(tiny, 0, 0, [], sampling, latents=True)
+    with pytest.raises(RuntimeError, match=r"setting 'nudge' at scale 9, seed 0: the latent after scale 0 differs"):
+        bq._teacher_latent(tiny, 0, 0, lambda: [_Nudge()], sampling, dense, [9], "nudge")
+
+
+def test_classifier_accuracy(quality_run, tiny, judge, dense_runs):
+    """classifier_acc: the share of a setting's pictures the classifier names as their class; here the
+    pictures are drawn again and classified by the test."""
+    rows, _, _, _ = quality_run
+    name = "sparsevar-keep0.5+cond-only-last-1"
+    hits = dense_hits = 0
+    for seed, (dense, _) in enumerate(dense_runs):
+        acc, _ = _draw(tiny, seed, bq.parse_setting(name).policies())
+        with torch.no_grad():
+            hits += int(judge(acc).argmax(-1).item() == seed)
+            dense_hits += int(judge(dense).argmax(-1).item() == seed)
+    row = next(r for r in rows if r["setting"] == name)
+    assert row["classifier_acc"] == hits / 2 and row["dense_classifier_acc"] == dense_hits / 2
+
+
+def test_classifier_loading(tiny, tmp_path):
+    demo = VARPipeline.from_demo()
+    assert isinstance(bq.load_classifier(None, None, demo), SceneClassifier)          # the demo ships one
+    assert bq.load_classifier(None, tiny, tiny) is None                               # a pipeline: none unless given
+    assert bq.load_classifier(None, tmp_path, tiny) is None                           # a folder without one
+    assert bq.load_classifier(False, None, demo) is None
+    with pytest.raises(ValueError, match=r"names 12 classes but the model has 1000"):
+        bq.load_classifier(DEMO_MODEL_DIR / "classifier.safetensors", tiny, tiny)
+    with pytest.raises(FileNotFoundError, match=r"classifier='.*nope.safetensors' is not a file"):
+        bq.load_classifier(tmp_path / "nope.safetensors", tiny, tiny)
+    with pytest.raises(TypeError, match=r"classifier must be None.*got int"):
+        bq.load_classifier(3, tiny, tiny)
+
+
 def test_run_quality_files(quality_run):
     rows, out, _, _ = quality_run
     with open(out / "quality.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [r["setting"] for r in table] == SETTINGS
-    for col in ("setting", "psnr_db", "ssim", "speedup", "flop_speedup", "kept_ratio", "seeds", "device", "torch",
-                "model"):
+    for col in ("setting", "psnr_db", "psnr_ci95", "teacher_psnr_db", "teacher_psnr_ci95", "classifier_acc",
+                "dense_classifier_acc", "ssim", "speedup", "flop_speedup", "kept_ratio", "seeds", "device", "torch",
+                "model", "teacher_scales"):
         assert col in table[0]
     assert float(table[0]["psnr_db"]) == math.inf and float(table[1]["psnr_db"]) == rows[1]["psnr_db"]
-    with PIL.Image.open(out / "quality.png") as im:
-        assert im.size == (1000, 640)
+    for name in ("quality.png", "quality_teacher.png"):
+        with PIL.Image.open(out / name) as im:
+            assert im.size == (1000, 640)
     for name in SETTINGS:
         with PIL.Image.open(out / f"grid_{name}.png") as im:
             assert im.size == (84 + 3 * 256 + 2 * 2, 24 + 2 * 256 + 2)     # label column + 3 tiles, 2 seeds
@@ -160,6 +307,10 @@ def test_run_quality_files(quality_run):
 def test_run_quality_checks_before_generating(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"setting 'skip-last-10' does not fit this model.*skip_last=10"):
         bq.run_quality(tiny, settings=["skip-last-10"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
+    with pytest.raises(ValueError, match=r"setting 'sparsevar-keep0.5-from-11' does not fit this model.*start_scale=-11"):
+        bq.run_quality(tiny, settings=["sparsevar-keep0.5-from-11"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
+    with pytest.raises(TypeError, match=r"teacher must be True or False.*got 1"):
+        bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0], teacher=1, out_dir=tmp_path)
     with pytest.raises(ValueError, match=r"classes has 1 entries for 2 seeds"):
         bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0, 1], classes=[3], out_dir=tmp_path)
     with pytest.raises(ValueError, match=r"seeds=4: pass a sequence of seeds, e.g. range\(4\)"):
@@ -224,12 +375,17 @@ CROWD_ROWS = [_row(f"setting-{k}", ("sparsevar", "fastvar", "skip", "combo")[k %
               for k in range(10)] + [_row("neutral", "sparsevar", math.inf, 1.0), _row("far", "skip", 20.0, 2.0)]
 
 
-@pytest.mark.parametrize("rows", [README_ROWS, CROWD_ROWS], ids=["readme", "crowd"])
-def test_plot_labels_do_not_overlap(rows):
+CI_ROWS = [{**r, "psnr_ci95": 0.4 + 0.1 * k} for k, r in enumerate(README_ROWS)]
+
+
+@pytest.mark.parametrize("rows, ci", [(README_ROWS, None), (CROWD_ROWS, None), (CI_ROWS, "psnr_ci95")],
+                         ids=["readme", "crowd", "intervals"])
+def test_plot_labels_do_not_overlap(rows, ci):
     """Issue #27: labels overlapped in quality.png. Every label box is inside the picture, clear of the
-    others, of every marker, of the legend and of the plot's own texts, and holds its label's ink."""
+    others, of every marker, of the error bars (issue #34), of the legend and of the plot's own texts,
+    and holds its label's ink."""
     import numpy as np
-    img, boxes, obstacles = bq.plot_quality_layout(rows, title="t")
+    img, boxes, obstacles = bq.plot_quality_layout(rows, title="t", ci=ci)
     assert sorted(boxes) == sorted(r["setting"] for r in rows)
     items = list(boxes.items())
     for i, (name, (l, t, r, b)) in enumerate(items):
@@ -240,7 +396,8 @@ def test_plot_labels_do_not_overlap(rows):
             assert r <= ol or orr <= l or b <= ot or ob <= t, (name, (ol, ot, orr, ob))
         ink = np.asarray(img.crop((int(l), int(t), int(math.ceil(r)), int(math.ceil(b)))).convert("L")) < 128
         assert ink.mean() > 0.05, name                                              # the text is drawn there
-    assert len(obstacles) >= len(rows) + 1                                            # markers and the legend
+    bars = sum(math.isfinite(r["psnr_db"]) for r in rows) if ci else 0
+    assert len(obstacles) >= len(rows) + 1 + bars                                     # markers, bars, legend
 
 
 def test_main_lists_settings_and_reports_errors(capsys):
