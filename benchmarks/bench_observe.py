@@ -276,11 +276,13 @@ def format_report(m: dict, rows: list[dict], preset: Optional[tuple[str, int]], 
     for unit, r in zip(m["units"], rows):
         gain = (r["capture"] - r["random"]) / (r["oracle"] - r["random"]) if r["oracle"] > r["random"] else math.nan
         mark = " preset" if unit == preset else ""
-        lines.append(f"{r['layer']:>8}  {r['capture']:>8.3f} ± {r['ci95']:<6.3f}  {r['capture'] - r['random']:>+8.3f}  "
-                     f"{gain:>13.0%}  " + "  ".join(f"{r['capture_' + s]:>7.3f}" for s in scale_names) + mark)
+        lines.append(f"{r['layer']:>8}  {r['capture']:>8.3f} ± {r['ci95']:<6.3f}  "
+                     f"{r['capture'] - r['random']:>+8.3f}  {gain:>14.0%}  "
+                     + "  ".join(f"{r['capture_' + s]:>7.3f}" for s in scale_names) + mark)
     r0 = rows[0]
-    lines.append(f"{'random':>8}  {r0['random']:>8.3f}{'':>27}" + "  ".join(f"{r0['random_' + s]:>7.3f}" for s in scale_names))
-    lines.append(f"{'oracle':>8}  {r0['oracle']:>8.3f}{'':>27}" + "  ".join(f"{r0['oracle_' + s]:>7.3f}" for s in scale_names))
+    for ref in ("random", "oracle"):                       # blank under ± CI, − random and of oracle gain
+        per_scale = "  ".join(f"{r0[ref + '_' + s]:>7.3f}" for s in scale_names)
+        lines.append(f"{ref:>8}  {r0[ref]:>8.3f}{'':>37}{per_scale}")
     if m["constant_energy"]:
         lines.append("every token's residual has the same norm: any selection captures n / L, so this measure "
                      "cannot rank the layers of this model")
