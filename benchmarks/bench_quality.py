@@ -1037,8 +1037,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["DEFAULT_SETTINGS", "SETTINGS", "SETTING_FORMS", "QualitySetting", "add_arguments", "describe_settings",
-           "image_grid", "load_classifier", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings", "place_labels",
-           "plot_quality", "plot_quality_layout", "run_from_args", "run_quality", "teacher_scales"]
+           "image_grid", "load_classifier", "load_model", "main", "nice_ticks", "parse_setting", "parse_settings",
+           "place_labels", "plot_quality", "plot_quality_layout", "run_from_args", "run_quality", "teacher_scales"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -107,7 +107,7 @@ def _t_two_sided(t: float, df: int) -> float:
     a finite series in θ = atan(t / √df) for integer df)."""
     theta = math.atan(t / math.sqrt(df))
     c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2:                              # odd: (2/π)(θ + sinθ cosθ (1 + 2/3 cos²θ + 2·4/(3·5) cos⁴θ + …))
+    if df % 2:                              # odd: 2/π (θ + sinθ cosθ (1 + 2/3 cos²θ + 2·4/(3·5) cos⁴θ …))
         term, total = 1.0, 0.0
         for k in range(1, (df - 1) // 2 + 1):
             total += term

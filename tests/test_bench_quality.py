@@ -307,7 +307,7 @@ def test_run_quality_files(quality_run):
 def test_run_quality_checks_before_generating(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"setting 'skip-last-10' does not fit this model.*skip_last=10"):
         bq.run_quality(tiny, settings=["skip-last-10"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
-    with pytest.raises(ValueError, match=r"setting 'sparsevar-keep0.5-from-11' does not fit this model.*start_scale=-11"):
+    with pytest.raises(ValueError, match=r"'sparsevar-keep0.5-from-11' does not fit this model.*start_scale=-11"):
         bq.run_quality(tiny, settings=["sparsevar-keep0.5-from-11"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
     with pytest.raises(TypeError, match=r"teacher must be True or False.*got 1"):
         bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0], teacher=1, out_dir=tmp_path)
