@@ -35,6 +35,7 @@ class ModelAdapter:
     supports_scale_graphs = False
     layer_groups = 0
     sublayers: tuple = ("self_attn", "ffn")
+    choices = 0                                        # see ModelInfo.choices
 
     def __init__(self, transformer, schedule: ScaleSchedule, blocks: Sequence):
         self.transformer, self.schedule = transformer, schedule
@@ -56,7 +57,7 @@ class ModelAdapter:
     def model_info(self) -> ModelInfo:
         """Family, schedule and layer topology (what policies validate their settings against)."""
         return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers,
-                         layer_groups=self.layer_groups, sublayers=self.sublayers)
+                         layer_groups=self.layer_groups, sublayers=self.sublayers, choices=self.choices)
 
     def set_kernels(self, kind: str) -> None:
         """Run the layers on the ``"torch"``, ``"triton"`` or ``"compile"`` kernels

@@ -20,6 +20,8 @@ class ModelInfo:
 
     layer_groups: number of block groups (Infinity's chunks); 0 when the family has none.
     sublayers: the residual branches of one layer, in order (Infinity adds "cross_attn").
+    choices: the size of each categorical distribution a token's logits hold, consecutive along the
+        last dim (Infinity's bits: 2); 0 = one distribution over the whole vocabulary (VAR).
     """
 
     family: str
@@ -27,6 +29,7 @@ class ModelInfo:
     num_layers: int
     layer_groups: int = 0
     sublayers: tuple = ("self_attn", "ffn")
+    choices: int = 0
 
     @property
     def layers_per_group(self) -> int:

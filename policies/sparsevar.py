@@ -7,8 +7,8 @@ this scale. Tokens whose change is at most ``tau`` × the image's maximum are ex
 accumulates (an excluded token's change is 0, so its region stays excluded). An alpha-strided grid
 of anchor tokens (last row and column included) is always computed. After the kept tokens ran,
 every excluded token takes the final hidden state of the most similar anchor of its grid cell when
-the cosine similarity of their previous-scale guided logits is ≥ ``beta``; otherwise its residual
-at this scale is zero. Research notes: research/accel.md §2.
+the cosine similarity of their previous-scale distributions (``similarity``) is ≥ ``beta``;
+otherwise its residual at this scale is zero. Research notes: research/accel.md §2.
 
 Differences from the only public re-implementation (accel.md §2.9), all deliberate: logits are
 permuted before they are reshaped to a map; ``beta`` is honoured; anchors are always in the kept
@@ -32,6 +32,7 @@ from ..engine.contract import Policy, ScalePlan
 from .scale_skip import resolve_scale_index
 
 INTERPOLATIONS = ("nearest", "bilinear")
+SIMILARITIES = ("logits", "probs")
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,14 @@ class SparseVARConfig:
     alpha: anchor stride in tokens (≥ 1): rows and columns 0, α, 2α, … and the last. Smaller →
         more anchors computed, better copies, less speed. Paper: 4.
     beta: cosine-similarity threshold in [0, 1] for copying an anchor's hidden state; below it the
-        excluded token contributes nothing at this scale. Re-implementation: 0.8 (0.99 declared).
+        excluded token contributes nothing at this scale. Paper: 0.9 (the re-implementation runs 0.8).
     interpolation: how the change map and logits are upsampled to the next scale: "nearest"
         (keeps exclusion exact across integer ratios; the re-implementation) or "bilinear".
+    similarity: what the cosine compares: "probs" (the softmax of the previous scale's guided
+        logits: the distributions sampling draws from, per categorical of the family — a bit pair
+        for Infinity; the default) or "logits" (the logits themselves, as the paper writes; on
+        1024-way logits unrelated tokens already score about 0.8, so nearly every excluded token
+        copies). Measured on the demo model: benchmarks/results/README.md, Session 20.
     keep_ratio: instead of the tau rule, keep this fraction of each scale's tokens (anchors
         count towards it; at least the anchors are kept), so the speed-up is predictable and every
         image of a batch keeps the same count. In (0, 1]; None uses tau.
@@ -69,8 +75,9 @@ class SparseVARConfig:
     block: Optional[int] = None
     granularity: str = "layer"
     alpha: int = 4
-    beta: float = 0.8
+    beta: float = 0.9
     interpolation: str = "nearest"
+    similarity: str = "probs"
     keep_ratio: Optional[float] = None
     backend: str = "auto"
 
@@ -88,6 +95,8 @@ class SparseVARConfig:
             raise ValueError(f"granularity must be 'layer' or 'group', got {self.granularity!r}")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(f"similarity must be one of {SIMILARITIES}, got {self.similarity!r}")
         if self.keep_ratio is not None:
             _number(self.keep_ratio, "keep_ratio")
             if not 0.0 < self.keep_ratio <= 1.0:
@@ -111,15 +120,18 @@ def _number(v, name):
 # One registry of defaults, per model family (the ComfyUI settings node reads the same).
 SPARSEVAR_PRESETS: dict[str, SparseVARConfig] = {
     # Infinity-2B (paper / re-implementation): group 3 of 8, first pruned scale 40×40 of 13.
-    "infinity-2b": SparseVARConfig(tau=0.6, start_scale=-3, block=3, granularity="group", alpha=4, beta=0.8),
+    "infinity-2b": SparseVARConfig(tau=0.6, start_scale=-3, block=3, granularity="group", alpha=4, beta=0.9),
     # HART-0.7B: paper block 16 (a layer; HART has no groups), last three scales.
-    "hart": SparseVARConfig(tau=0.6, start_scale=-3, block=16, granularity="layer", alpha=4, beta=0.8),
+    "hart": SparseVARConfig(tau=0.6, start_scale=-3, block=16, granularity="layer", alpha=4, beta=0.9),
     # VAR (class-conditional; no published setting). The last two scales (13×13, 16×16 at 256 px)
     # hold 63 % of the FLOPs, and earlier ones are too small for a 4-stride anchor grid to leave
     # anything out, so exclusion starts at the second-to-last scale; the observed layer sits at 2/3
-    # of the depth (accel.md §9.4). Not yet tuned by measurement: random-weight models give no
-    # quality signal, so this is re-checked with the trained demo model's quality harness.
-    "var": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=0.8),
+    # of the depth (accel.md §9.4; `sparsevar bench observe` measures the others:
+    # benchmarks/results/observe_demo_cpu.md). beta 1.0: on the demo model an excluded token that
+    # copies its anchor's hidden state draws its own code from the anchor's distribution and lands
+    # further from the dense picture than one that adds nothing, even where the distributions are
+    # alike, so copies are left to identical distributions (benchmarks/results/README.md, Session 20).
+    "var": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=1.0),
 }
 
 
@@ -286,6 +298,9 @@ class SparseVARPolicy(Policy):
             return self._plan(si, run)
         # anchor assignment from the previous scale's guided logits (upsampled per token)
         lg_BhwV = st["logits"]                            # (B, h', w', V)
+        if c.similarity == "probs":                       # each categorical's distribution: (…, V/g, g) → (…, V)
+            g = run.info.choices or lg_BhwV.shape[-1]
+            lg_BhwV = lg_BhwV.unflatten(-1, (-1, g)).softmax(dim=-1).flatten(-2)
         if c.interpolation == "nearest":
             logits_BMV = lg_BhwV.reshape(B, hp * wp, -1)                               # (B, h', w', V) → (B, M, V)
         else:

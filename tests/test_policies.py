@@ -156,6 +156,41 @@ def test_sparsevar_excluded_tokens_add_no_kv_and_get_zero_or_anchor_hidden(pipe)
             assert any(torch.equal(h[:, i], h[:, c]) for c in cands.tolist())
 
 
+@pytest.mark.parametrize("similarity", ["probs", "logits"])
+def test_an_excluded_token_copies_its_anchor_exactly_when_their_distributions_are_alike(pipe, similarity):
+    """The copy rule recomputed from the previous scale's guided logits: cosine of the softmax
+    ("probs") or of the logits themselves, between the token's upsampled vector and its 4 cell
+    anchors'; copied ⇔ the best is ≥ beta (near-ties within 1e-5 are not judged)."""
+    from sparsevar.policies.sparsevar import nearest_source
+
+    class Logits(Policy):
+        name = "logits-probe"
+
+        def __init__(self):
+            self.logits = {}
+
+        def after_scale(self, si, logits, run):
+            self.logits[si] = logits.clone()
+
+    probe, beta = Logits(), 0.9
+    pipe.enable_sparsevar(tau=0.6, start_scale=-3, beta=beta, similarity=similarity).add_policy(probe)
+    out, _ = _run(pipe, labels=(3,), seeds=(4,))
+    sch, judged, copies = pipe.transformer.schedule, 0, 0
+    for si, roles in out.stats[0].token_maps.items():
+        (h, w), (hp, wp) = sch.hw[si], sch.hw[si - 1]
+        prev = probe.logits[si - 1][0].double()                       # (h'·w', V), image 0
+        vec = prev.softmax(-1) if similarity == "probs" else prev
+        vec = torch.nn.functional.normalize(vec[nearest_source((hp, wp), (h, w))], dim=-1)   # (h·w, V)
+        cands = anchor_candidates(h, w, 4)
+        best = torch.stack([(vec * vec[cands[:, j]]).sum(-1) for j in range(4)], -1).amax(-1)
+        roles = roles.view(-1)
+        excluded = (roles == TOKEN_COPIED) | (roles == TOKEN_EXCLUDED)
+        clear = excluded & ((best - beta).abs() > 1e-5)
+        assert torch.equal(roles[clear] == TOKEN_COPIED, best[clear] >= beta), si
+        judged, copies = judged + int(clear.sum()), copies + int((roles[clear] == TOKEN_COPIED).sum())
+    assert judged > 0 and 0 < copies
+
+
 def test_sparsevar_batch_with_different_token_counts_equals_its_images(pipe):
     pipe.enable_sparsevar(tau=0.5, start_scale=-3)
     batch, batch_codes = _run(pipe, labels=(3, 7), seeds=(1, 2))
@@ -330,6 +365,7 @@ def test_composition_rules(pipe):
 @pytest.mark.parametrize("call, match", [
     (lambda p: p.enable_sparsevar(tau=1.0), r"tau must be in \[0, 1\)"),
     (lambda p: p.enable_sparsevar(beta=1.5), r"beta must be in \[0, 1\]"),
+    (lambda p: p.enable_sparsevar(similarity="cos"), r"similarity must be one of \('logits', 'probs'\), got 'cos'"),
     (lambda p: p.enable_sparsevar(alpha=0), r"alpha must be an int >= 1"),
     (lambda p: p.enable_sparsevar(keep_ratio=0.0), r"keep_ratio must be in \(0, 1\]"),
     (lambda p: p.enable_sparsevar(start_scale=10), r"start_scale=10 is past the schedule.*10 scales"),

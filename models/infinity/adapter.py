@@ -193,6 +193,7 @@ class InfinityAdapter(ModelAdapter):
     family = "infinity"
     supports_scale_graphs = False    # its sample takes no pre-drawn noise: guidance and sampling stay eager
     sublayers = ("self_attn", "cross_attn", "ffn")
+    choices = 2                                        # a bit per pair of logits
 
     def __init__(self, transformer: InfinityTransformer, vae, resolution: InfinityResolution = DEFAULT_RESOLUTION):
         d_tok, d_vae = transformer.config.token_dim, vae.config.codebook_dim
