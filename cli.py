@@ -829,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU) and `bench quality`")
+    b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU), `bench quality`, `bench observe`, `bench ops` (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
     q = bsub.add_parser("quality", help="PSNR / SSIM against dense, speed-up and kept ratio per setting; CSV, "
                                          "plot and image grids (default model: the demo)")
