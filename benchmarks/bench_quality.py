@@ -34,11 +34,14 @@ it reports, against dense:
 - ``kept_ratio``: tokens computed / dense tokens, mean over seeds (a scale run without the
   unconditional half still counts all its tokens, so cond-only settings show 1.0 here).
 
-It writes ``quality.csv`` (one row per setting), ``quality.png`` (PSNR against measured speed-up,
-one marker per method family, 95 % intervals as bars; drawn with PIL), ``quality_teacher.png``
-(teacher-forced PSNR against FLOP speed-up) and ``grid_<setting>.png`` (rows: the first seeds;
-columns: dense | accelerated | amplified absolute difference) into the output folder. Every file is
-written to a temporary name and renamed, so an interrupted run leaves no half-written file.
+It writes into the output folder ``quality.csv`` (one row per setting), ``quality_seeds.csv`` (one
+row per setting and seed: its PSNR, teacher-forced PSNR, SSIM, FLOP speed-up, kept ratio and the
+classes the classifier named for it and for dense, empty without a classifier; for paired
+comparisons of settings), ``quality.png`` (PSNR against measured speed-up, one marker per method
+family, 95 % intervals as bars; drawn with PIL), ``quality_teacher.png`` (teacher-forced PSNR
+against FLOP speed-up) and ``grid_<setting>.png`` (rows: the first seeds; columns: dense |
+accelerated | amplified absolute difference). Every file is written to a temporary name and
+renamed, so an interrupted run leaves no half-written file.
 
 Settings are named; several join with "+" (``sparsevar-keep0.5+skip-last-1``). The names:
 :func:`describe_settings` / ``--list-settings``. SparseVAR's keep and tau forms start at the VAR
@@ -585,7 +588,8 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             :data:`SETTINGS`). Checked before anything is generated.
         seeds: generator seeds, one image each. classes: None (seed % num_classes), one class id or
             name for all seeds, or one per seed.
-        out_dir: folder for quality.csv, quality.png, quality_teacher.png and grid_<setting>.png (created).
+        out_dir: folder for quality.csv, quality_seeds.csv, quality.png, quality_teacher.png and
+            grid_<setting>.png (created).
         device: "auto" (CUDA when available; for a passed pipeline: where it is), "cpu", "cuda", …
         dtype: transformer weight dtype when loading (None: bfloat16 on CUDA, float32 on CPU).
         guidance_scale, top_k, top_p: sampling, the pipeline's defaults.
@@ -702,9 +706,16 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             f"(FLOPs {row['flop_speedup']:4.2f}x)  kept {row['kept_ratio']:.0%}")
     log(f"dense: classifier {dense_acc:.0%}; the sweep took {time.perf_counter() - t_start:.0f} s")
 
+    seed_rows = [dict(setting=s.name, seed=seed, label=label, psnr_db=round(per[s.name]["psnr"][i], 4),
+                      teacher_psnr_db=round(per[s.name]["tpsnr"][i], 4) if teacher else math.nan,
+                      ssim=round(per[s.name]["ssim"][i], 6), flop_speedup=round(per[s.name]["flops"][i], 4),
+                      kept_ratio=round(per[s.name]["kept"][i], 4), predicted=per[s.name]["pred"][i],
+                      dense_predicted=dense_pred[i])
+                 for s in parsed for i, (seed, label) in enumerate(zip(seed_list, labels))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "quality.csv")
+    write_csv(seed_rows, out_dir / "quality_seeds.csv")
     title = f"{name} on {dev_name}, {len(seed_list)} seeds"
     plot = plot_quality(rows, title=title, ci="psnr_ci95")
     atomic_write(out_dir / "quality.png", lambda p: plot.save(p, format="PNG"))
@@ -717,8 +728,8 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
         grid = image_grid([(sd, lb, d, a) for (sd, lb, d), a in zip(dense_grid, per[s.name]["grid"])],
                           s.name, diff_gain=diff_gain)
         atomic_write(out_dir / f"grid_{s.name}.png", lambda p, g=grid: g.save(p, format="PNG"))
-    log(f"wrote {out_dir / 'quality.csv'}, quality.png{', quality_teacher.png' if teacher else ''} and "
-        f"{len(parsed)} grids")
+    log(f"wrote {out_dir / 'quality.csv'}, quality_seeds.csv, quality.png"
+        f"{', quality_teacher.png' if teacher else ''} and {len(parsed)} grids")
     return rows
 
 

@@ -295,6 +295,14 @@ def test_run_quality_files(quality_run):
                 "model", "teacher_scales"):
         assert col in table[0]
     assert float(table[0]["psnr_db"]) == math.inf and float(table[1]["psnr_db"]) == rows[1]["psnr_db"]
+    with open(out / "quality_seeds.csv", newline="") as f:
+        per_seed = list(csv.DictReader(f))
+    assert [(r["setting"], r["seed"]) for r in per_seed] == [(n, str(k)) for n in SETTINGS for k in range(2)]
+    for row in rows:                                                   # the table's means are the seeds' means
+        mine = [r for r in per_seed if r["setting"] == row["setting"]]
+        if math.isfinite(row["psnr_db"]):
+            assert row["psnr_db"] == pytest.approx(sum(float(r["psnr_db"]) for r in mine) / 2, abs=1e-3)
+        assert row["classifier_acc"] == sum(r["predicted"] == r["label"] for r in mine) / 2
     for name in ("quality.png", "quality_teacher.png"):
         with PIL.Image.open(out / name) as im:
             assert im.size == (1000, 640)
