@@ -52,7 +52,8 @@ class SparseVARConfig:
     alpha: anchor stride in tokens (≥ 1): rows and columns 0, α, 2α, … and the last. Smaller →
         more anchors computed, better copies, less speed. Paper: 4.
     beta: cosine-similarity threshold in [0, 1] for copying an anchor's hidden state; below it the
-        excluded token contributes nothing at this scale. Paper: 0.9 (the re-implementation runs 0.8).
+        excluded token contributes nothing at this scale; 1 turns copying off. Paper: 0.9 (the
+        re-implementation runs 0.8).
     interpolation: how the change map and logits are upsampled to the next scale: "nearest"
         (keeps exclusion exact across integer ratios; the re-implementation) or "bilinear".
     similarity: what the cosine compares: "probs" (the softmax of the previous scale's guided
@@ -127,10 +128,10 @@ SPARSEVAR_PRESETS: dict[str, SparseVARConfig] = {
     # hold 63 % of the FLOPs, and earlier ones are too small for a 4-stride anchor grid to leave
     # anything out, so exclusion starts at the second-to-last scale; the observed layer sits at 2/3
     # of the depth (accel.md §9.4; `sparsevar bench observe` measures the others:
-    # benchmarks/results/observe_demo_cpu.md). beta 1.0: on the demo model an excluded token that
-    # copies its anchor's hidden state draws its own code from the anchor's distribution and lands
-    # further from the dense picture than one that adds nothing, even where the distributions are
-    # alike, so copies are left to identical distributions (benchmarks/results/README.md, Session 20).
+    # benchmarks/results/observe_demo_cpu.md). beta 1 (no copies): on the demo model an excluded
+    # token that copies its anchor's hidden state draws its own code from the anchor's distribution
+    # and lands further from the dense picture than one that adds nothing, even where the
+    # distributions are alike (benchmarks/results/README.md, Session 20).
     "var": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=1.0),
 }
 
@@ -305,8 +306,9 @@ class SparseVARPolicy(Policy):
             logits_BMV = lg_BhwV.reshape(B, hp * wp, -1)                               # (B, h', w', V) → (B, M, V)
         else:
             logits_BMV = upsample_map(lg_BhwV, (h, w), c.interpolation).reshape(B, L, -1)  # (B, h, w, V) → (B, L, V)
+        beta = c.beta if c.beta < 1.0 else math.inf       # 1 turns copying off (no rounding knife edge at 1)
         copy_src_BL, zero_BL, roles_BL, _ = sparse_ops.anchor_match(logits_BMV, src_L, cand_L4, keep_BL, anchors_L,
-                                                                    c.beta, backend=backend)
+                                                                    beta, backend=backend)
         st["roles"] = roles_BL.view(B, h, w)           # (B, L) → (B, h, w); recorded once the scale has run
         return self._plan(si, run, static=c.keep_ratio is not None and valid_Bn is None,
                           token_index=index_Bn, token_valid=valid_Bn,

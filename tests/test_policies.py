@@ -191,6 +191,16 @@ def test_an_excluded_token_copies_its_anchor_exactly_when_their_distributions_ar
     assert judged > 0 and 0 < copies
 
 
+def test_beta_one_turns_the_anchor_copy_off(pipe):
+    """beta 1 copies nothing, not even tokens whose distribution equals their anchor's (whether a
+    cosine of equal vectors reaches exactly 1 depends on rounding, which differs between a batch and
+    its images)."""
+    out, _ = _run(pipe.enable_sparsevar(tau=0.5, start_scale=-3, beta=1.0))
+    maps = out.stats[0].token_maps
+    assert maps and not any((m == TOKEN_COPIED).any() for m in maps.values())
+    assert any((m == TOKEN_EXCLUDED).any() for m in maps.values())
+
+
 def test_sparsevar_batch_with_different_token_counts_equals_its_images(pipe):
     pipe.enable_sparsevar(tau=0.5, start_scale=-3)
     batch, batch_codes = _run(pipe, labels=(3, 7), seeds=(1, 2))
