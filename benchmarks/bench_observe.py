@@ -44,32 +44,7 @@ from ..engine.contract import Policy, ScalePlan
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
 from ..sparse_ops.ref import change_map
 from ._results import write_csv
-
-# two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t95(df: int) -> float:
-    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (a table to 30; beyond,
-    the Cornish–Fisher expansion around 1.96, within 0.001 of the exact value)."""
-    if df < 1:
-        raise ValueError(f"df={df}: a t quantile needs at least 1 degree of freedom (2 seeds)")
-    if df <= len(_T95):
-        return _T95[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-
-
-def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95 % confidence interval); the half-width is nan for one value."""
-    vals = [float(v) for v in values]
-    if not vals:
-        raise ValueError("mean_ci95 got no values")
-    m = statistics.fmean(vals)
-    if len(vals) < 2:
-        return m, math.nan
-    return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+from .metrics import mean_ci95
 
 
 # ---- the measure -----------------------------------------------------------------------------------------------
@@ -370,8 +345,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["LayerTaps", "add_arguments", "best_unit", "capture_rate", "check_settings", "format_report",
-           "kept_count", "main", "mean_ci95", "measure_capture", "preset_unit", "run_from_args", "run_observe",
-           "summarize", "t95", "top_share", "unit_label"]
+           "kept_count", "main", "measure_capture", "preset_unit", "run_from_args", "run_observe",
+           "summarize", "top_share", "unit_label"]
 
 if __name__ == "__main__":
     sys.exit(main())
