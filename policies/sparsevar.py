@@ -299,7 +299,7 @@ class SparseVARPolicy(Policy):
             return self._plan(si, run)
         # anchor assignment from the previous scale's guided logits (upsampled per token)
         lg_BhwV = st["logits"]                            # (B, h', w', V)
-        if c.similarity == "probs":                       # each categorical's distribution: (…, V/g, g) → (…, V)
+        if c.similarity == "probs" and c.beta < 1.0:      # each categorical's distribution: (…, V/g, g) → (…, V)
             g = run.info.choices or lg_BhwV.shape[-1]
             lg_BhwV = lg_BhwV.unflatten(-1, (-1, g)).softmax(dim=-1).flatten(-2)
         if c.interpolation == "nearest":
