@@ -720,9 +720,17 @@ def cmd_train_demo(args) -> int:
     if args.quick:
         cfg = cfg.quick()
     steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("dec_steps", args.dec_steps),
-                               ("var_steps", args.var_steps), ("cls_steps", args.cls_steps),
+                               ("var_steps", args.var_steps), ("var_batch", args.var_batch),
+                               ("cls_steps", args.cls_steps),
                                ("var_data", args.var_data), ("cls_data", args.cls_data)) if v is not None}
-    cfg = replace(cfg, **steps)
+    if args.schedule is not None:
+        steps["schedule"] = args.schedule
+    if args.vq_ch_mult is not None:
+        steps["vq_ch_mult"] = tuple(args.vq_ch_mult)
+    try:
+        cfg = replace(cfg, **steps)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     device = _device(args.device)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
     t0 = time.perf_counter()
@@ -823,8 +831,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vq-steps", type=int)
     t.add_argument("--dec-steps", type=int, help="steps of the decoder stage (the VQVAE's final decoder)")
     t.add_argument("--var-steps", type=int)
+    t.add_argument("--var-batch", type=int, help="scenes per transformer step")
     t.add_argument("--cls-steps", type=int)
     t.add_argument("--var-data", type=int, help="tokenised scenes the transformer trains on")
+    t.add_argument("--schedule", type=int, choices=[256, 512],
+                   help="token schedule: 256 (1…16, the shipped model) or 512 (1…32; with --vq-ch-mult 1 1 2 4)")
+    t.add_argument("--vq-ch-mult", type=int, nargs="+", metavar="M",
+                   help="VQVAE channel multipliers, one per level (default 1 1 2 2 4: 16× downsampling)")
     t.add_argument("--cls-data", type=int, help="scenes the classifier trains on")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)

@@ -1,21 +1,26 @@
 """`sparsevar train-demo`: train the embedded demo model on procedural scenes, from a seed.
 
 Four stages, each resumable from the output folder:
-1. ``vqvae``: a multi-scale residual VQVAE (VAR's tokenizer architecture at width 32, 1024 codes,
-   the 256-px schedule 1…16) with reconstruction + commitment losses and dead-code restarts.
-2. ``decoder``: the VQVAE's final decoder, normalised per pixel with replicate padding
+1. ``vqvae``: a multi-scale residual VQVAE (VAR's tokenizer architecture at width 32, 1024 codes)
+   with reconstruction + commitment losses and dead-code restarts. The shipped model (the
+   defaults) downsamples 16× with the 256-px token schedule 1…16; ``schedule=512`` with
+   ``vq_ch_mult=(1, 1, 2, 4)`` downsamples 8× so that 256-px pictures have a 32×32 latent and
+   VAR's 512-px schedule 1…32, where the late scales carry most of the work as on Infinity and
+   HART. Stage 1 keeps the official GroupNorm decoder: trained jointly with the encoder, a decoder
+   that normalises each pixel on its own cannot see the latent's scale, and in one such run the
+   latent collapsed towards zero (commitment loss 0, a flat mean picture).
+2. ``decoder``: the final decoder, normalised per pixel with replicate padding
    (``decoder_norm="channel"``, ``decoder_padding="replicate"``), warm-started from stage 1's and
-   trained against its frozen encoder and codebook, so the codes (and a transformer trained on
-   them) stay valid. Stage 1's decoder has the official GroupNorm, which at 32 channels is one
-   channel per group (instance normalisation): it learned a spike of huge activations in the
-   top-left corner to steer those statistics, a noisy smudge there in every picture (see
-   ``models.vqvae.ChannelNorm``). The new decode side maps a flat latent to a flat picture up to
-   its corners. Stage 1 keeps the official architecture: the encoder and codebook it trains are
-   what the transformer learns.
+   trained against its frozen encoder and codebook on the exact latents sampling decodes, so the
+   codes (and a transformer trained on them) stay valid. The GroupNorm of stage 1 is one channel
+   per group at 32 channels (instance normalisation): the first demo model's decoder learned a
+   spike of huge activations in the top-left corner to steer those statistics, a noisy smudge
+   there in every picture (see ``models.vqvae.ChannelNorm``).
 3. ``var``: a depth-8 VAR transformer (width 256, 4 heads) by teacher forcing over all scales with
    10 % label dropout (for classifier-free guidance), on scenes tokenised by the stage-1 VQVAE.
 4. ``classifier``: a small CNN that names the class of a picture (the quality tests' judge),
-   trained on scenes and on their VQVAE reconstructions.
+   trained on scenes and on their VQVAE reconstructions. When the folder is complete the stage
+   then measures the model (``measure_demo``) into ``train_demo.json``.
 
 The result is a ``VARPipeline`` folder (``model_index.json``, ``transformer/``, ``vqvae/``; weights
 in bfloat16 / float16) plus ``classifier.safetensors``. Data and initialisation follow the seed;
@@ -35,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.var import VAR_SCHEDULES, VARTransformer
-from ..models.vqvae import MultiScaleVQVAE
+from ..models.vqvae import MultiScaleVQVAE, bicubic_operator
 from .classifier import INPUT_SIZE as CLASSIFIER_SIZE
 from .classifier import SceneClassifier
 from .scenes import CLASS_NAMES, NUM_CLASSES, SceneConfig, random_labels, render_scenes
@@ -45,35 +50,40 @@ STAGES = ("vqvae", "decoder", "var", "classifier")
 
 @dataclass(frozen=True)
 class DemoTrainConfig:
-    """Sizes and schedules of the demo model's training (defaults: 24 minutes on one H100: VQVAE 445 s,
-    decoder 350 s, transformer 548 s, classifier 81 s).
+    """Sizes and schedules of the demo model's training (the measured times per stage on one H100 are
+    in the shipped folder's ``train_demo.json``).
 
     seed: fixes data and initialisation of every stage.
-    vq_*: VQVAE width, codebook size, steps, batch and learning rate.
+    vq_*: VQVAE width, channel multipliers per level (``len - 1`` halvings: (1, 1, 2, 2, 4)
+        downsamples 16×, (1, 1, 2, 4) 8×), codebook size, steps, batch and learning rate.
+    schedule: the token schedule, a key of ``VAR_SCHEDULES`` (256: 1 … 16; 512: 1, 2, 3, 4, 6, 9,
+        13, 18, 24, 32); its last side times the VQVAE's downsampling must be the scenes' 256 px.
     dec_steps, dec_lr: steps and peak learning rate of the ``decoder`` stage (batch ``vq_batch``, on
         the ``vq_data`` scenes of stage 1).
     var_*: transformer depth / width / heads, steps, batch, peak learning rate, label dropout.
     vq_data, var_data, cls_data: distinct scenes each stage trains on (rendered once, re-used over
-        epochs; ``var_data`` scenes are kept tokenised, ≈45 KB each in bfloat16).
+        epochs; ``var_data`` scenes are kept tokenised, ≈45 KB each in bfloat16 at the 256
+        schedule, ≈143 KB at the 512 one).
     cls_steps, cls_batch: the classifier's steps and batch.
     cls_render_size: side at which the classifier's scenes are rendered (then resized to its 64 px);
         128 renders 4× faster than 256 and looks the same at 64 px.
     cls_reconstructions: also train the classifier on the VQVAE's reconstructions of its scenes
         (on by default: the classifier then judges a generated picture's shape, not the tokenizer's
-        softening of it. Measured on an H100 with 1800 generated images: 82 % recognised, against
-        75 % for a classifier trained on renders and random blurs alone. Off, the stage renders at
-        ``cls_render_size`` and runs in minutes on a CPU).
+        softening of it. Off, the stage renders at ``cls_render_size`` and runs in minutes on a CPU).
+    measure_count: generated pictures ``measure_demo`` judges after the classifier stage (0: none).
     compile: run the transformer's training step through torch.compile on CUDA (≈2× faster).
     """
 
     seed: int = 0
     vq_ch: int = 32
+    vq_ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4)
     vq_vocab: int = 1024
     vq_steps: int = 3600
     vq_batch: int = 32
     vq_data: int = 24_000
     vq_lr: float = 1e-3
     vq_beta: float = 0.25
+    schedule: int = 256
     dec_steps: int = 3000
     dec_lr: float = 5e-4
     var_depth: int = 8
@@ -89,6 +99,7 @@ class DemoTrainConfig:
     cls_data: int = 48_000
     cls_render_size: int = 128
     cls_reconstructions: bool = True
+    measure_count: int = 360
     compile: bool = True
 
     def __post_init__(self):
@@ -97,11 +108,23 @@ class DemoTrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1 "
                                  f"(`sparsevar train-demo --{name.replace('_', '-')} N`)")
+        if self.schedule not in VAR_SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {sorted(VAR_SCHEDULES)}")
+        side = 2 ** (len(self.vq_ch_mult) - 1) * VAR_SCHEDULES[self.schedule][-1]
+        if side != SceneConfig().size:
+            need = SceneConfig().size / VAR_SCHEDULES[self.schedule][-1]
+            example = {4: " (vq_ch_mult=(1, 2, 4))", 8: " (vq_ch_mult=(1, 1, 2, 4))", 16: " (vq_ch_mult=(1, 1, 2, 2, 4))"}
+            raise ValueError(f"schedule={self.schedule} with vq_ch_mult={tuple(self.vq_ch_mult)} draws {side}-px "
+                             f"pictures; the scenes are {SceneConfig().size} px: pair the schedule's last side "
+                             f"({VAR_SCHEDULES[self.schedule][-1]}) with a downsampling of {need:g}"
+                             f"{example.get(need, '')}")
+        if self.measure_count < 0:
+            raise ValueError(f"measure_count={self.measure_count!r}: must be 0 (no measurement) or more")
 
     def quick(self) -> "DemoTrainConfig":
         """A tiny run of every stage (smoke tests: seconds on a CPU; draws no real pictures)."""
         return replace(self, vq_steps=3, vq_batch=2, vq_data=4, dec_steps=3, var_steps=3, var_batch=2, var_data=8, cls_steps=3,
-                       cls_batch=4, cls_data=4, compile=False)
+                       cls_batch=4, cls_data=4, measure_count=0, compile=False)
 
 
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -142,8 +165,8 @@ def build_vqvae(cfg: DemoTrainConfig, final_decoder: bool = False) -> MultiScale
     """Stage 1's VQVAE (the official architecture at the config's size), or with ``final_decoder`` the
     same with the decode side of the ``decoder`` stage (per-pixel norm, replicate padding)."""
     extra = dict(decoder_norm="channel", decoder_padding="replicate") if final_decoder else {}
-    return MultiScaleVQVAE(vocab_size=cfg.vq_vocab, z_channels=32, ch=cfg.vq_ch, patch_nums=VAR_SCHEDULES[256],
-                           **extra)
+    return MultiScaleVQVAE(vocab_size=cfg.vq_vocab, z_channels=32, ch=cfg.vq_ch, ch_mult=tuple(cfg.vq_ch_mult),
+                           patch_nums=VAR_SCHEDULES[cfg.schedule], **extra)
 
 
 def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float):
@@ -167,7 +190,11 @@ def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float):
             codes.append(idx_N)
         h_BChw = F.embedding(idx_N.view(B, ph, pw), codebook_VC).permute(0, 3, 1, 2)  # (B,ph,pw,C) → (B,C,ph,pw)
         if si != SN - 1:
-            h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic", align_corners=False)
+            # bicubic upsampling as one float32 product with its operator: CUDA's bicubic backward
+            # (atomic adds per output pixel) was most of a training step's time at a 32×32 latent
+            with torch.autocast(f_BChw.device.type, enabled=False):
+                op = bicubic_operator((ph, pw), (H, W), f_BChw.device)              # (ph·pw, H·W)
+                h_BChw = (h_BChw.reshape(B * C, ph * pw).float() @ op).view(B, C, H, W)
         h_BChw = vq.apply_phi(h_BChw, si, SN)
         f_hat_BChw = f_hat_BChw + h_BChw
         f_rest_BChw = f_rest_BChw - h_BChw.detach()
@@ -241,14 +268,12 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
 # ---- stage 2: the final decoder ------------------------------------------------------------------
 def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
                   log: Callable[[str], None]) -> MultiScaleVQVAE:
-    """A copy of ``vq`` with the final decode side (per-pixel norm, replicate padding), warm-started
-    from ``vq``'s decoder and ``post_quant_conv`` and trained on the latents of the frozen encoder and
-    codebook: the same codes decode to new pictures, without the GroupNorm decoder's top-left smudge.
-    Measured on an H100 from the shipped stage-1 VQVAE (3000 steps, 6 min): reconstruction PSNR
-    24.5 dB against 23.2 dB, and the smudge ratio of generated pictures (mean |gradient| of the
-    top-left 12×12 px over the 12 px beside them) at most 1.6 over 360 pictures, against 4–8."""
+    """A copy of ``vq`` (its own sizes and schedule) with the final decode side (per-pixel norm,
+    replicate padding), warm-started from ``vq``'s decoder and ``post_quant_conv`` and trained on the
+    latents of the frozen encoder and codebook: the same codes decode to new pictures. From an
+    official GroupNorm decoder this removes its top-left smudge (see the module docstring)."""
     torch.manual_seed(cfg.seed)
-    new = build_vqvae(cfg, final_decoder=True)
+    new = MultiScaleVQVAE.from_config(vq.config, decoder_norm="channel", decoder_padding="replicate")
     new.load_state_dict({k: v.float() for k, v in vq.state_dict().items()})      # the same keys and shapes
     new = new.to(device).eval().requires_grad_(False)
     params = [*new.decoder.parameters(), *new.post_quant_conv.parameters()]
@@ -282,7 +307,7 @@ def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.devic
 # ---- stage 3: the transformer --------------------------------------------------------------------
 def build_var(cfg: DemoTrainConfig) -> VARTransformer:
     return VARTransformer(vocab_size=cfg.vq_vocab, z_channels=32, num_classes=NUM_CLASSES, depth=cfg.var_depth,
-                          embed_dim=cfg.var_width, num_heads=cfg.var_heads, patch_nums=VAR_SCHEDULES[256])
+                          embed_dim=cfg.var_width, num_heads=cfg.var_heads, patch_nums=VAR_SCHEDULES[cfg.schedule])
 
 
 def _init_var(model: VARTransformer) -> VARTransformer:
@@ -425,6 +450,46 @@ def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device
     return clf.eval().requires_grad_(False)
 
 
+# ---- measuring the result -------------------------------------------------------------------------
+@torch.no_grad()
+def measure_demo(folder, device, count: int = 360, batch: int = 60, scenes: int = 240) -> dict:
+    """What the demo model draws, measured on ``count`` pictures (classes in turn; batches of ``batch``
+    with seeds 0, 1, … at the pipeline's default settings, float32) and on ``scenes`` fresh scenes
+    (labels from seed 9000, pictures from seed 9001): the classifier's accuracy on the pictures,
+    their strong-edge fraction (median, 10th percentile) and worst top-left smudge ratio; the
+    VQVAE's reconstruction PSNR and the strong-edge fraction of scenes and of their
+    reconstructions."""
+    from ..pipelines.var_pipeline import VARPipeline
+    from .measures import corner_smudge_ratio, strong_edge_fraction
+
+    folder, device = Path(folder), torch.device(device)
+    pipe = VARPipeline.from_pretrained(folder).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    clf = SceneClassifier.from_file(folder / "classifier.safetensors", NUM_CLASSES).to(device)
+    hits, edges, smudge = [], [], []
+    for i, start in enumerate(range(0, count, batch)):
+        labels = [(start + j) % NUM_CLASSES for j in range(min(batch, count - start))]
+        img_B3HW = pipe(labels, generator=torch.Generator(device).manual_seed(i), output_type="pt").images.float()
+        hits.append(clf(img_B3HW).argmax(-1).cpu() == torch.tensor(labels))
+        edges.append(strong_edge_fraction(img_B3HW).cpu())
+        smudge.append(corner_smudge_ratio(img_B3HW).cpu())
+    scenes_B3HW = render_scenes(random_labels(scenes, torch.Generator(device).manual_seed(9000)),
+                                torch.Generator(device).manual_seed(9001))
+    recs_B3HW = torch.cat([((pipe.vqvae(x * 2 - 1).float() + 1) / 2).clamp(0, 1) for x in scenes_B3HW.split(60)])
+    mse = F.mse_loss(recs_B3HW, scenes_B3HW).item()
+    edges_N = torch.cat(edges) if edges else torch.zeros(0, dtype=torch.float64)
+    out = {"pictures": count,
+           "classifier_accuracy": round(torch.cat(hits).float().mean().item(), 4) if hits else None,
+           "strong_edge_pct_median": round(100 * edges_N.median().item(), 3) if count else None,
+           "strong_edge_pct_p10": round(100 * edges_N.quantile(0.1).item(), 3) if count else None,
+           "corner_smudge_ratio_max": round(torch.cat(smudge).max().item(), 2) if smudge else None,
+           "reconstruction_psnr_db": round(-10 * math.log10(max(mse, 1e-10)), 2),
+           "scenes_strong_edge_pct_median": round(100 * strong_edge_fraction(scenes_B3HW).median().item(), 3),
+           "reconstructions_strong_edge_pct_median": round(100 * strong_edge_fraction(recs_B3HW).median().item(), 3)}
+    pipe.to("cpu")
+    return out
+
+
 # ---- the command ---------------------------------------------------------------------------------
 def _save_folder(out: Path, vq: MultiScaleVQVAE, var: VARTransformer, cfg: DemoTrainConfig) -> None:
     from ..pipelines.var_pipeline import VARPipeline
@@ -470,9 +535,12 @@ def train_demo(out_dir, config: DemoTrainConfig = DemoTrainConfig(), stages=STAG
         tmp.mkdir(parents=True)
     try:
         vq = var = None
+        seconds = {}
         stage_file = tmp / "stage_vqvae.safetensors"                   # a VQVAE not yet in a model folder
         if "vqvae" in stages:
+            t0 = time.time()
             vq = train_vqvae(config, device, log)
+            seconds["vqvae"] = time.time() - t0
             _save_stage_vqvae(stage_file, vq)
         elif stage_file.is_file():                                     # between stages 1 and 3
             with safe_open(stage_file, "pt") as f:
@@ -486,7 +554,9 @@ def train_demo(out_dir, config: DemoTrainConfig = DemoTrainConfig(), stages=STAG
         if "decoder" in stages:
             if vq is None:
                 raise ValueError(f"stage 'decoder' needs a trained VQVAE: run stage 'vqvae' first (into {out})")
+            t0 = time.time()
             vq = train_decoder(config, vq, device, log)
+            seconds["decoder"] = time.time() - t0
             if stage_file.is_file():
                 _save_stage_vqvae(stage_file, vq)
             else:                                                      # the folder's own VQVAE, decoder replaced
@@ -496,18 +566,33 @@ def train_demo(out_dir, config: DemoTrainConfig = DemoTrainConfig(), stages=STAG
         if "var" in stages:
             if vq is None:
                 raise ValueError(f"stage 'var' needs a trained VQVAE: run stage 'vqvae' first (into {out})")
+            if tuple(vq.config.patch_nums) != VAR_SCHEDULES[config.schedule]:
+                raise ValueError(f"stage 'var': the VQVAE in {out} has the schedule {tuple(vq.config.patch_nums)}, "
+                                 f"the config asks for {VAR_SCHEDULES[config.schedule]} (schedule={config.schedule}): "
+                                 f"train stage 'vqvae' again, or pass the VQVAE's schedule")
+            t0 = time.time()
             var = train_var(config, vq, device, log)
+            seconds["var"] = time.time() - t0
             _save_folder(tmp, vq, var, config)
             (tmp / "stage_vqvae.safetensors").unlink(missing_ok=True)    # the folder's vqvae/ holds it now
         if "classifier" in stages:
+            t0 = time.time()
             clf = train_classifier(config, vq, device, log)
             save_file({k: v.half().contiguous() for k, v in clf.state_dict().items()}, tmp / "classifier.safetensors")
+            seconds["classifier"] = time.time() - t0
+        measured = None
+        if "classifier" in stages and config.measure_count and (tmp / "model_index.json").is_file():
+            measured = measure_demo(tmp, device, config.measure_count)
+            log("measured: " + ", ".join(f"{k} {v}" for k, v in measured.items()))
         meta_path = tmp / "train_demo.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         meta.update(config=asdict(config), classes=list(CLASS_NAMES),
                     device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     torch=torch.__version__)
         meta.setdefault("stages", {}).update({s: time.strftime("%Y-%m-%d %H:%M:%S") for s in stages})
+        meta.setdefault("seconds", {}).update({s: round(t) for s, t in seconds.items()})
+        if measured is not None:
+            meta["measured"] = measured
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)

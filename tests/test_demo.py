@@ -16,7 +16,8 @@ from sparsevar.benchmarks.metrics import psnr
 from sparsevar.cli import main
 from sparsevar.demo import CLASS_NAMES, DEMO_MODEL_DIR, NUM_CLASSES, SceneConfig, class_id, render_scenes
 from sparsevar.demo.classifier import SceneClassifier
-from sparsevar.demo.train import DemoTrainConfig, train_demo
+from sparsevar.demo.measures import corner_smudge_ratio, strong_edge_fraction
+from sparsevar.demo.train import DemoTrainConfig, measure_demo, train_demo
 
 
 # ---- procedural scenes -----------------------------------------------------------------------------
@@ -50,6 +51,41 @@ def test_scene_inputs_are_validated():
     assert class_id("Tree") == CLASS_NAMES.index("tree") and class_id("3") == 3
     with pytest.raises(ValueError, match="the demo classes are"):
         class_id("dragon")
+
+
+def test_strong_edge_fraction_counts_pixels_over_the_threshold():
+    """A 4×4 picture, left half black, right half grey: of the 3×3 pixels that have a right and a
+    lower neighbour, the three in column 1 see the step (3 channels × the step in 0–255 units)."""
+    def picture(level):
+        x = torch.zeros(1, 3, 4, 4)
+        x[..., 2:] = level / 255
+        return x
+    assert strong_edge_fraction(picture(255)).item() == pytest.approx(3 / 9)
+    assert strong_edge_fraction(picture(41)).item() == pytest.approx(3 / 9)      # 3 × 41 = 123 > 120
+    assert strong_edge_fraction(picture(40)).item() == 0.0                      # 3 × 40 = 120, not over
+    assert strong_edge_fraction(picture(40), threshold=119).item() == pytest.approx(3 / 9)
+    with pytest.raises(ValueError, match=r"strong_edge_fraction: images must be \(B, 3, H, W\)"):
+        strong_edge_fraction(torch.zeros(3, 4, 4))
+
+
+def test_corner_smudge_ratio_sees_a_noisy_corner():
+    ramp = torch.linspace(0, 1, 64).view(1, 1, 1, 64).expand(2, 3, 64, 64).clone()   # the same slope everywhere
+    ramp[1, :, :12, :12] += 0.2 * torch.rand(3, 12, 12, generator=torch.Generator().manual_seed(0))
+    ratio = corner_smudge_ratio(ramp)
+    assert ratio[0].item() == pytest.approx(1.0, abs=1e-9)
+    assert ratio[1].item() > 4.0
+    with pytest.raises(ValueError, match="k=12 needs pictures of at least 13×25 px"):
+        corner_smudge_ratio(torch.zeros(1, 3, 20, 20))
+
+
+def test_train_config_pairs_the_schedule_with_the_downsampling():
+    with pytest.raises(ValueError, match=r"schedule=999: choose one of \[256, 512, 1024\]"):
+        DemoTrainConfig(schedule=999)
+    with pytest.raises(ValueError, match=r"draws 512-px pictures.*vq_ch_mult=\(1, 1, 2, 4\)"):
+        DemoTrainConfig(schedule=512)
+    with pytest.raises(ValueError, match="measure_count=-1"):
+        DemoTrainConfig(measure_count=-1)
+    assert DemoTrainConfig(schedule=512, vq_ch_mult=(1, 1, 2, 4)).schedule == 512
 
 
 # ---- the shipped model -----------------------------------------------------------------------------
@@ -91,14 +127,6 @@ def test_generated_images_show_their_class(demo_pipe):
     with torch.no_grad():
         acc = (clf(images).argmax(-1) == torch.tensor(labels)).float().mean().item()
     assert acc >= 0.75, f"classifier accuracy {acc:.2f} on generated images"
-
-
-def corner_smudge_ratio(images_B3HW: torch.Tensor, k: int = 12) -> torch.Tensor:
-    """Per image: mean |gradient| (|∂x| + |∂y| by forward differences, averaged over RGB) in the
-    top-left k×k pixels over the same in the k×k pixels to their right (the band beside them)."""
-    x = images_B3HW.double()
-    g = (x[..., :-1, 1:] - x[..., :-1, :-1]).abs() + (x[..., 1:, :-1] - x[..., :-1, :-1]).abs()
-    return g[..., :k, :k].mean(dim=(1, 2, 3)) / g[..., :k, k:2 * k].mean(dim=(1, 2, 3))
 
 
 def test_demo_pictures_have_no_smudge_in_the_top_left_corner(demo_pipe, demo_batch):
@@ -175,6 +203,31 @@ def test_train_demo_quick_writes_a_loadable_model_and_keeps_the_old_one_on_error
     with pytest.raises(ValueError, match="stages"):
         train_demo(folder, DemoTrainConfig().quick(), stages=["gan"], device="cpu")
     assert sorted(p.name for p in folder.rglob("*")) == before and not list(tmp_path.glob(".*partial"))
+
+
+def test_train_demo_512_schedule_draws_256px_pictures_from_a_32x32_latent_and_measures_them(tmp_path, capsys):
+    """The sharper variant (8× downsampling, VAR's 512 schedule) end to end at a few steps, and
+    ``measure_demo`` on its folder (its reconstruction PSNR checked against ``metrics.psnr``)."""
+    folder = tmp_path / "demo512"
+    assert main(["train-demo", "--quick", "--schedule", "512", "--vq-ch-mult", "1", "1", "2", "4", "--out",
+                 str(folder), "--device", "cpu", "--quiet"]) == 0
+    pipe = VARPipeline.from_pretrained(folder)
+    assert tuple(pipe.transformer.config.patch_nums) == (1, 2, 3, 4, 6, 9, 13, 18, 24, 32)
+    out = pipe(["car", "fish"], generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert out.images.shape == (2, 3, 256, 256)
+    m = measure_demo(folder, "cpu", count=3, batch=2, scenes=6)
+    assert m["pictures"] == 3 and 0.0 <= m["classifier_accuracy"] <= 1.0
+    assert 0.0 <= m["strong_edge_pct_p10"] <= m["strong_edge_pct_median"] <= 100.0
+    from sparsevar.demo.scenes import random_labels                              # the measure's own scenes
+    scenes = render_scenes(random_labels(6, torch.Generator().manual_seed(9000)), torch.Generator().manual_seed(9001))
+    with torch.no_grad():
+        recs = torch.cat([((pipe.vqvae(x * 2 - 1) + 1) / 2).clamp(0, 1) for x in scenes.split(60)])
+    expected = -10 * torch.log10(((recs - scenes) ** 2).mean()).item()
+    assert m["reconstruction_psnr_db"] == pytest.approx(expected, abs=0.011)
+    assert m["scenes_strong_edge_pct_median"] > 0.5                             # rendered scenes have edges
+    capsys.readouterr()
+    assert main(["train-demo", "--quick", "--schedule", "512", "--out", str(tmp_path / "x"), "--device", "cpu"]) == 2
+    assert "draws 512-px pictures" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_decoder_stage_replaces_only_the_decode_side_of_a_finished_folder(tmp_path):
