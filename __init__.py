@@ -13,7 +13,7 @@ from .models.infinity import InfinityTransformer
 from .models.bsq_vae import BSQVAE
 from .models.loading import load_infinity_transformer, load_infinity_vae
 from .policies import (FastVARConfig, Policy, PolicyStack, ScalePlan, ScaleSkipConfig, SparseVARConfig,
-                       FASTVAR_PRESETS, SPARSEVAR_PRESETS)
+                       SparVARConfig, FASTVAR_PRESETS, SPARSEVAR_PRESETS, SPARVAR_PRESETS)
 
 # diffusers resolves saved components by looking up its loading base classes on the library module
 # named in model_index.json ("sparsevar"); exposing them here keeps such folders loadable by
@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVAE", "load_var_transformer",
            "load_var_vqvae", "GenerationStats", "SamplingSettings", "ScaleSchedule", "Policy", "PolicyStack",
-           "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SPARSEVAR_PRESETS",
-           "FASTVAR_PRESETS", "__version__",
+           "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SparVARConfig", "SPARSEVAR_PRESETS",
+           "FASTVAR_PRESETS", "SPARVAR_PRESETS", "__version__",
            "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
            "load_infinity_vae"]
 

@@ -153,6 +153,12 @@ class Policy:
     def begin(self, run: "RunState") -> None:
         """A generation starts; per-run state goes into ``run.policy_state[self.name]`` (a dict)."""
 
+    def scales_run(self, num_scales: int) -> int:
+        """How many of the schedule's ``num_scales`` scales run at most with this policy (scale
+        skipping stops early); a policy that places work relative to the last *computed* scale
+        reads the stack's minimum (``PolicyStack.scales_run``) in ``begin``."""
+        return num_scales
+
     def plan_scale(self, si: int, run: "RunState") -> Optional[ScalePlan]:
         """What to do at scale ``si`` and what this policy's hooks do there; None: nothing to plan
         (every token runs; the policy acts through every hook it overrides)."""
@@ -274,8 +280,9 @@ class PolicyStack:
             if other.name == policy.name:
                 raise ValueError(f"{policy.name} is already enabled; disable it first or enable it once")
             if policy.name in other.incompatible or other.name in policy.incompatible:
-                raise ValueError(f"{policy.name} cannot be combined with {other.name}: "
-                                 f"call disable_{other.name}() first")
+                why = getattr(policy, "incompatible_why", "") or getattr(other, "incompatible_why", "")
+                raise ValueError(f"{policy.name} cannot be combined with {other.name}"
+                                 f"{f' ({why})' if why else ''}: call disable_{other.name}() first")
         self.policies = self.policies + (policy,)
         self._refresh()
 
@@ -304,6 +311,10 @@ class PolicyStack:
     def validate(self, info) -> None:
         for p in self.policies:
             p.validate(info)
+
+    def scales_run(self, num_scales: int) -> int:
+        """The number of scales that run: the fewest any policy allows."""
+        return min([num_scales] + [p.scales_run(num_scales) for p in self.policies])
 
     def begin(self, run) -> None:
         run.hooks = ScaleHooks([(p, None) for p in self.policies])

@@ -19,6 +19,7 @@ from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
@@ -253,6 +254,17 @@ class AcceleratedPipelineMixin:
 
     def disable_fastvar(self):
         return self.remove_policy(FastVARPolicy.name)
+
+    def enable_sparvar(self, config: Optional[SparVARConfig] = None, **overrides):
+        """Sparse cross-scale attention (CS4A + CSLA) from the decision scale on: every token is
+        computed, each query reads fewer keys. ``config`` defaults to the family preset
+        (``SPARVAR_PRESETS``); e.g. ``top_keys=0.3``. Combines with scale skipping and cond-only;
+        cannot be combined with SparseVAR or FastVAR."""
+        cfg = self._config(config, SparVARConfig, SPARVAR_PRESETS, overrides, "enable_sparvar")
+        return self.add_policy(SparVARPolicy(cfg))
+
+    def disable_sparvar(self):
+        return self.remove_policy(SparVARPolicy.name)
 
     def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
                           cond_only_from: Optional[int] = None):

@@ -3,8 +3,10 @@ from ..engine.contract import DENSE, Policy, PolicyStack, ScalePlan, SubLayer, S
 from .fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from .scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from .sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
+from .sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 
 __all__ = ["Policy", "PolicyStack", "ScalePlan", "SubLayer", "SubLayerContext", "DENSE",
            "SparseVARConfig", "SparseVARPolicy", "SPARSEVAR_PRESETS",
            "FastVARConfig", "FastVARPolicy", "FASTVAR_PRESETS",
+           "SparVARConfig", "SparVARPolicy", "SPARVAR_PRESETS",
            "ScaleSkipConfig", "ScaleSkipPolicy"]

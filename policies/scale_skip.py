@@ -63,6 +63,9 @@ class ScaleSkipPolicy(Policy):
         if self.config.cond_only_from is not None:
             resolve_scale_index(self.config.cond_only_from, S, "cond_only_from")
 
+    def scales_run(self, num_scales: int) -> int:
+        return max(1, num_scales - self.config.skip_last)
+
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         c = self.config
         if c.neutral:

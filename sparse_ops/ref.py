@@ -383,3 +383,25 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
         s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
         out_RHGL[:, :, g] = s.softmax(dim=-1).sum(dim=-2)
     return out_RHGL
+
+
+def group_masked_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor,
+                           keys_RHGL: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
+    group may be shorter; G = ceil(l / group)) reads only the keys where ``keys_RHGL[:, :, g]`` is
+    True, softmax normalised over those keys alone — SparVAR's column-sparse attention
+    (research/accel.md §4.2–4.3). A group with no key gives zeros. Float32 softmax, output in q's
+    dtype; computed one group at a time, so memory stays at (R, H, group, Lk)."""
+    R, H, l, _ = q_RHld.shape
+    G = -(-l // group)
+    if keys_RHGL.shape[:3] != (R, H, G) or keys_RHGL.shape[3] != k_RHLd.shape[2]:
+        raise ValueError(f"group_masked_attention: keys_RHGL has shape {tuple(keys_RHGL.shape)}, need "
+                         f"{(R, H, G, k_RHLd.shape[2])} for {l} queries in groups of {group}")
+    out_RHld = torch.empty_like(q_RHld)
+    k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
+    for g in range(G):
+        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
+        keep = keys_RHGL[:, :, g, None, :]                                              # (R, H, 1, Lk)
+        p = s.masked_fill(~keep, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_f).to(q_RHld.dtype)
+    return out_RHld

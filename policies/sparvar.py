@@ -1,0 +1,295 @@
+"""SparVAR: sparse cross-scale attention (CS4A + CSLA), training-free (research/accel.md §4; the
+paper's supplement in research/papers/sparvar_supplement.txt).
+
+Every token is computed and every key/value is cached; only which cached keys each query reads
+changes, from the decision scale S on (scales before it attend densely):
+
+- **CS4A** (the first ``cs4a_layers`` of the layers). At S the layer attends densely, sums the
+  attention probabilities of every query group (``query_group`` consecutive queries in raster
+  order) over its queries per key, keeps each group's ``top_keys`` fraction of keys with the largest
+  sums, and stores ``O_cache = O_dense − O_sparse``: what the unselected keys contributed. At a later
+  scale k each query group takes the keys of the proportionally nearest group of the previous
+  sparse scale (``mapping``: "relative" moves each key to the scale as far behind the query's scale
+  as it was behind S, at the proportional position, and attends the first scales, which have no
+  source, as sinks — the paper's index mapping; "verbatim" reuses the cache positions, as the
+  authors' development code does), plus a band of its own scale (every key of the group's
+  ``local_window``-sided windows, as one contiguous raster range; the side grows by 2 per scale),
+  and its output is ``upsample(O_cache) + attention over those keys``.
+- **CSLA** (the other layers, from S on): a query reads every key of the first ``sink_scales``
+  scales, and in each later key scale the square window of side ``windows[e]`` (e = that key
+  scale's position from the end, 0 = last) around its proportionally mapped position; key scales
+  with no window (past the tuple, or 0) are not read; -1 reads a whole scale.
+
+Positions are keyed on scales counted from the end of the scales that run (a skipped tail moves
+S with it) and on proportional positions, so a setting holds at every resolution and aspect ratio.
+The families fold the attention temperature into q, so attention runs at scale 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.contract import Policy, ScalePlan
+from ..sparse_ops import ops as sparse_ops
+from ..sparse_ops import ref
+from ..sparse_ops._backend import check_backend
+from ..sparse_ops.attention import dense_attention
+from .scale_skip import resolve_scale_index
+
+MAPPINGS = ("relative", "verbatim")
+
+
+@dataclass(frozen=True)
+class SparVARConfig:
+    """SparVAR settings. Defaults per model family: :data:`SPARVAR_PRESETS`; ``SparVARConfig.dense()``
+    reads every key through the same machinery (the neutral setting, equal to dense attention up to
+    float rounding).
+
+    decision_scale: the scale where CS4A picks its keys and from which CSLA acts: 0-based, negative
+        counts from the end of the scales that run (-3 = third-last; with the last two skipped it
+        moves back with them). Needs a later scale. Paper (Infinity-2B 1024²): 40×40 = -3.
+    cs4a_layers: the fraction of the layers, from the first, that use CS4A; the rest use CSLA, in
+        [0, 1]. Paper: about 0.6 ("6:4"); the development code's 11 of 32 is 0.34.
+    query_group: queries per group (raster order) that share one key selection, ≥ 1. Paper: 192
+        (the kernel's tile).
+    top_keys: the fraction of the keys at the decision scale each query group keeps, in (0, 1].
+        Lower → fewer keys read, less detail. Paper: 0.2; 1 keeps every key.
+    local_window: side of CS4A's band in the query's own scale at the first sparse scale (odd, ≥ 1;
+        it grows by 2 per later scale), or -1 for the whole scale. Paper: 7 (then 9).
+    mapping: how CS4A's keys follow the query to later scales: "relative" (the paper's mapping, see
+        the module docstring) or "verbatim" (the same cache positions; the development code).
+    sink_scales: CSLA reads every key of the first this-many scales, ≥ 0. Paper: 5 (121 tokens
+        on Infinity).
+    windows: CSLA's window side per key scale counted from the end (windows[0] = the last scale):
+        odd ≥ 1, 0 = not read, -1 = the whole scale; key scales past the tuple are not read.
+        Paper: (7, 5, 3, 1, 1).
+    backend: kernels for the column sums: "auto", "triton" or "torch" (see SparseVARConfig).
+    """
+
+    decision_scale: int = -3
+    cs4a_layers: float = 0.6
+    query_group: int = 192
+    top_keys: float = 0.2
+    local_window: int = 7
+    mapping: str = "relative"
+    sink_scales: int = 5
+    windows: tuple[int, ...] = (7, 5, 3, 1, 1)
+    backend: str = "auto"
+
+    def __post_init__(self):
+        check_backend(self.backend, "backend")
+        if isinstance(self.decision_scale, bool) or not isinstance(self.decision_scale, int):
+            raise ValueError(f"decision_scale must be an int scale index, got {self.decision_scale!r}")
+        _in_range(self.cs4a_layers, "cs4a_layers", 0.0, 1.0, "the fraction of layers that use CS4A")
+        if isinstance(self.query_group, bool) or not isinstance(self.query_group, int) or self.query_group < 1:
+            raise ValueError(f"query_group must be an int >= 1 (queries sharing one key selection), "
+                             f"got {self.query_group!r}")
+        _in_range(self.top_keys, "top_keys", 0.0, 1.0, "the fraction of keys each query group keeps")
+        if self.top_keys == 0:
+            raise ValueError("top_keys must be in (0, 1] (the fraction of keys each query group keeps), got 0")
+        if not _window_ok(self.local_window) or self.local_window == 0:
+            raise ValueError(f"local_window must be an odd int >= 1 or -1 (the whole scale), got "
+                             f"{self.local_window!r}")
+        if self.mapping not in MAPPINGS:
+            raise ValueError(f"mapping must be one of {MAPPINGS}, got {self.mapping!r}")
+        if isinstance(self.sink_scales, bool) or not isinstance(self.sink_scales, int) or self.sink_scales < 0:
+            raise ValueError(f"sink_scales must be an int >= 0, got {self.sink_scales!r}")
+        if not isinstance(self.windows, tuple) or not all(_window_ok(w) for w in self.windows):
+            raise ValueError(f"windows must be a tuple of odd ints >= 1, 0 (not read) or -1 (whole scale), "
+                             f"one per key scale from the end, got {self.windows!r}")
+
+    @classmethod
+    def dense(cls, **fields_) -> "SparVARConfig":
+        """Every key read: all of them at the decision scale, the whole current scale as the band,
+        verbatim reuse, whole windows. Equal to dense attention up to float rounding."""
+        return cls(**{**dict(top_keys=1.0, local_window=-1, mapping="verbatim", sink_scales=0, windows=(-1,) * 64),
+                      **fields_})
+
+
+def _in_range(v, name, lo, hi, what):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}] ({what}), got {v!r}")
+
+
+def _window_ok(w) -> bool:
+    return isinstance(w, int) and not isinstance(w, bool) and (w in (-1, 0) or (w >= 1 and w % 2 == 1))
+
+
+SPARVAR_PRESETS: dict[str, SparVARConfig] = {
+    # Infinity-2B 1024² (paper): decision scale 40×40, sparse on 48 and 64, sinks the first 5 scales.
+    "infinity-2b": SparVARConfig(),
+    # HART-0.7B (issue #30): decision scale 11 of 14 (36×36), no skipping.
+    "hart": SparVARConfig(decision_scale=-4),
+    # VAR (class-conditional; no published setting): the paper's rule at 256 px, unmeasured.
+    "var": SparVARConfig(),
+}
+
+
+# ---- position maps (shape constants, cached per schedule in run.shape_cache) ----------------------
+def _proportional(idx: torch.Tensor, n_from: int, n_to: int) -> torch.Tensor:
+    """Row (or column) ``idx`` of an ``n_from`` map to the nearest row of an ``n_to`` map by centres."""
+    return torch.clamp(((idx.double() + 0.5) * n_to / n_from).floor().long(), 0, n_to - 1)
+
+
+def relative_key_map(hw, si_from: int, si_to: int) -> tuple[torch.Tensor, int]:
+    """(map (offsets[si_from + 1],) int64, sinks): key position p of scale j ≤ ``si_from`` moves to
+    scale j + (si_to − si_from) at the proportional (row, col); keys of the first ``sinks`` =
+    si_to − si_from scales have no source and are read whole."""
+    offsets = [0]
+    for h, w in hw:
+        offsets.append(offsets[-1] + h * w)
+    shift = si_to - si_from
+    out = []
+    for j in range(si_from + 1):
+        (h, w), (H, W) = hw[j], hw[j + shift]
+        y, x = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
+        out.append(offsets[j + shift] + _proportional(y, h, H) * W + _proportional(x, w, W))
+    return torch.cat(out), shift
+
+
+def band_ranges(h: int, w: int, group: int, side: int) -> torch.Tensor:
+    """(G, 2) int64 [lo, hi] raster positions (inclusive) inside an h×w scale covering every
+    ``side``×``side`` window (clamped to the map) of each query group's queries; side -1 = the map."""
+    l = h * w
+    G = -(-l // group)
+    if side < 0:
+        return torch.tensor([[0, l - 1]] * G, dtype=torch.long)
+    r = side // 2
+    q = torch.arange(l)
+    y, x = q // w, q % w
+    lo = (y - r).clamp(min=0) * w + (x - r).clamp(min=0)
+    hi = (y + r).clamp(max=h - 1) * w + (x + r).clamp(max=w - 1)
+    pad = G * group - l
+    lo = torch.cat([lo, lo[-1:].expand(pad)]).view(G, group).amin(1)
+    hi = torch.cat([hi, hi[-1:].expand(pad)]).view(G, group).amax(1)
+    return torch.stack([lo, hi], 1)
+
+
+def csla_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.Tensor:
+    """(l_si, offsets[si + 1]) bool: which keys each query of scale ``si`` reads under CSLA."""
+    h, w = hw[si]
+    y, x = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)          # (l,) query rows, cols
+    parts = []
+    S = len(hw)
+    for j in range(si + 1):
+        hj, wj = hw[j]
+        e = S - 1 - j
+        side = windows[e] if e < len(windows) else 0
+        if j < sink_scales or side == -1:
+            parts.append(torch.ones(h * w, hj * wj, dtype=torch.bool))
+        elif side == 0:
+            parts.append(torch.zeros(h * w, hj * wj, dtype=torch.bool))
+        else:
+            r = side // 2
+            cy, cx = _proportional(y, h, hj), _proportional(x, w, wj)                # (l,)
+            ky, kx = torch.arange(hj).repeat_interleave(wj), torch.arange(wj).repeat(hj)
+            parts.append(((cy[:, None] - ky[None]).abs() <= r) & ((cx[:, None] - kx[None]).abs() <= r))
+    return torch.cat(parts, dim=1)
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+class SparVARPolicy(Policy):
+    name = "sparvar"
+    incompatible = ("sparsevar", "fastvar")
+    incompatible_why = ("SparVAR selects keys among every token of the cache, and SparseVAR and FastVAR compute "
+                        "token subsets, which leave masked holes in it")
+
+    def __init__(self, config: SparVARConfig = SparVARConfig()):
+        self.config = config
+
+    def validate(self, info) -> None:
+        S = info.schedule.num_scales
+        si = resolve_scale_index(self.config.decision_scale, S, "decision_scale")
+        if si >= S - 1:
+            raise ValueError(f"decision_scale={self.config.decision_scale} is the last scale: SparVAR needs a "
+                             f"later scale to make sparse; use -{S} … -2 (counted from the end) or 0 … {S - 2}")
+
+    def _cs4a_layers(self, run) -> int:
+        return int(round(self.config.cs4a_layers * run.info.num_layers))
+
+    def begin(self, run) -> None:
+        n = run.policies.scales_run(run.schedule.num_scales)
+        si = resolve_scale_index(self.config.decision_scale, n, "decision_scale") if n > 1 else n
+        run.policy_state[self.name] = {"decision": si if si < n - 1 else None, "cs4a": {}}
+
+    def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
+        S = run.policy_state[self.name]["decision"]
+        if S is None or si < S:
+            return ScalePlan(hooks=frozenset())
+        return ScalePlan(hooks=frozenset({"attention"}))
+
+    def attention(self, ctx, q_RHld, k_RHLd, v_RHLd, run):
+        st = run.policy_state[self.name]
+        if ctx.layer < self._cs4a_layers(run):
+            return self._cs4a(ctx, q_RHld, k_RHLd, v_RHLd, run, st)
+        mask_lL = self._csla_mask(ctx.si, run).to(q_RHld.device)
+        return dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0, attn_mask=mask_lL[None, None])
+
+    def _csla_mask(self, si, run) -> torch.Tensor:
+        c = self.config
+        key = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows)
+        cache = run.shape_cache
+        if key not in cache:
+            cache[key] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows)
+        return cache[key]
+
+    def _cs4a(self, ctx, q_RHld, k_RHLd, v_RHLd, run, st):
+        c, si, R = self.config, ctx.si, q_RHld.shape[0]
+        Lk, C = k_RHLd.shape[2], c.query_group
+        if si == st["decision"]:
+            o_dense = dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0)
+            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=c.backend)
+            K = max(1, min(Lk, int(round(c.top_keys * Lk))))
+            top_RHGK = colsum_RHGL.topk(K, dim=-1).indices
+            keys_RHGL = torch.zeros_like(colsum_RHGL, dtype=torch.bool).scatter_(-1, top_RHGK, True)
+            o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
+            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
+                                                        si=si)}
+            return o_dense
+        entry = st["cs4a"][ctx.layer]
+        keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run)
+        h, w = run.schedule.hw[si]
+        off = run.schedule.offsets[si]
+        band_G2 = band_ranges(h, w, C, c.local_window if c.local_window < 0 else c.local_window + 2 * (si - st["decision"] - 1))
+        pos_L = torch.arange(Lk, device=q_RHld.device)
+        band_GL = (pos_L[None] >= off + band_G2[:, :1].to(pos_L.device)) & (pos_L[None] <= off + band_G2[:, 1:].to(pos_L.device))
+        keys_RHGL = keys_RHGL | band_GL[None, None]
+        st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
+        o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
+        hS, wS = run.schedule.hw[st["decision"]]
+        o_cache = entry["o_cache"][:R]                                                   # (R, H, hS·wS, d)
+        Rr, H, _, d = o_cache.shape
+        up = F.interpolate(o_cache.reshape(Rr * H, hS, wS, d).permute(0, 3, 1, 2), size=(h, w), mode="bilinear",
+                           align_corners=False)                                          # (R·H, d, h, w)
+        up_RHld = up.permute(0, 2, 3, 1).reshape(Rr, H, h * w, d)
+        return (o_sparse.float() + up_RHld).to(q_RHld.dtype)
+
+    def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run) -> torch.Tensor:
+        """The previous sparse scale's key selection for this scale's query groups: group g takes the
+        proportionally nearest source group, keys moved by ``mapping``; extended to the new length."""
+        c = self.config
+        sched = run.schedule
+        R, H, G_from, L_from = keys_RHGL.shape
+        G_to = -(-sched.tokens(si_to) // c.query_group)
+        src_G = torch.clamp(((torch.arange(G_to, dtype=torch.float64) + 0.5) * G_from / G_to - 0.5).round().long(),
+                            0, G_from - 1).to(keys_RHGL.device)
+        picked_RHGL = keys_RHGL[:, :, src_G]                                             # (R, H, G_to, L_from)
+        L_to = sched.offsets[si_to + 1]
+        out = picked_RHGL.new_zeros(R, H, G_to, L_to)
+        if c.mapping == "verbatim":
+            out[..., :L_from] = picked_RHGL
+            return out
+        key = ("sparvar.relative", sched.hw, si_from, si_to)
+        cache = run.shape_cache
+        if key not in cache:
+            cache[key] = relative_key_map(sched.hw, si_from, si_to)
+        map_L, sinks = cache[key]
+        map_L = map_L.to(keys_RHGL.device)
+        src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
+        out = out.to(torch.uint8).scatter_reduce_(-1, map_L.expand_as(src), src, reduce="amax").bool()
+        out[..., :sched.offsets[sinks]] = True
+        return out
+

@@ -1,0 +1,161 @@
+"""SparVAR (issue #30) on the tiny fixture model (CPU): its position maps against hand-worked
+examples, its attention op against dense attention, the neutral setting, the preset acting,
+batches, composition with scale skipping and cond-only, refusals and bad settings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+from sparsevar.policies import Policy, SparVARConfig
+from sparsevar.policies.sparvar import band_ranges, csla_mask, relative_key_map
+from sparsevar.sparse_ops import ref as sparse_ref
+
+
+@pytest.fixture
+def pipe(var_official_files):
+    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _run(pipe, labels, **kw):
+    """One generator per image (seeds 3, 4, …), so an image does not depend on its batch."""
+    gens = [torch.Generator().manual_seed(3 + i) for i in range(len(labels))]
+    return pipe(labels, generator=gens, output_type="pt", **kw)
+
+
+# ---- position maps, worked by hand --------------------------------------------------------------------
+def test_relative_key_map_moves_each_key_one_scale_on_at_its_proportional_position():
+    """Scales 1×1, 2×2, 4×4 (offsets 0, 1, 5, 21), from scale 1 to scale 2: the 1×1 key lands on
+    (1, 1) of the 2×2 map (position 1 + 3 = 4); the 2×2 keys (y, x) land on (2y + 1, 2x + 1) of the
+    4×4 map: 5 + 5 = 10, 5 + 7 = 12, 5 + 13 = 18, 5 + 15 = 20; one scale (the first) is a sink."""
+    map_L, sinks = relative_key_map(((1, 1), (2, 2), (4, 4)), 1, 2)
+    assert map_L.tolist() == [4, 10, 12, 18, 20] and sinks == 1
+
+
+def test_band_ranges_cover_each_groups_windows_as_one_raster_range():
+    """A 4×4 scale, groups of one row (4 queries), 3×3 windows: row 0's windows span rows 0–1
+    (positions 0 … 7), row 1's rows 0–2 (0 … 11), row 3's rows 2–3 (8 … 15)."""
+    assert band_ranges(4, 4, 4, 3).tolist() == [[0, 7], [0, 11], [4, 15], [8, 15]]
+    assert band_ranges(4, 4, 16, -1).tolist() == [[0, 15]]
+    assert band_ranges(3, 3, 4, 1).tolist() == [[0, 3], [4, 7], [8, 8]]           # side 1: the group itself
+
+
+def test_csla_mask_reads_sinks_and_windows_only():
+    """Scales 1×1, 2×2, 4×4, queries of the 4×4 scale, one sink scale, windows (1,) for the last
+    key scale: every query reads the 1×1 sink, nothing of the 2×2 scale (past the tuple), and
+    only itself in its own scale. With (3, -1): its 3×3 neighbourhood and the whole 2×2 scale."""
+    hw = ((1, 1), (2, 2), (4, 4))
+    m = csla_mask(hw, 2, 1, (1,))
+    assert m.shape == (16, 21)
+    assert m[:, 0].all() and not m[:, 1:5].any()
+    assert torch.equal(m[:, 5:], torch.eye(16, dtype=torch.bool))
+    m = csla_mask(hw, 2, 0, (3, -1))
+    assert not m[:, 0].any() and m[:, 1:5].all()
+    assert m[5, 5:].view(4, 4).nonzero().tolist() == [[y, x] for y in range(3) for x in range(3)]   # query (1, 1)
+    assert m[15, 5:].view(4, 4).nonzero().tolist() == [[2, 2], [2, 3], [3, 2], [3, 3]]            # corner (3, 3)
+
+
+# ---- the attention op --------------------------------------------------------------------------------
+def test_group_masked_attention_is_dense_attention_over_each_groups_keys():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (10, 13, 13))
+    every = torch.ones(2, 3, 4, 13, dtype=torch.bool)                                    # 10 queries, groups of 3
+    want = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
+    torch.testing.assert_close(sparse_ref.group_masked_attention(q, k, v, every, 3, 0.5), want, rtol=1e-5, atol=1e-6)
+    one = torch.zeros_like(every)
+    one[..., 2, 7] = True                                                                # group 2 (queries 6–8): key 7
+    one[..., [0, 1, 3], 0] = True
+    out = sparse_ref.group_masked_attention(q, k, v, one, 3, 0.5)
+    torch.testing.assert_close(out[:, :, 6:9], v[:, :, 7:8].expand(2, 3, 3, 8))          # one key: its value
+    torch.testing.assert_close(out[:, :, 9:], v[:, :, 0:1])                              # the short last group
+    with pytest.raises(ValueError, match="keys_RHGL has shape"):
+        sparse_ref.group_masked_attention(q, k, v, every[:, :, :3], 3, 0.5)
+
+
+# ---- the policy on the fixture model --------------------------------------------------------------------
+class _Seen(Policy):
+    """Records SparVAR's decision scale (read at the first scale, after every ``begin``) and the
+    scales after which it holds CS4A state."""
+
+    name = "seen"
+
+    def __init__(self):
+        self.decision, self.scales = None, []
+
+    def begin(self, run):
+        self.decision, self.scales = None, []
+
+    def plan_scale(self, si, run):
+        if si == 0:
+            self.decision = run.policy_state["sparvar"]["decision"]
+        return None
+
+    def after_scale(self, si, guided_logits_BLV, run):
+        if run.policy_state["sparvar"]["cs4a"]:
+            self.scales.append(si)
+
+
+def test_neutral_setting_reads_every_key_and_matches_dense(pipe):
+    dense = _run(pipe, [1, 4])
+    pipe.enable_sparvar(SparVARConfig.dense())
+    seen = _Seen()
+    pipe.add_policy(seen)
+    out = _run(pipe, [1, 4])
+    S = len(pipe.transformer.config.patch_nums)
+    assert seen.decision == S - 3 and seen.scales == [S - 3, S - 2, S - 1]             # CS4A state from S on
+    torch.testing.assert_close(out.images, dense.images, rtol=0, atol=1e-4)
+
+
+def test_preset_changes_the_picture_and_a_batch_equals_its_images(pipe):
+    dense = _run(pipe, [1, 4])
+    pipe.enable_sparvar()
+    both = _run(pipe, [1, 4])
+    assert (both.images - dense.images).abs().amax() > 1e-3                              # not a no-op
+    one = _run(pipe, [1])
+    torch.testing.assert_close(both.images[:1], one.images, rtol=0, atol=1e-5)
+    pipe.disable_sparvar()
+    pipe.enable_sparvar(top_keys=0.5, mapping="verbatim", windows=(3, 1), cs4a_layers=0.5)
+    assert (_run(pipe, [1, 4]).images - both.images).abs().amax() > 1e-4                 # settings matter
+
+
+def test_decision_scale_follows_the_last_computed_scale_and_cond_only_composes(pipe):
+    S = len(pipe.transformer.config.patch_nums)
+    pipe.enable_scale_skip(skip_last=2)
+    pipe.enable_sparvar()
+    seen = _Seen()
+    pipe.add_policy(seen)
+    out = _run(pipe, [2])
+    assert seen.decision == S - 2 - 3 and sum(not s.skipped for s in out.stats[0].scales) == S - 2
+    pipe.disable_scale_skip()
+    pipe.enable_scale_skip(cond_only_from=-2)                                           # rows halve after S
+    out = _run(pipe, [2, 5])
+    assert seen.decision == S - 3 and torch.isfinite(out.images).all()
+    pipe.remove_policy("seen")
+    pipe.disable_sparvar()
+    cond_only = _run(pipe, [2, 5])
+    pipe.enable_sparvar(SparVARConfig.dense())
+    torch.testing.assert_close(_run(pipe, [2, 5]).images, cond_only.images, rtol=0, atol=1e-4)
+
+
+def test_refusals_and_bad_settings_name_the_reason(pipe):
+    pipe.enable_sparsevar()
+    with pytest.raises(ValueError, match=r"sparvar cannot be combined with sparsevar \(.*token subsets"):
+        pipe.enable_sparvar()
+    pipe.disable_sparsevar()
+    pipe.enable_fastvar()
+    with pytest.raises(ValueError, match="sparvar cannot be combined with fastvar"):
+        pipe.enable_sparvar()
+    pipe.disable_fastvar()
+    with pytest.raises(ValueError, match="decision_scale=-1 is the last scale"):
+        pipe.enable_sparvar(decision_scale=-1)
+    for bad, msg in ((dict(top_keys=0), "top_keys must be in"), (dict(top_keys=1.5), "top_keys must be"),
+                     (dict(local_window=4), "local_window must be an odd"), (dict(mapping="nearest"), "mapping must"),
+                     (dict(windows=[3]), "windows must be a tuple"), (dict(windows=(2,)), "windows must be"),
+                     (dict(query_group=0), "query_group must be"), (dict(cs4a_layers=2), "cs4a_layers must be"),
+                     (dict(sink_scales=-1), "sink_scales must be"), (dict(decision_scale=1.5), "decision_scale must")):
+        with pytest.raises(ValueError, match=msg):
+            SparVARConfig(**bad)
+    with pytest.raises(ValueError, match="unknown SparVARConfig setting"):
+        pipe.enable_sparvar(top_k=0.3)
