@@ -139,7 +139,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
                 continue
             run.plan = plan
-            run.tokens_computed = None
+            run.tokens_computed = run.keys_read = None
             if plan.cond_only and run.cfg_active:
                 adapter.drop_uncond(run)
                 run.cfg_active = False
@@ -164,7 +164,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 n = float(plan.token_valid.sum()) / batch_size
             else:
                 n = int(plan.token_index.shape[-1])
-            run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1))
+            run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1,
+                                               keys_read=run.keys_read))
             if callback is not None:
                 callback(si, {"codes": codes, "logits": guided, "latent": adapter.latent(run)})
             if stop is not None and stop():

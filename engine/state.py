@@ -81,6 +81,7 @@ class ScaleStats:
     skipped: bool = False
     policy_ms: float = 0.0          # the part of ``ms`` in the policies' own scale-level work (plan, post hooks)
     rows: int = 2
+    keys_read: Optional[float] = None  # cached keys a query read, per layer (mean); None: every one so far
 
     @property
     def kept_ratio(self) -> float:
@@ -97,6 +98,15 @@ class GenerationStats:
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.scales)
+
+    def kv_per_scale(self) -> list[float]:
+        """Per scale, the cached keys a query read (``keys_read``), or where no policy narrowed
+        attention the running sum of tokens computed (what the FLOP models assume by default)."""
+        out, prefix = [], 0.0
+        for s in self.scales:
+            prefix += s.tokens_computed
+            out.append(s.keys_read if s.keys_read is not None else prefix)
+        return out
 
     @property
     def tokens_computed(self) -> float:
@@ -149,6 +159,7 @@ class RunState:
     policy_state: dict[str, Any] = field(default_factory=dict)
     workspace: Optional[Any] = None
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
+    keys_read: Optional[float] = None              # set by a policy that narrows attention (ScaleStats.keys_read)
     cuda_graphs: bool = False                       # the engine replays scales from CUDA graphs this run
     stats: GenerationStats = field(default_factory=GenerationStats)
 

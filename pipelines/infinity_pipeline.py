@@ -214,7 +214,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         rows = [s.rows for s in stats.scales]
         dense = infinity_loop_flops(cfg, hw, text_tokens, rows_per_scale=[max(rows)] * len(rows))
         return dense / infinity_loop_flops(cfg, hw, text_tokens, tokens_per_scale=[s.tokens_computed for s in stats.scales],
-                                           rows_per_scale=rows)
+                                           kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
 
     def memory_needed(self, batch_size: int, height: int = 1024, width: int = 1024) -> dict[str, int]:
         """A lower bound of the bytes one call of ``batch_size`` images at ``height`` × ``width``

@@ -129,7 +129,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         cfg = self.transformer.config
         rows = [s.rows for s in stats.scales]
         dense = var_loop_flops(cfg, 1, [p * p for p in cfg.patch_nums], rows_per_scale=[max(rows)] * len(rows))
-        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales], rows_per_scale=rows)
+        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales], kv_per_scale=stats.kv_per_scale(),
+                                      rows_per_scale=rows)
 
     @classmethod
     def from_demo(cls, dtype: Union[torch.dtype, str] = torch.float32) -> "VARPipeline":

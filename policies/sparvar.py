@@ -213,27 +213,38 @@ class SparVARPolicy(Policy):
     def begin(self, run) -> None:
         n = run.policies.scales_run(run.schedule.num_scales)
         si = resolve_scale_index(self.config.decision_scale, n, "decision_scale") if n > 1 else n
-        run.policy_state[self.name] = {"decision": si if si < n - 1 else None, "cs4a": {}}
+        run.policy_state[self.name] = {"decision": si if si < n - 1 else None, "cs4a": {}, "keys": []}
 
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         S = run.policy_state[self.name]["decision"]
         if S is None or si < S:
             return ScalePlan(hooks=frozenset())
-        return ScalePlan(hooks=frozenset({"attention"}))
+        return ScalePlan(hooks=frozenset({"attention", "after_scale"}))
 
     def attention(self, ctx, q_RHld, k_RHLd, v_RHLd, run):
         st = run.policy_state[self.name]
         if ctx.layer < self._cs4a_layers(run):
             return self._cs4a(ctx, q_RHld, k_RHLd, v_RHLd, run, st)
-        mask_lL = self._csla_mask(ctx.si, run).to(q_RHld.device)
+        mask_lL, keys = self._csla_mask(ctx.si, run, q_RHld.device)
+        st["keys"] = st["keys"] + [keys]
         return dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0, attn_mask=mask_lL[None, None])
 
-    def _csla_mask(self, si, run) -> torch.Tensor:
+    def after_scale(self, si, guided_logits_BLV, run) -> None:
+        """The keys a query read this scale, averaged over the layers, for the stats (FLOP counts);
+        one host read per scale, as every scale's stats are host numbers."""
+        st = run.policy_state[self.name]
+        if st["keys"]:
+            run.keys_read = float(sum(float(k) for k in st["keys"]) / len(st["keys"]))
+        st["keys"] = []
+
+    def _csla_mask(self, si, run, device) -> tuple[torch.Tensor, float]:
+        """CSLA's (l, L) mask for scale ``si`` on ``device`` and the mean keys a query reads."""
         c = self.config
-        key = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows)
+        key = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         cache = run.shape_cache
         if key not in cache:
-            cache[key] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows)
+            mask_lL = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows)
+            cache[key] = (mask_lL.to(device), mask_lL.sum(1).double().mean().item())
         return cache[key]
 
     def _cs4a(self, ctx, q_RHld, k_RHLd, v_RHLd, run, st):
@@ -248,6 +259,9 @@ class SparVARPolicy(Policy):
             o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
                                                         si=si)}
+            # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
+            # only: half a pass) and the sparse pass over the kept keys
+            st["keys"] = st["keys"] + [1.5 * Lk + K]
             return o_dense
         entry = st["cs4a"][ctx.layer]
         keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run)
@@ -258,6 +272,9 @@ class SparVARPolicy(Policy):
         band_GL = (pos_L[None] >= off + band_G2[:, :1].to(pos_L.device)) & (pos_L[None] <= off + band_G2[:, 1:].to(pos_L.device))
         keys_RHGL = keys_RHGL | band_GL[None, None]
         st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
+        sizes_G = torch.full((keys_RHGL.shape[2],), float(C), device=keys_RHGL.device)
+        sizes_G[-1] = h * w - C * (keys_RHGL.shape[2] - 1)                                 # the last group's queries
+        st["keys"] = st["keys"] + [(keys_RHGL.sum(-1).float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
         o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
         hS, wS = run.schedule.hw[st["decision"]]
         o_cache = entry["o_cache"][:R]                                                   # (R, H, hS·wS, d)

@@ -159,3 +159,25 @@ def test_refusals_and_bad_settings_name_the_reason(pipe):
             SparVARConfig(**bad)
     with pytest.raises(ValueError, match="unknown SparVARConfig setting"):
         pipe.enable_sparvar(top_k=0.3)
+
+
+def test_stats_count_the_keys_read_and_flop_speedup_follows(pipe):
+    """CSLA with one sink scale and 1×1 windows on the last two key scales reads 1 + 1 (+ 1) keys
+    per query; CS4A layers at the decision scale pay the dense pass, the column sums and the sparse
+    pass (1.5 L + K keys). The FLOP speed-up counts it: the neutral setting is slower than dense."""
+    S = len(pipe.transformer.config.patch_nums)
+    pipe.enable_sparvar(cs4a_layers=0.0, sink_scales=1, windows=(1, 1))
+    out = _run(pipe, [3])
+    scales = out.stats[0].scales
+    assert [s.keys_read for s in scales[:S - 3]] == [None] * (S - 3)
+    assert [s.keys_read for s in scales[S - 3:]] == [1.0, 2.0, 3.0]                 # sink; + own; + previous
+    assert pipe.flop_speedup(out.stats[0]) > 1.0
+    pipe.disable_sparvar()
+    pipe.enable_sparvar(SparVARConfig.dense())
+    out = _run(pipe, [3])
+    s = out.stats[0].scales[S - 3]
+    L = sum(p * p for p in pipe.transformer.config.patch_nums[:S - 2])
+    depth, n_cs4a = pipe.transformer.config.depth, round(0.6 * pipe.transformer.config.depth)
+    assert s.keys_read == pytest.approx((n_cs4a * 2.5 * L + (depth - n_cs4a) * L) / depth)
+    assert out.stats[0].scales[-1].keys_read == pytest.approx(sum(p * p for p in pipe.transformer.config.patch_nums))
+    assert pipe.flop_speedup(out.stats[0]) < 1.0

@@ -470,11 +470,13 @@ INFINITY_PRESETS: dict[str, dict] = {
 
 def infinity_loop_flops(cfg, hw: Sequence[tuple[int, int]], text_tokens: int, batch: int = 1, cfg_rows: int = 2,
                         tokens_per_scale: Optional[Sequence[float]] = None,
-                        rows_per_scale: Optional[Sequence[int]] = None) -> float:
+                        rows_per_scale: Optional[Sequence[int]] = None,
+                        kv_per_scale: Optional[Sequence[float]] = None) -> float:
     """FLOPs of the scale loop (multiply-add = 2) for ``batch`` images with ``cfg_rows`` rows each
     (2 with guidance; ``rows_per_scale[k]`` overrides it per scale, 1 in cond-only mode), when scale
-    k runs ``tokens_per_scale[k]`` tokens (default: all; 0 = skipped) and attends to the running
-    sum. Text K/V are counted once (they are hoisted)."""
+    k runs ``tokens_per_scale[k]`` tokens (default: all; 0 = skipped) and attends to
+    ``kv_per_scale[k]`` cached tokens (default: the running sum). Text K/V are counted once (they
+    are hoisted)."""
     C, depth, V = cfg.embed_dim, cfg.depth, 2 * cfg.token_dim
     hidden = ffn_hidden(C, cfg.mlp_ratio)
     rows = batch * cfg_rows
@@ -484,7 +486,8 @@ def infinity_loop_flops(cfg, hw: Sequence[tuple[int, int]], text_tokens: int, ba
         if n == 0:
             continue
         prefix += n
-        per_layer = 2 * n * (4 * C * C + 2 * C * C + 2 * C * hidden) + 4 * n * prefix * C + 4 * n * text_tokens * C
+        kv = prefix if kv_per_scale is None else kv_per_scale[k]
+        per_layer = 2 * n * (4 * C * C + 2 * C * C + 2 * C * hidden) + 4 * n * kv * C + 4 * n * text_tokens * C
         scale_rows = rows if rows_per_scale is None else batch * rows_per_scale[k]
         total += scale_rows * (depth * per_layer + 2 * h * w * C * V)
     return total
