@@ -9,10 +9,11 @@ changes, from the decision scale S on (scales before it attend densely):
   order) over its queries per key, keeps each group's ``top_keys`` fraction of keys with the largest
   sums, and stores ``O_cache = O_dense − O_sparse``: what the unselected keys contributed. At a later
   scale k each query group takes the keys of the proportionally nearest group of the previous
-  sparse scale (``mapping``: "relative" moves each key to the scale as far behind the query's scale
-  as it was behind S, at the proportional position, and attends the first scales, which have no
-  source, as sinks — the paper's index mapping; "verbatim" reuses the cache positions, as the
-  authors' development code does), plus a band of its own scale (every key of the group's
+  sparse scale (``mapping``: "relative" maps S's selection to each later scale, every key moved to
+  the scale as far behind the query's scale as it was behind S at the proportional position, and
+  reads the first ``sink_scales`` scales (at least those with no source) whole — the supplement's
+  Decompose-Align-Project with its attention sink; "verbatim" reuses the previous sparse scale's
+  cache positions, as the authors' development code does), plus a band of its own scale (every key of the group's
   ``local_window``-sided windows, as one contiguous raster range; the side grows by 2 per scale),
   and its output is ``upsample(O_cache) + attention over those keys``.
 - **CSLA** (the other layers, from S on): a query reads every key of the first ``sink_scales``
@@ -61,8 +62,8 @@ class SparVARConfig:
         it grows by 2 per later scale), or -1 for the whole scale. Paper: 7 (then 9).
     mapping: how CS4A's keys follow the query to later scales: "relative" (the paper's mapping, see
         the module docstring) or "verbatim" (the same cache positions; the development code).
-    sink_scales: CSLA reads every key of the first this-many scales, ≥ 0. Paper: 5 (121 tokens
-        on Infinity).
+    sink_scales: CSLA, and CS4A with the "relative" mapping, read every key of the first this-many
+        scales, ≥ 0. Paper: 5 (121 tokens on Infinity).
     windows: CSLA's window side per key scale counted from the end (windows[0] = the last scale):
         odd ≥ 1, 0 = not read, -1 = the whole scale; key scales past the tuple are not read.
         Paper: (7, 5, 3, 1, 1).
@@ -135,9 +136,10 @@ def _proportional(idx: torch.Tensor, n_from: int, n_to: int) -> torch.Tensor:
 
 
 def relative_key_map(hw, si_from: int, si_to: int) -> tuple[torch.Tensor, int]:
-    """(map (offsets[si_from + 1],) int64, sinks): key position p of scale j ≤ ``si_from`` moves to
-    scale j + (si_to − si_from) at the proportional (row, col); keys of the first ``sinks`` =
-    si_to − si_from scales have no source and are read whole."""
+    """(map (offsets[si_from + 1],) int64, sinks): the supplement's Decompose-Align-Project. Key
+    position p of scale l ≤ ``si_from`` moves to scale l' = l + (si_to − si_from), its (u, v) to
+    (⌊u·h_l'/h_l⌋, ⌊v·w_l'/w_l⌋); keys of the first ``sinks`` = si_to − si_from scales have no
+    source."""
     offsets = [0]
     for h, w in hw:
         offsets.append(offsets[-1] + h * w)
@@ -146,7 +148,7 @@ def relative_key_map(hw, si_from: int, si_to: int) -> tuple[torch.Tensor, int]:
     for j in range(si_from + 1):
         (h, w), (H, W) = hw[j], hw[j + shift]
         y, x = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
-        out.append(offsets[j + shift] + _proportional(y, h, H) * W + _proportional(x, w, W))
+        out.append(offsets[j + shift] + (y * H // h) * W + (x * W // w))
     return torch.cat(out), shift
 
 
@@ -258,13 +260,16 @@ class SparVARPolicy(Policy):
             keys_RHGL = torch.zeros_like(colsum_RHGL, dtype=torch.bool).scatter_(-1, top_RHGK, True)
             o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
-                                                        si=si)}
+                                                        keys_S=keys_RHGL, si=si)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
             return o_dense
         entry = st["cs4a"][ctx.layer]
-        keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run)
+        if c.mapping == "relative":                 # the paper: from the decision scale's selection
+            keys_RHGL = self._follow(entry["keys_S"][:R], st["decision"], si, run)
+        else:                                       # the development code: the previous scale's keys
+            keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run)
         h, w = run.schedule.hw[si]
         off = run.schedule.offsets[si]
         band_G2 = band_ranges(h, w, C, c.local_window if c.local_window < 0 else c.local_window + 2 * (si - st["decision"] - 1))
@@ -307,6 +312,6 @@ class SparVARPolicy(Policy):
         map_L = map_L.to(keys_RHGL.device)
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
         out = out.to(torch.uint8).scatter_reduce_(-1, map_L.expand_as(src), src, reduce="amax").bool()
-        out[..., :sched.offsets[sinks]] = True
+        out[..., :sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]] = True   # A_sink ∪ mapped keys
         return out
 

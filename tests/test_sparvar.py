@@ -26,12 +26,14 @@ def _run(pipe, labels, **kw):
 
 
 # ---- position maps, worked by hand --------------------------------------------------------------------
-def test_relative_key_map_moves_each_key_one_scale_on_at_its_proportional_position():
+def test_relative_key_map_moves_each_key_one_scale_on_by_the_supplements_projection():
     """Scales 1×1, 2×2, 4×4 (offsets 0, 1, 5, 21), from scale 1 to scale 2: the 1×1 key lands on
-    (1, 1) of the 2×2 map (position 1 + 3 = 4); the 2×2 keys (y, x) land on (2y + 1, 2x + 1) of the
-    4×4 map: 5 + 5 = 10, 5 + 7 = 12, 5 + 13 = 18, 5 + 15 = 20; one scale (the first) is a sink."""
+    (0, 0) of the 2×2 map (position 1); a 2×2 key (u, v) on (⌊4u/2⌋, ⌊4v/2⌋) = (2u, 2v) of the
+    4×4 map: 5, 5 + 2 = 7, 5 + 8 = 13, 5 + 10 = 15; one scale (the first) has no source."""
     map_L, sinks = relative_key_map(((1, 1), (2, 2), (4, 4)), 1, 2)
-    assert map_L.tolist() == [4, 10, 12, 18, 20] and sinks == 1
+    assert map_L.tolist() == [1, 5, 7, 13, 15] and sinks == 1
+    map_L, sinks = relative_key_map(((1, 1), (2, 2), (3, 3), (4, 4)), 1, 3)      # two scales on: 1×1 → 3×3, 2×2 → 4×4
+    assert map_L.tolist() == [5, 14, 16, 22, 24] and sinks == 2
 
 
 def test_band_ranges_cover_each_groups_windows_as_one_raster_range():
