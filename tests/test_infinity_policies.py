@@ -95,3 +95,24 @@ def test_skip_and_cond_only(pipe):
         ["w3 w4 w5", "w9"], height=256, width=256, guidance_scale=1.0, top_k=1, generator=torch.Generator().manual_seed(0),
         output_type="latent", callback_on_step_end=lambda p, si, t, d: ref_codes.append(d["codes"]) or d)
     _assert_same_codes(codes, ref_codes, len(SCALES))                # cond-only from the start = guidance off
+
+
+def test_sparvar_on_infinity_neutral_matches_dense_and_the_preset_reads_fewer_keys(pipe):
+    """SparVAR through Infinity's RoPE self-attention (the text goes through cross-attention and is
+    not touched): ``SparVARConfig.dense()`` draws dense's greedy codes; the preset changes them
+    and reads fewer keys at the last three scales."""
+    from sparsevar import SparVARConfig
+    dense, dense_codes = _run(pipe)
+    pipe.enable_sparvar(SparVARConfig.dense())
+    out, codes = _run(pipe)
+    _assert_same_codes(codes, dense_codes, len(SCALES))
+    torch.testing.assert_close(out.images, dense.images, rtol=0, atol=1e-4)
+    pipe.disable_sparvar()
+    pipe.enable_sparvar(windows=(3, 1), sink_scales=2, top_keys=0.1)
+    out, codes = _run(pipe)
+    assert any(not torch.equal(a, b) for a, b in zip(codes, dense_codes))
+    stats = out.stats[0].scales
+    prefix = [sum(s * s for s in SCALES[:k + 1]) for k in range(len(SCALES))]
+    assert [s.keys_read is None for s in stats] == [True] * (len(SCALES) - 3) + [False] * 3
+    assert all(s.keys_read < p for s, p in zip(stats[-2:], prefix[-2:]))
+    assert pipe.flop_speedup(out.stats[0], height=256, width=256) > 1.0
