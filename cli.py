@@ -227,6 +227,10 @@ def _check_generate_args(args, text: bool) -> None:
     if args.sparsevar and args.fastvar is not None:
         raise CLIError("--sparsevar and --fastvar cannot be combined (both choose the tokens each scale computes): "
                        "give one of them")
+    if args.sparvar is not None and (args.sparsevar or args.fastvar is not None):
+        other = "--sparsevar" if args.sparsevar else "--fastvar"
+        raise CLIError(f"--sparvar and {other} cannot be combined (SparVAR selects keys among every token of the "
+                       f"cache; {other} computes a subset of the tokens): give one of them")
     count = (len(args.prompt) if text else len(args.class_labels or ["0"])) * args.num
     _check_image_out(args.out, count)
     if args.save_token_maps:
@@ -276,6 +280,14 @@ def _policy_configs(args, family: str) -> list:
             fields["layer_range"] = tuple(args.fastvar_layers)
         try:
             out.append((flags, "enable_fastvar", replace(FASTVAR_PRESETS.get(family, FastVARConfig()), **fields)))
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    if args.sparvar is not None:
+        from .policies.sparvar import SPARVAR_PRESETS, SparVARConfig
+        fields = {} if args.sparvar < 0 else {"top_keys": args.sparvar}
+        flags = "--sparvar" + ("" if args.sparvar < 0 else f" {args.sparvar:g}")
+        try:
+            out.append((flags, "enable_sparvar", replace(SPARVAR_PRESETS.get(family, SparVARConfig()), **fields)))
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
     if args.skip_last or args.cond_only_from is not None:
@@ -790,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "not with --sparsevar")
     a.add_argument("--fastvar-layers", type=int, nargs=2, metavar=("FIRST", "LAST"),
                    help="FastVAR: first and last layer that prune (default: the family preset; Infinity-2B 3 27)")
+    a.add_argument("--sparvar", type=float, nargs="?", const=-1.0, metavar="TOP_KEYS",
+                   help="SparVAR sparse attention (family preset); optionally the fraction of keys CS4A keeps, "
+                        "(0, 1]; not with --sparsevar or --fastvar")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
     a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")

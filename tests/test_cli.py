@@ -300,3 +300,18 @@ def test_generate_without_sampling_flags_draws_with_the_familys_defaults(tmp_pat
     assert np.array_equal(np.asarray(PIL.Image.open(b)),
                           draw(pipe, "w3 w4", guidance_scale=3.0, top_p=0.97, temperature=0.5, **kw))
     assert not np.array_equal(np.asarray(PIL.Image.open(b)), draw(pipe, "w3 w4", guidance_scale=4.0, top_p=0.95, **kw))
+
+
+def test_generate_with_sparvar_reports_the_keys_it_read(tmp_path, capsys):
+    """`--sparvar 0.3 --skip-last 1` on the demo model writes its image; the same settings through
+    the Python API read fewer keys at the last scale that runs than the tokens before it."""
+    from sparsevar import VARPipeline
+    out = tmp_path / "s.png"
+    assert main(["generate", "--class", "fish", "--sparvar", "0.3", "--skip-last", "1", "--out", str(out),
+                 "--seed", "2", "--quiet"]) == 0
+    assert out.is_file()
+    pipe = VARPipeline.from_demo().enable_sparvar(top_keys=0.3).enable_scale_skip(skip_last=1)
+    pipe.set_progress_bar_config(disable=True)
+    stats = pipe(["fish"], generator=torch.Generator().manual_seed(2)).stats[0]
+    run = [s for s in stats.scales if not s.skipped]
+    assert run[-1].keys_read is not None and run[-1].keys_read < sum(s.tokens for s in run)
