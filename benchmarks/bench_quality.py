@@ -74,6 +74,7 @@ from ..pipelines.defaults import VAR_DEFAULTS
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
+from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ._results import atomic_write, write_csv
 from .metrics import mean_ci95, psnr, ssim
 
@@ -88,7 +89,7 @@ class QualitySetting:
     """One point of the sweep: the policy configs a named setting enables (None = that method off).
 
     name: the setting as written ("sparsevar-keep0.5+skip-last-1"); family: "sparsevar", "fastvar",
-    "skip" (scale skipping and cond-only scales) or "combo" (parts from several families).
+    "sparvar", "skip" (scale skipping and cond-only scales) or "combo" (parts from several families).
     """
 
     name: str
@@ -96,6 +97,7 @@ class QualitySetting:
     sparsevar: Optional[SparseVARConfig] = None
     fastvar: Optional[FastVARConfig] = None
     scale_skip: Optional[ScaleSkipConfig] = None
+    sparvar: Optional[SparVARConfig] = None
 
     def policies(self) -> list[Policy]:
         """Fresh policy objects for the pipeline's per-call ``policies=`` argument."""
@@ -104,13 +106,16 @@ class QualitySetting:
             out.append(SparseVARPolicy(self.sparsevar))
         if self.fastvar is not None:
             out.append(FastVARPolicy(self.fastvar))
+        if self.sparvar is not None:
+            out.append(SparVARPolicy(self.sparvar))
         if self.scale_skip is not None:
             out.append(ScaleSkipPolicy(self.scale_skip))
         return out
 
     def describe(self) -> str:
         parts = []
-        for label, cfg in (("sparsevar", self.sparsevar), ("fastvar", self.fastvar), ("scale_skip", self.scale_skip)):
+        for label, cfg in (("sparsevar", self.sparsevar), ("fastvar", self.fastvar), ("sparvar", self.sparvar),
+                           ("scale_skip", self.scale_skip)):
             if cfg is not None:
                 fields = ", ".join(f"{k}={v}" for k, v in vars(cfg).items() if k != "backend")
                 parts.append(f"{label}({fields})")
@@ -168,6 +173,12 @@ SETTING_FORMS: tuple = (
     (re.compile(rf"fastvar-r({_NUM[1:-1]}(?:-{_NUM[1:-1]})*)"), "fastvar-r<R1>-<R2>…",
      "FastVAR with prune ratios of the last scales, earliest first (fastvar-r0.5-0.75 = the preset)",
      _fastvar_ratios),
+    (re.compile(r"sparvar-preset"), "sparvar-preset",
+     "SparVAR, the VAR family preset (SPARVAR_PRESETS['var']: decision scale third-last, top_keys 0.2)",
+     lambda m: {"sparvar": SPARVAR_PRESETS[FAMILY]}),
+    (re.compile(rf"sparvar-top{_NUM}"), "sparvar-top<K>",
+     "SparVAR preset keeping the share K in (0, 1] of the keys at the decision scale (CS4A's top_keys)",
+     lambda m: {"sparvar": replace(SPARVAR_PRESETS[FAMILY], top_keys=float(m[1]))}),
     (re.compile(r"skip-last-(\d+)"), "skip-last-<N>", "skip the last N scales", _skip_last),
     (re.compile(r"cond-only-last-(\d+)"), "cond-only-last-<N>",
      "run the last N scales without the unconditional CFG half", _cond_only_last),
@@ -181,6 +192,7 @@ SETTINGS: tuple[str, ...] = (
     "fastvar-preset", "fastvar-r0.25-0.5", "fastvar-r0.75-0.9",
     "skip-last-1", "skip-last-2", "cond-only-last-1", "cond-only-last-2",
     "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
+    "sparvar-preset", "sparvar-top0.05", "sparvar-preset+skip-last-1",
 )
 
 # The sweep behind the README's quality / speed curves: every method near 1.3x, 1.8x and 2.3x FLOP
@@ -195,7 +207,7 @@ DEFAULT_SETTINGS: tuple[str, ...] = (
     "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
 )
 
-FAMILIES = ("sparsevar", "fastvar", "skip", "combo")
+FAMILIES = ("sparsevar", "fastvar", "sparvar", "skip", "combo")
 
 
 def describe_settings() -> str:
@@ -246,10 +258,14 @@ def parse_setting(name: str) -> QualitySetting:
     if "sparsevar" in configs and "fastvar" in configs:
         raise ValueError(f"setting {name!r} combines SparseVAR with FastVAR, which prune the same tokens and cannot "
                          f"be stacked; combine either with skip-last-N or cond-only-last-N")
+    if "sparvar" in configs and ("sparsevar" in configs or "fastvar" in configs):
+        raise ValueError(f"setting {name!r} combines SparVAR with a method that computes a token subset, which "
+                         f"leaves holes in the cache SparVAR selects keys from; combine it with skip-last-N or "
+                         f"cond-only-last-N")
     scale_skip = ScaleSkipConfig(**skip) if skip else None
     family = next(iter(families)) if len(families) == 1 else "combo"
     return QualitySetting(name=name, family=family, sparsevar=configs.get("sparsevar"),
-                          fastvar=configs.get("fastvar"), scale_skip=scale_skip)
+                          fastvar=configs.get("fastvar"), scale_skip=scale_skip, sparvar=configs.get("sparvar"))
 
 
 def parse_settings(settings: Optional[Sequence[str]]) -> list[QualitySetting]:
@@ -399,9 +415,10 @@ class _AtOneScale(Policy):
     after ``k`` (every later scale planned as skipped).
 
     Before ``k`` the inner policy still plans (its state follows the scales it saw) and keeps the
-    hooks that only read and store — ``observe``, ``after_scale``, and ``wrap_sublayer`` where its
-    plan declares state ``writes`` (FastVAR's cache scale stores every branch output while running
-    the scale whole) — but its subset, skip and cond-only requests and its output hooks are
+    hooks that only read and store — ``observe``, ``after_scale``, and ``wrap_sublayer`` or
+    ``attention`` where its plan declares state ``writes`` (FastVAR's cache scale stores every
+    branch output while running the scale whole; SparVAR's decision scale attends densely while it
+    picks its keys) — but its subset, skip and cond-only requests and its output hooks are
     dropped. Whether that left the scale dense is not assumed: :func:`_teacher_latent` checks the
     latents bit for bit. At ``k`` its plan passes unchanged. It takes the inner policy's name (its
     state lives under that name) and conflicts.
@@ -431,6 +448,8 @@ class _AtOneScale(Policy):
         stores = hooks - _OUTPUT_HOOKS
         if q is None or not q.writes:
             stores -= {"wrap_sublayer"}
+        elif si < self.k:                            # in-layer hooks that store state as the scale runs
+            stores |= hooks & {"attention"}
         if q is None:
             return ScalePlan(hooks=stores)
         return ScalePlan(hooks=stores, layers=q.layers, writes=q.writes, reads=q.reads)
@@ -458,7 +477,7 @@ def _changed_scales(acc: _Sample, dense: _Sample) -> list[int]:
     """The scales a setting changed in its own run: skipped, run with fewer rows than dense (no
     unconditional half) or with fewer tokens than the map holds."""
     return [a.si for a, d in zip(acc.scales, dense.scales)
-            if a.skipped or a.rows < d.rows or a.tokens_computed < a.tokens]
+            if a.skipped or a.rows < d.rows or a.tokens_computed < a.tokens or a.keys_read is not None]
 
 
 def teacher_scales(acc: _Sample, dense: _Sample) -> list[int]:
@@ -597,7 +616,9 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
         grid_seeds: rows of each grid (the first seeds). diff_gain: factor on |dense − accelerated|.
         model_name: written into the CSV (default: "demo", the folder name, or the size of a pipeline).
         teacher: measure ``teacher_psnr_db`` (module docstring; one more generation per seed and
-            measured scale, up to that scale); False leaves its columns nan.
+            measured scale, up to that scale); False leaves its columns nan. SparVAR settings leave
+            them nan too: at its decision scale it both changes the output (CSLA layers) and stores
+            what later scales read (CS4A layers), so no run has dense's history and its state.
         classifier: the judge of ``classifier_acc`` (:func:`load_classifier`: None = the model
             folder's ``classifier.safetensors``, False = none, a file, or a module); without one
             the accuracy columns are nan.
@@ -632,7 +653,11 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             raise ValueError(f"setting {s.name!r} does not fit this model: {e}") from None
         policies[s.name] = ps
 
+    untaught = [s.name for s in parsed if s.sparvar is not None] if teacher else []
     dev = pipe.transformer.device
+    if untaught:
+        log(f"quality: no teacher-forced measure for {', '.join(untaught)} (SparVAR's decision scale both changes "
+            f"the output and stores what later scales read)")
     log(f"quality: {name} on {_device_name(dev)} ({dev.type}), {len(seed_list)} seeds, {len(parsed)} settings, "
         f"cfg {sampling.guidance_scale} top_k {sampling.top_k} top_p {sampling.top_p}"
         f"{', teacher-forced' if teacher else ''}{', classifier' if judge is not None else ''}")
@@ -664,7 +689,7 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             r["flops"].append(acc.flop_speedup)
             r["kept"].append(acc.kept_ratio)
             r["pred"].append(_predict(judge, acc.image_13HW))
-            if teacher:
+            if teacher and s.name not in untaught:
                 scales = teacher_scales(acc, dense)
                 r["tscales"] += scales
                 if scales:
@@ -707,7 +732,7 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
     log(f"dense: classifier {dense_acc:.0%}; the sweep took {time.perf_counter() - t_start:.0f} s")
 
     seed_rows = [dict(setting=s.name, seed=seed, label=label, psnr_db=round(per[s.name]["psnr"][i], 4),
-                      teacher_psnr_db=round(per[s.name]["tpsnr"][i], 4) if teacher else math.nan,
+                      teacher_psnr_db=round(per[s.name]["tpsnr"][i], 4) if per[s.name]["tpsnr"] else math.nan,
                       ssim=round(per[s.name]["ssim"][i], 6), flop_speedup=round(per[s.name]["flops"][i], 4),
                       kept_ratio=round(per[s.name]["kept"][i], 4), predicted=per[s.name]["pred"][i],
                       dense_predicted=dense_pred[i])
@@ -737,6 +762,7 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
 FAMILY_STYLE = {            # family → (legend label, RGB, marker)
     "sparsevar": ("SparseVAR", (31, 119, 180), "circle"),
     "fastvar": ("FastVAR", (255, 127, 14), "square"),
+    "sparvar": ("SparVAR", (148, 103, 189), "circle"),
     "skip": ("scale skip / cond-only", (44, 160, 44), "triangle"),
     "combo": ("combinations", (214, 39, 40), "diamond"),
 }

@@ -221,7 +221,11 @@ class SparVARPolicy(Policy):
         S = run.policy_state[self.name]["decision"]
         if S is None or si < S:
             return ScalePlan(hooks=frozenset())
-        return ScalePlan(hooks=frozenset({"attention", "after_scale"}))
+        if si == S:                   # attends densely while it picks each layer's keys for later scales
+            return ScalePlan(hooks=frozenset({"attention", "after_scale"}), writes=("cs4a",))
+        chained = self.config.mapping == "verbatim"      # each scale's keys feed the next
+        return ScalePlan(hooks=frozenset({"attention", "after_scale"}), writes=("cs4a",) if chained else (),
+                         reads=("cs4a",))
 
     def attention(self, ctx, q_RHld, k_RHLd, v_RHLd, run):
         st = run.policy_state[self.name]
@@ -276,7 +280,8 @@ class SparVARPolicy(Policy):
         pos_L = torch.arange(Lk, device=q_RHld.device)
         band_GL = (pos_L[None] >= off + band_G2[:, :1].to(pos_L.device)) & (pos_L[None] <= off + band_G2[:, 1:].to(pos_L.device))
         keys_RHGL = keys_RHGL | band_GL[None, None]
-        st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
+        if c.mapping == "verbatim":
+            st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
         sizes_G = torch.full((keys_RHGL.shape[2],), float(C), device=keys_RHGL.device)
         sizes_G[-1] = h * w - C * (keys_RHGL.shape[2] - 1)                                 # the last group's queries
         st["keys"] = st["keys"] + [(keys_RHGL.sum(-1).float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
