@@ -21,6 +21,7 @@ from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, sparsevar_config_for
+from ..policies.sparvar import MAPPINGS, SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ._comfy import comfy_utils, folder_paths, io, model_management, model_patcher
 from .docs import field_doc
 
@@ -33,6 +34,7 @@ SparseVARSettings = io.Custom("SPARSEVAR_SETTINGS")
 AnchorSettings = io.Custom("SPARSEVAR_ANCHOR_SETTINGS")
 ScaleSkipSettings = io.Custom("SPARSEVAR_SCALE_SKIP")
 FastVARSettings = io.Custom("SPARSEVAR_FASTVAR_SETTINGS")
+SparVARSettings = io.Custom("SPARSEVAR_SPARVAR_SETTINGS")
 GenerationStatsType = io.Custom("SPARSEVAR_STATS")
 
 
@@ -289,8 +291,54 @@ class FastVARSettingsNode(io.ComfyNode):
         return io.NodeOutput(FastVARChoice(ratios=FastVARConfig(ratios=values).ratios))   # (checked by the config)
 
 
+@dataclasses.dataclass(frozen=True)
+class SparVARChoice:
+    """What the SparVAR Settings node set, applied over the model family's preset
+    (``SPARVAR_PRESETS``); decision_scale None keeps the preset's."""
+
+    top_keys: float
+    cs4a_layers: float
+    decision_scale: int | None
+    mapping: str
+
+    def overrides(self) -> dict:
+        out = {"top_keys": self.top_keys, "cs4a_layers": self.cs4a_layers, "mapping": self.mapping}
+        return out if self.decision_scale is None else {**out, "decision_scale": self.decision_scale}
+
+
+class SparVARSettingsNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        d = SPARVAR_PRESETS["var"]
+        return io.Schema(
+            node_id="SparseVAR_SparVARSettings", display_name="SparVAR Settings", category=CATEGORY,
+            description="Sparse cross-scale attention (SparVAR: CS4A + CSLA): every token is computed, each query "
+                        "reads fewer cached keys from the decision scale on. Applied over the preset of the model's "
+                        "family. Connect to the sampler's 'sparvar' input; not with SparseVAR or FastVAR.",
+            inputs=[
+                io.Float.Input("top_keys", default=d.top_keys, min=0.01, max=1.0, step=0.01,
+                               tooltip=field_doc(SparVARConfig, "top_keys")),
+                io.Float.Input("cs4a_layers", default=d.cs4a_layers, min=0.0, max=1.0, step=0.05,
+                               tooltip=field_doc(SparVARConfig, "cs4a_layers")),
+                io.Int.Input("decision_scale", default=0, min=-16, max=16,
+                             tooltip="0 = the model family's preset (-3). " + field_doc(SparVARConfig, "decision_scale")),
+                io.Combo.Input("mapping", options=list(MAPPINGS), default=d.mapping,
+                               tooltip=field_doc(SparVARConfig, "mapping")),
+            ],
+            outputs=[SparVARSettings.Output(display_name="sparvar")],
+        )
+
+    @classmethod
+    def execute(cls, top_keys, cs4a_layers, decision_scale, mapping) -> io.NodeOutput:
+        choice = SparVARChoice(top_keys=top_keys, cs4a_layers=cs4a_layers,
+                               decision_scale=None if decision_scale == 0 else decision_scale, mapping=mapping)
+        SparVARConfig(**choice.overrides())              # a bad value is named here, at this node
+        return io.NodeOutput(choice)
+
+
 def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | None,
-              scale_skip: ScaleSkipConfig | None, fastvar: FastVARChoice | None) -> list:
+              scale_skip: ScaleSkipConfig | None, fastvar: FastVARChoice | None,
+              sparvar: SparVARChoice | None = None) -> list:
     """The settings nodes' choices, over the presets of the model's family, as policies for one call
     (the shared pipeline is left unchanged)."""
     policies = []
@@ -300,6 +348,9 @@ def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorCon
     if fastvar is not None:
         preset = FASTVAR_PRESETS.get(family, FastVARConfig())
         policies.append(FastVARPolicy(dataclasses.replace(preset, **fastvar.overrides())))
+    if sparvar is not None:
+        preset = SPARVAR_PRESETS.get(family, SparVARConfig())
+        policies.append(SparVARPolicy(dataclasses.replace(preset, **sparvar.overrides())))
     if scale_skip is not None:
         policies.append(ScaleSkipPolicy(scale_skip))
     return policies
@@ -371,6 +422,7 @@ class SparseVARSampler(io.ComfyNode):
                 AnchorSettings.Input("anchors", optional=True),
                 ScaleSkipSettings.Input("scale_skip", optional=True),
                 FastVARSettings.Input("fastvar", optional=True),
+                SparVARSettings.Input("sparvar", optional=True),
             ],
             outputs=[io.Image.Output(display_name="images"), io.String.Output(display_name="stats"),
                      GenerationStatsType.Output(display_name="token_maps")],
@@ -379,14 +431,18 @@ class SparseVARSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, prompt="", negative_prompt="",
                 height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
-                fastvar=None) -> io.NodeOutput:
+                fastvar=None, sparvar=None) -> io.NodeOutput:
         pipe = model.pipe
         infinity = isinstance(pipe, InfinityPipeline)
         if fastvar is not None and (sparsevar is not None or anchors is not None):
             raise ValueError("SparseVAR Sampler: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the "
                              "two methods cannot be combined (both choose the tokens each scale computes): "
                              "disconnect one of them")
-        policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar)
+        if sparvar is not None and (fastvar is not None or sparsevar is not None or anchors is not None):
+            raise ValueError("SparseVAR Sampler: 'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected, "
+                             "and they cannot be combined (SparVAR selects keys among every token of the cache; the "
+                             "others compute a subset of the tokens): disconnect one of them")
+        policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar, sparvar)
         if infinity:
             total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
         else:
@@ -442,4 +498,4 @@ class TokenMapPreview(io.ComfyNode):
 
 
 NODES = [VARModelLoader, SparseVARSampler, SparseVARSettingsNode, AnchorSettingsNode, ScaleSkipNode,
-         FastVARSettingsNode, TokenMapPreview]
+         FastVARSettingsNode, SparVARSettingsNode, TokenMapPreview]

@@ -339,6 +339,21 @@ def test_user_errors_reach_the_ui_as_a_message(comfy, tmp_path):
     assert msg["exception_type"].endswith("ValueError") and "FastVAR Settings: ratios" in msg["exception_message"]
 
 
+def test_sparvar_beside_fastvar_is_refused_with_the_reason(comfy, tmp_path):
+    """The SparVAR workflow with FastVAR Settings also wired to the sampler: one error naming both
+    inputs and why they cannot be combined."""
+    info = _get(comfy["url"] + "/object_info")
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_sparvar.json").read_text()), info)
+    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    assert isinstance(sampler["inputs"]["sparvar"], list)                      # the workflow wires SparVAR
+    prompt["99"] = {"class_type": "SparseVAR_FastVARSettings", "inputs": {"ratios": "0.5, 0.75"}}
+    sampler["inputs"]["fastvar"] = ["99", 0]
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]["exception_message"]
+    assert "'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected" in msg and "subset" in msg
+
+
 def test_frontend_loads_every_workflow_and_matches_its_thumbnail(comfy, tmp_path):
     """The real frontend (comfyui-frontend-package) in headless Chromium loads each shipped workflow
     with every node known and no page error. Thumbnails in workflows/ are these screenshots;
