@@ -284,8 +284,9 @@ def _policy_configs(args, family: str) -> list:
             raise CLIError(f"{flags}: {e}") from None
     if args.sparvar is not None:
         from .policies.sparvar import SPARVAR_PRESETS, SparVARConfig
-        fields = {} if args.sparvar < 0 else {"top_keys": args.sparvar}
-        flags = "--sparvar" + ("" if args.sparvar < 0 else f" {args.sparvar:g}")
+        preset = args.sparvar is True                   # the flag alone: the family preset
+        fields = {} if preset else {"top_keys": args.sparvar}
+        flags = "--sparvar" + ("" if preset else f" {args.sparvar:g}")
         try:
             out.append((flags, "enable_sparvar", replace(SPARVAR_PRESETS.get(family, SparVARConfig()), **fields)))
         except ValueError as e:
@@ -802,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "not with --sparsevar")
     a.add_argument("--fastvar-layers", type=int, nargs=2, metavar=("FIRST", "LAST"),
                    help="FastVAR: first and last layer that prune (default: the family preset; Infinity-2B 3 27)")
-    a.add_argument("--sparvar", type=float, nargs="?", const=-1.0, metavar="TOP_KEYS",
+    a.add_argument("--sparvar", type=float, nargs="?", const=True, metavar="TOP_KEYS",
                    help="SparVAR sparse attention (family preset); optionally the fraction of keys CS4A keeps, "
                         "(0, 1]; not with --sparsevar or --fastvar")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")

@@ -448,7 +448,7 @@ class _AtOneScale(Policy):
         stores = hooks - _OUTPUT_HOOKS
         if q is None or not q.writes:
             stores -= {"wrap_sublayer"}
-        elif si < self.k:                            # in-layer hooks that store state as the scale runs
+        else:                                        # in-layer hooks that store state as the scale runs
             stores |= hooks & {"attention"}
         if q is None:
             return ScalePlan(hooks=stores)

@@ -108,6 +108,10 @@ class DemoTrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1 "
                                  f"(`sparsevar train-demo --{name.replace('_', '-')} N`)")
+        if not self.vq_ch_mult or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1
+                                          for m in self.vq_ch_mult):
+            raise ValueError(f"vq_ch_mult={tuple(self.vq_ch_mult)!r}: give one int >= 1 per level "
+                             f"(`sparsevar train-demo --vq-ch-mult 1 1 2 4`)")
         if self.schedule not in VAR_SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: choose one of {sorted(VAR_SCHEDULES)}")
         side = 2 ** (len(self.vq_ch_mult) - 1) * VAR_SCHEDULES[self.schedule][-1]
@@ -169,8 +173,9 @@ def build_vqvae(cfg: DemoTrainConfig, final_decoder: bool = False) -> MultiScale
                            patch_nums=VAR_SCHEDULES[cfg.schedule], **extra)
 
 
-def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float):
+def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float, upsample_ops: dict):
     """Training forward: multi-scale residual quantisation with a straight-through estimator.
+    ``upsample_ops`` keeps the bicubic operators between steps (filled on first use).
     Returns (reconstruction, vq loss, the un-quantised vectors seen at every scale (N, C), codes)."""
     f_BChw = vq.encode(img_B3HW).float()
     B, C, H, W = f_BChw.shape
@@ -193,7 +198,10 @@ def _vq_forward(vq: MultiScaleVQVAE, img_B3HW: torch.Tensor, beta: float):
             # bicubic upsampling as one float32 product with its operator: CUDA's bicubic backward
             # (atomic adds per output pixel) was most of a training step's time at a 32×32 latent
             with torch.autocast(f_BChw.device.type, enabled=False):
-                op = bicubic_operator((ph, pw), (H, W), f_BChw.device)              # (ph·pw, H·W)
+                key = (ph, pw, H, W)
+                if key not in upsample_ops:
+                    upsample_ops[key] = bicubic_operator((ph, pw), (H, W), f_BChw.device)   # (ph·pw, H·W)
+                op = upsample_ops[key]
                 h_BChw = (h_BChw.reshape(B * C, ph * pw).float() @ op).view(B, C, H, W)
         h_BChw = vq.apply_phi(h_BChw, si, SN)
         f_hat_BChw = f_hat_BChw + h_BChw
@@ -233,6 +241,7 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
     t0 = time.time()
     data_N3HW, labels_N = render_dataset(cfg.vq_data, cfg.seed * 1000 + 5, device)
     log(f"vqvae: rendered {data_N3HW.shape[0]} scenes in {time.time() - t0:.0f}s")
+    upsample_ops: dict = {}
     usage_V = torch.ones(cfg.vq_vocab, device=device)
     t0 = time.time()
     for step in range(cfg.vq_steps):
@@ -240,7 +249,7 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
             g["lr"] = _lr(step, cfg.vq_steps, cfg.vq_lr, min(500, cfg.vq_steps // 10 + 1))
         img_B3HW, _ = _batch(data_N3HW, labels_N, cfg.vq_batch, gen)
         with _autocast(device):
-            rec_B3HW, vq_loss, seen_NC, codes_N = _vq_forward(vq, img_B3HW, cfg.vq_beta)
+            rec_B3HW, vq_loss, seen_NC, codes_N = _vq_forward(vq, img_B3HW, cfg.vq_beta, upsample_ops)
         rec_B3HW = rec_B3HW.float()
         rec_loss = _reconstruction_loss(rec_B3HW, img_B3HW)
         loss = rec_loss + vq_loss

@@ -138,12 +138,13 @@ class Policy:
 
     ``name`` identifies the policy in a stack (one policy per name); its per-run state lives in a
     dict at ``run.policy_state[name]``. ``incompatible`` lists the names of policies this one cannot
-    be stacked with (checked both ways). A policy's captured graphs are keyed by its ``config`` (a
+    be stacked with (checked both ways), ``incompatible_why`` says why, for the refusal. A policy's captured graphs are keyed by its ``config`` (a
     frozen settings object) when it has one, else by the instance.
     """
 
     name: str = "policy"
     incompatible: tuple[str, ...] = ()
+    incompatible_why: str = ""
 
     def validate(self, info: "ModelInfo") -> None:
         """Check the settings against the model (family, schedule, layers); raise ValueError naming
@@ -280,7 +281,7 @@ class PolicyStack:
             if other.name == policy.name:
                 raise ValueError(f"{policy.name} is already enabled; disable it first or enable it once")
             if policy.name in other.incompatible or other.name in policy.incompatible:
-                why = getattr(policy, "incompatible_why", "") or getattr(other, "incompatible_why", "")
+                why = policy.incompatible_why or other.incompatible_why
                 raise ValueError(f"{policy.name} cannot be combined with {other.name}"
                                  f"{f' ({why})' if why else ''}: call disable_{other.name}() first")
         self.policies = self.policies + (policy,)

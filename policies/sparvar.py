@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.contract import Policy, ScalePlan
+from ..engine.schedule import ScaleSchedule
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops import ref
 from ..sparse_ops._backend import check_backend
@@ -88,9 +89,10 @@ class SparVARConfig:
         if isinstance(self.query_group, bool) or not isinstance(self.query_group, int) or self.query_group < 1:
             raise ValueError(f"query_group must be an int >= 1 (queries sharing one key selection), "
                              f"got {self.query_group!r}")
-        _in_range(self.top_keys, "top_keys", 0.0, 1.0, "the fraction of keys each query group keeps")
-        if self.top_keys == 0:
-            raise ValueError("top_keys must be in (0, 1] (the fraction of keys each query group keeps), got 0")
+        if isinstance(self.top_keys, bool) or not isinstance(self.top_keys, (int, float)) \
+                or not 0.0 < self.top_keys <= 1.0:
+            raise ValueError(f"top_keys must be in (0, 1] (the fraction of keys each query group keeps), "
+                             f"got {self.top_keys!r}")
         if not _window_ok(self.local_window) or self.local_window == 0:
             raise ValueError(f"local_window must be an odd int >= 1 or -1 (the whole scale), got "
                              f"{self.local_window!r}")
@@ -140,9 +142,7 @@ def relative_key_map(hw, si_from: int, si_to: int) -> tuple[torch.Tensor, int]:
     position p of scale l ≤ ``si_from`` moves to scale l' = l + (si_to − si_from), its (u, v) to
     (⌊u·h_l'/h_l⌋, ⌊v·w_l'/w_l⌋); keys of the first ``sinks`` = si_to − si_from scales have no
     source."""
-    offsets = [0]
-    for h, w in hw:
-        offsets.append(offsets[-1] + h * w)
+    offsets = ScaleSchedule(tuple(hw)).offsets
     shift = si_to - si_from
     out = []
     for j in range(si_from + 1):
@@ -237,10 +237,16 @@ class SparVARPolicy(Policy):
 
     def after_scale(self, si, guided_logits_BLV, run) -> None:
         """The keys a query read this scale, averaged over the layers, for the stats (FLOP counts);
-        one host read per scale, as every scale's stats are host numbers."""
+        one host read per scale (CS4A's counts are device tensors), as every scale's stats are
+        host numbers."""
         st = run.policy_state[self.name]
-        if st["keys"]:
-            run.keys_read = float(sum(float(k) for k in st["keys"]) / len(st["keys"]))
+        counts = st["keys"]
+        if counts:
+            on_device = [k for k in counts if isinstance(k, torch.Tensor)]
+            total = sum(k for k in counts if not isinstance(k, torch.Tensor))
+            if on_device:
+                total += torch.stack(on_device).sum().item()
+            run.keys_read = total / len(counts)
         st["keys"] = []
 
     def _csla_mask(self, si, run, device) -> tuple[torch.Tensor, float]:
@@ -264,26 +270,19 @@ class SparVARPolicy(Policy):
             keys_RHGL = torch.zeros_like(colsum_RHGL, dtype=torch.bool).scatter_(-1, top_RHGK, True)
             o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
-                                                        keys_S=keys_RHGL, si=si)}
+                                                        si=si)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
             return o_dense
+        # "relative" (the paper) follows the decision scale's selection: its entry is never rewritten;
+        # "verbatim" (the development code) follows the previous sparse scale's keys
         entry = st["cs4a"][ctx.layer]
-        if c.mapping == "relative":                 # the paper: from the decision scale's selection
-            keys_RHGL = self._follow(entry["keys_S"][:R], st["decision"], si, run)
-        else:                                       # the development code: the previous scale's keys
-            keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run)
-        h, w = run.schedule.hw[si]
-        off = run.schedule.offsets[si]
-        band_G2 = band_ranges(h, w, C, c.local_window if c.local_window < 0 else c.local_window + 2 * (si - st["decision"] - 1))
-        pos_L = torch.arange(Lk, device=q_RHld.device)
-        band_GL = (pos_L[None] >= off + band_G2[:, :1].to(pos_L.device)) & (pos_L[None] <= off + band_G2[:, 1:].to(pos_L.device))
-        keys_RHGL = keys_RHGL | band_GL[None, None]
+        band_GL, sizes_G = self._band(si, st["decision"], run, q_RHld.device)
+        keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run) | band_GL[None, None]
         if c.mapping == "verbatim":
             st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
-        sizes_G = torch.full((keys_RHGL.shape[2],), float(C), device=keys_RHGL.device)
-        sizes_G[-1] = h * w - C * (keys_RHGL.shape[2] - 1)                                 # the last group's queries
+        h, w = run.schedule.hw[si]
         st["keys"] = st["keys"] + [(keys_RHGL.sum(-1).float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
         o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
         hS, wS = run.schedule.hw[st["decision"]]
@@ -294,27 +293,47 @@ class SparVARPolicy(Policy):
         up_RHld = up.permute(0, 2, 3, 1).reshape(Rr, H, h * w, d)
         return (o_sparse.float() + up_RHld).to(q_RHld.dtype)
 
+    def _band(self, si: int, decision: int, run, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, L) bool: the keys of scale ``si``'s own band per query group (the side grows by 2 per
+        scale after the first sparse one), and (G,) float32 the queries of each group."""
+        c = self.config
+        key = ("sparvar.band", run.schedule.hw, si, decision, c.query_group, c.local_window, str(device))
+        cache = run.shape_cache
+        if key not in cache:
+            h, w = run.schedule.hw[si]
+            side = c.local_window if c.local_window < 0 else c.local_window + 2 * (si - decision - 1)
+            band_G2 = run.schedule.offsets[si] + band_ranges(h, w, c.query_group, side)
+            pos_L = torch.arange(run.schedule.offsets[si + 1])
+            band_GL = (pos_L[None] >= band_G2[:, :1]) & (pos_L[None] <= band_G2[:, 1:])
+            sizes_G = torch.full((band_GL.shape[0],), float(c.query_group))
+            sizes_G[-1] = h * w - c.query_group * (band_GL.shape[0] - 1)               # the last group's queries
+            cache[key] = (band_GL.to(device), sizes_G.to(device))
+        return cache[key]
+
     def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run) -> torch.Tensor:
-        """The previous sparse scale's key selection for this scale's query groups: group g takes the
+        """Scale ``si_from``'s key selection for scale ``si_to``'s query groups: group g takes the
         proportionally nearest source group, keys moved by ``mapping``; extended to the new length."""
         c = self.config
         sched = run.schedule
         R, H, G_from, L_from = keys_RHGL.shape
         G_to = -(-sched.tokens(si_to) // c.query_group)
-        src_G = torch.clamp(((torch.arange(G_to, dtype=torch.float64) + 0.5) * G_from / G_to - 0.5).round().long(),
-                            0, G_from - 1).to(keys_RHGL.device)
+        key = ("sparvar.groups", G_from, G_to, str(keys_RHGL.device))
+        cache = run.shape_cache
+        if key not in cache:                      # the supplement's query-block map g_k → g_S
+            cache[key] = torch.clamp(((torch.arange(G_to, dtype=torch.float64) + 0.5) * G_from / G_to - 0.5).round()
+                                     .long(), 0, G_from - 1).to(keys_RHGL.device)
+        src_G = cache[key]
         picked_RHGL = keys_RHGL[:, :, src_G]                                             # (R, H, G_to, L_from)
         L_to = sched.offsets[si_to + 1]
         out = picked_RHGL.new_zeros(R, H, G_to, L_to)
         if c.mapping == "verbatim":
             out[..., :L_from] = picked_RHGL
             return out
-        key = ("sparvar.relative", sched.hw, si_from, si_to)
-        cache = run.shape_cache
+        key = ("sparvar.relative", sched.hw, si_from, si_to, str(keys_RHGL.device))
         if key not in cache:
-            cache[key] = relative_key_map(sched.hw, si_from, si_to)
+            map_L, sinks = relative_key_map(sched.hw, si_from, si_to)
+            cache[key] = (map_L.to(keys_RHGL.device), sinks)
         map_L, sinks = cache[key]
-        map_L = map_L.to(keys_RHGL.device)
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
         out = out.to(torch.uint8).scatter_reduce_(-1, map_L.expand_as(src), src, reduce="amax").bool()
         out[..., :sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]] = True   # A_sink ∪ mapped keys

@@ -107,6 +107,7 @@ def test_images_are_written_whole_with_no_temporary_file_left(tmp_path, var_offi
     (["generate", "--sparsevar", "--alpha", "0"], "--sparsevar --alpha 0: alpha must be an int >= 1"),
     (["generate", "--fastvar", "2"], "--fastvar 2: every prune ratio must be in [0, 1]"),
     (["generate", "--sparvar", "0"], "--sparvar 0: top_keys must be in (0, 1]"),
+    (["generate", "--sparvar", "-0.5"], "--sparvar -0.5: top_keys must be in (0, 1]"),
     (["generate", "--sparvar", "--fastvar"], "--sparvar and --fastvar cannot be combined (SparVAR selects keys among "
                                              "every token of the cache"),
     (["generate", "--fastvar", "1", "0.5"], "--fastvar 1 0.5: ratios=(1.0, 0.5): 1.0 (skip the scale) is allowed only"),

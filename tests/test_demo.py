@@ -83,6 +83,8 @@ def test_train_config_pairs_the_schedule_with_the_downsampling():
         DemoTrainConfig(schedule=999)
     with pytest.raises(ValueError, match=r"draws 512-px pictures.*vq_ch_mult=\(1, 1, 2, 4\)"):
         DemoTrainConfig(schedule=512)
+    with pytest.raises(ValueError, match=r"vq_ch_mult=\(1, 0, 4\): give one int >= 1 per level"):
+        DemoTrainConfig(vq_ch_mult=(1, 0, 4))
     with pytest.raises(ValueError, match="measure_count=-1"):
         DemoTrainConfig(measure_count=-1)
     assert DemoTrainConfig(schedule=512, vq_ch_mult=(1, 1, 2, 4)).schedule == 512
