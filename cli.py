@@ -738,6 +738,8 @@ def cmd_train_demo(args) -> int:
                                ("var_data", args.var_data), ("cls_data", args.cls_data)) if v is not None}
     if args.schedule is not None:
         steps["schedule"] = args.schedule
+    if args.dec_adv_weight is not None:
+        steps["dec_adv_weight"] = args.dec_adv_weight
     if args.vq_ch_mult is not None:
         steps["vq_ch_mult"] = tuple(args.vq_ch_mult)
     try:
@@ -846,6 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test; no real pictures)")
     t.add_argument("--vq-steps", type=int)
     t.add_argument("--dec-steps", type=int, help="steps of the decoder stage (the VQVAE's final decoder)")
+    t.add_argument("--dec-adv-weight", type=float, metavar="W",
+                   help="adversarial term of the decoder stage (patch discriminator; 0: off, 0.1–0.8 typical)")
     t.add_argument("--var-steps", type=int)
     t.add_argument("--var-batch", type=int, help="scenes per transformer step")
     t.add_argument("--cls-steps", type=int)

@@ -43,6 +43,7 @@ from ..models.var import VAR_SCHEDULES, VARTransformer
 from ..models.vqvae import MultiScaleVQVAE, bicubic_operator
 from .classifier import INPUT_SIZE as CLASSIFIER_SIZE
 from .classifier import SceneClassifier
+from .measures import strong_edge_fraction
 from .scenes import CLASS_NAMES, NUM_CLASSES, SceneConfig, random_labels, render_scenes
 
 STAGES = ("vqvae", "decoder", "var", "classifier")
@@ -60,6 +61,13 @@ class DemoTrainConfig:
         13, 18, 24, 32); its last side times the VQVAE's downsampling must be the scenes' 256 px.
     dec_steps, dec_lr: steps and peak learning rate of the ``decoder`` stage (batch ``vq_batch``, on
         the ``vq_data`` scenes of stage 1).
+    dec_adv_weight: weight of the ``decoder`` stage's adversarial term (a patch discriminator with
+        the hinge loss, scaled as in VQGAN by the ratio of the reconstruction and adversarial
+        gradients at the decoder's last convolution; 0: no discriminator). Pixel and edge losses
+        alone average over where an edge may lie and draw it soft; the discriminator asks for
+        edges as sharp as the scenes'. Typical 0.1–0.8.
+    dec_adv_start: decoder step from which the adversarial term counts (the discriminator trains
+        from step 0).
     var_*: transformer depth / width / heads, steps, batch, peak learning rate, label dropout.
     vq_data, var_data, cls_data: distinct scenes each stage trains on (rendered once, re-used over
         epochs; ``var_data`` scenes are kept tokenised, ≈45 KB each in bfloat16 at the 256
@@ -86,6 +94,8 @@ class DemoTrainConfig:
     schedule: int = 256
     dec_steps: int = 3000
     dec_lr: float = 5e-4
+    dec_adv_weight: float = 0.0
+    dec_adv_start: int = 500
     var_depth: int = 8
     var_width: int = 256
     var_heads: int = 4
@@ -122,6 +132,11 @@ class DemoTrainConfig:
                              f"pictures; the scenes are {SceneConfig().size} px: pair the schedule's last side "
                              f"({VAR_SCHEDULES[self.schedule][-1]}) with a downsampling of {need:g}"
                              f"{example.get(need, '')}")
+        if not (self.dec_adv_weight >= 0 and math.isfinite(self.dec_adv_weight)):
+            raise ValueError(f"dec_adv_weight={self.dec_adv_weight!r}: must be 0 (no discriminator) or a positive "
+                             f"number (0.1–0.8 is typical)")
+        if self.dec_adv_start < 0:
+            raise ValueError(f"dec_adv_start={self.dec_adv_start!r}: must be a decoder step, 0 or more")
         if self.measure_count < 0:
             raise ValueError(f"measure_count={self.measure_count!r}: must be 0 (no measurement) or more")
 
@@ -275,6 +290,25 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
 
 
 # ---- stage 2: the final decoder ------------------------------------------------------------------
+class PatchDiscriminator(torch.nn.Module):
+    """(B, 3, H, W) in [-1, 1] → (B, 1, H/8 - 2, W/8 - 2) real/fake scores of overlapping patches
+    (a PatchGAN: three stride-2 4×4 convolutions, one stride-1, then a 1-channel one; GroupNorm)."""
+
+    def __init__(self, ch: int = 64):
+        super().__init__()
+        act = torch.nn.LeakyReLU(0.2)
+        layers = [torch.nn.Conv2d(3, ch, 4, 2, 1), act]
+        c = ch
+        for stride in (2, 2, 1):
+            layers += [torch.nn.Conv2d(c, 2 * c, 4, stride, 1, bias=False), torch.nn.GroupNorm(32, 2 * c), act]
+            c *= 2
+        layers.append(torch.nn.Conv2d(c, 1, 4, 1, 1))
+        self.net = torch.nn.Sequential(*layers)
+
+    def forward(self, img_B3HW: torch.Tensor) -> torch.Tensor:
+        return self.net(img_B3HW)
+
+
 def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
                   log: Callable[[str], None]) -> MultiScaleVQVAE:
     """A copy of ``vq`` (its own sizes and schedule) with the final decode side (per-pixel norm,
@@ -290,6 +324,11 @@ def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.devic
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.dec_lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(device).manual_seed(cfg.seed * 1000 + 7)
+    disc = None
+    if cfg.dec_adv_weight > 0:
+        disc = PatchDiscriminator().to(device).train()
+        opt_d = torch.optim.AdamW(disc.parameters(), lr=cfg.dec_lr, betas=(0.5, 0.9), weight_decay=0.0)
+        last_W = new.decoder.conv_out.weight
     t0 = time.time()
     data_N3HW, labels_N = render_dataset(cfg.vq_data, cfg.seed * 1000 + 5, device)      # stage 1's scenes
     log(f"decoder: rendered {data_N3HW.shape[0]} scenes in {time.time() - t0:.0f}s")
@@ -302,14 +341,34 @@ def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.devic
             f_hat_BChw = new.quantize_multiscale(new.encode(img_B3HW))[1][-1]      # float32, what sampling decodes
         with _autocast(device):
             rec_B3HW = new.decoder(new.post_quant_conv(f_hat_BChw)).float()
-        loss = _reconstruction_loss(rec_B3HW, img_B3HW)
+        loss = rec_loss = _reconstruction_loss(rec_B3HW, img_B3HW)
+        adv = ""
+        if disc is not None and step >= cfg.dec_adv_start:
+            with _autocast(device):
+                g_loss = -disc(rec_B3HW).float().mean()
+            # VQGAN's balance: the adversarial gradient at the last layer as large as the reconstruction's
+            g_rec = torch.autograd.grad(rec_loss, last_W, retain_graph=True)[0].norm()
+            g_adv = torch.autograd.grad(g_loss, last_W, retain_graph=True)[0].norm()
+            lam = (g_rec / (g_adv + 1e-4)).clamp(0, 1e4).detach() * cfg.dec_adv_weight
+            loss = rec_loss + lam * g_loss
+            adv = f" g {g_loss.item():.3f} lambda {lam.item():.3f}"
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 2.0)
         opt.step()
+        if disc is not None:                             # hinge loss on real scenes and this step's pictures
+            with _autocast(device):
+                d_real_B = disc(img_B3HW).float()
+                d_fake_B = disc(rec_B3HW.detach()).float()
+            d_loss = F.relu(1 - d_real_B).mean() + F.relu(1 + d_fake_B).mean()
+            opt_d.zero_grad(set_to_none=True)
+            d_loss.backward()
+            opt_d.step()
+            adv += f" d {d_loss.item():.3f}"
         if step % 500 == 0 or step == cfg.dec_steps - 1:
-            log(f"decoder {step:5d}/{cfg.dec_steps} loss {loss.item():.4f} psnr {_psnr(rec_B3HW, img_B3HW):.2f} dB "
-                f"{time.time() - t0:.0f}s")
+            edges = 100 * strong_edge_fraction(((rec_B3HW.detach() + 1) / 2).clamp(0, 1)).median().item()
+            log(f"decoder {step:5d}/{cfg.dec_steps} loss {loss.item():.4f} rec {rec_loss.item():.4f}{adv} "
+                f"psnr {_psnr(rec_B3HW, img_B3HW):.2f} dB strong edges {edges:.2f} % {time.time() - t0:.0f}s")
     return new.eval().requires_grad_(False)
 
 
