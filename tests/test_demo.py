@@ -7,6 +7,7 @@ comments next to them.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -88,6 +89,11 @@ def test_train_config_pairs_the_schedule_with_the_downsampling():
     with pytest.raises(ValueError, match="measure_count=-1"):
         DemoTrainConfig(measure_count=-1)
     assert DemoTrainConfig(schedule=512, vq_ch_mult=(1, 1, 2, 4)).schedule == 512
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"dec_adv_weight=.*: must be 0 \(no discriminator\) or a positive"):
+            DemoTrainConfig(dec_adv_weight=bad)
+    with pytest.raises(ValueError, match="dec_adv_start=-1"):
+        DemoTrainConfig(dec_adv_start=-1)
 
 
 # ---- the shipped model -----------------------------------------------------------------------------
@@ -256,3 +262,30 @@ def test_decoder_stage_replaces_only_the_decode_side_of_a_finished_folder(tmp_pa
     again = pipe(["car"], generator=torch.Generator().manual_seed(0), output_type="latent")
     assert torch.equal(again.images, first.images)                          # the same codes, the same latent
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_adversarial_decoder_stage_trains_the_decoder_differently_and_keeps_the_codes(tmp_path):
+    """``dec_adv_weight`` adds a discriminator to the decoder stage: from the same folder and seed, the
+    decoder it trains differs from the one without it, and the encoder and codebook stay byte for byte."""
+    import shutil
+
+    from safetensors.torch import load_file
+    cfg = DemoTrainConfig().quick()
+    base = tmp_path / "base"
+    train_demo(base, cfg, stages=["vqvae", "var"], device="cpu", log=lambda s: None)
+    old_vq = load_file(base / "vqvae" / "diffusion_pytorch_model.safetensors")
+    results = {}
+    for weight in (0.0, 0.5):
+        folder = tmp_path / f"w{weight}"
+        shutil.copytree(base, folder)
+        lines = []
+        train_demo(folder, replace(cfg, dec_adv_weight=weight, dec_adv_start=0), stages=["decoder"], device="cpu",
+                   log=lines.append)
+        results[weight] = load_file(folder / "vqvae" / "diffusion_pytorch_model.safetensors")
+        logged = [" lambda " in line for line in lines if line.startswith("decoder ") and "/" in line]
+        assert logged and all(has == (weight > 0) for has in logged)
+        assert json.loads((folder / "train_demo.json").read_text())["config"]["dec_adv_weight"] == weight
+    decode_side = [k for k in old_vq if k.startswith(("decoder.", "post_quant_conv."))]
+    assert any(not torch.equal(results[0.0][k], results[0.5][k]) for k in decode_side)
+    for w in results.values():
+        assert all(torch.equal(w[k], old_vq[k]) for k in old_vq if k not in decode_side)
