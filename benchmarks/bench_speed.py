@@ -34,6 +34,11 @@ def _dense(pipe):
     pass
 
 
+def _sparvar_dense():
+    from ..policies.sparvar import SparVARConfig
+    return SparVARConfig.dense()
+
+
 def _sparsevar(**kw):
     return lambda pipe: pipe.enable_sparsevar(**kw)
 
@@ -51,6 +56,11 @@ METHODS = {
     "fastvar-preset": (lambda pipe: pipe.enable_fastvar(), {}, "triton", "family preset"),
     "skip-last-1": (lambda pipe: pipe.enable_scale_skip(skip_last=1), {}, "triton", "skip_last=1"),
     "skip-last-2": (lambda pipe: pipe.enable_scale_skip(skip_last=2), {}, "triton", "skip_last=2"),
+    "sparvar-preset": (lambda pipe: pipe.enable_sparvar(), {}, "triton", "family preset (SPARVAR_PRESETS)"),
+    "sparvar-neutral": (lambda pipe: pipe.enable_sparvar(_sparvar_dense()), {}, "triton",
+                        "SparVARConfig.dense(): every key through the sparse machinery"),
+    "sparvar+skip-last-2": (lambda pipe: (pipe.enable_scale_skip(skip_last=2), pipe.enable_sparvar()), {}, "triton",
+                            "skip_last=2 + SparVAR preset (decision scale the third-last computed)"),
 }
 POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
 

@@ -19,7 +19,13 @@ changes, from the decision scale S on (scales before it attend densely):
 - **CSLA** (the other layers, from S on): a query reads every key of the first ``sink_scales``
   scales, and in each later key scale the square window of side ``windows[e]`` (e = that key
   scale's position from the end, 0 = last) around its proportionally mapped position; key scales
-  with no window (past the tuple, or 0) are not read; -1 reads a whole scale.
+  with no window (past the tuple, or 0) are not read; -1 reads a whole scale. On the Triton
+  backend it runs through FlexAttention with a block mask built once per shape; on the torch
+  backend through SDPA with the boolean mask.
+
+CS4A's sparse pass gathers each group's keys by index lists (``sparse_ops.group_sparse_attention``,
+a Triton kernel on the GPU); the lists are sized by a bound known on the host (the decision
+scale's keys, plus the sinks and the largest band), so no step waits on the device.
 
 Positions are keyed on scales counted from the end of the scales that run (a skipped tail moves
 S with it) and on proportional positions, so a setting holds at every resolution and aspect ratio.
@@ -37,8 +43,8 @@ from ..engine.contract import Policy, ScalePlan
 from ..engine.schedule import ScaleSchedule
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops import ref
-from ..sparse_ops._backend import check_backend
-from ..sparse_ops.attention import dense_attention
+from ..sparse_ops._backend import check_backend, resolve_backend
+from ..sparse_ops.attention import attention, dense_attention
 from .scale_skip import resolve_scale_index
 
 MAPPINGS = ("relative", "verbatim")
@@ -68,7 +74,8 @@ class SparVARConfig:
     windows: CSLA's window side per key scale counted from the end (windows[0] = the last scale):
         odd ≥ 1, 0 = not read, -1 = the whole scale; key scales past the tuple are not read.
         Paper: (7, 5, 3, 1, 1).
-    backend: kernels for the column sums: "auto", "triton" or "torch" (see SparseVARConfig).
+    backend: kernels for the column sums and the gathered sparse attention: "auto" (Triton on a
+        CUDA GPU where it can run, else pure torch), "triton" or "torch".
     """
 
     decision_scale: int = -3
@@ -192,6 +199,18 @@ def csla_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.
     return torch.cat(parts, dim=1)
 
 
+def block_mask_of(mask_lL: torch.Tensor):
+    """A FlexAttention BlockMask (shared by every row and head) of an (l, L) boolean mask: the
+    blocks with no True are skipped, the others read the mask element by element."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask_lL[q_idx, kv_idx]
+
+    l, L = mask_lL.shape
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=l, KV_LEN=L, device=mask_lL.device)
+
+
 # ---- the policy ---------------------------------------------------------------------------------
 class SparVARPolicy(Policy):
     name = "sparvar"
@@ -215,7 +234,8 @@ class SparVARPolicy(Policy):
     def begin(self, run) -> None:
         n = run.policies.scales_run(run.schedule.num_scales)
         si = resolve_scale_index(self.config.decision_scale, n, "decision_scale") if n > 1 else n
-        run.policy_state[self.name] = {"decision": si if si < n - 1 else None, "cs4a": {}, "keys": []}
+        run.policy_state[self.name] = {"decision": si if si < n - 1 else None, "cs4a": {}, "keys": [],
+                                       "backend": resolve_backend(self.config.backend, run.device, "backend")}
 
     def plan_scale(self, si: int, run) -> Optional[ScalePlan]:
         S = run.policy_state[self.name]["decision"]
@@ -233,6 +253,10 @@ class SparVARPolicy(Policy):
             return self._cs4a(ctx, q_RHld, k_RHLd, v_RHLd, run, st)
         mask_lL, keys = self._csla_mask(ctx.si, run, q_RHld.device)
         st["keys"] = st["keys"] + [keys]
+        if st["backend"] == "triton":                    # FlexAttention: only the blocks the windows touch
+            block_mask, flex_fn = self._csla_block_mask(ctx.si, run, mask_lL)
+            return attention(q_RHld, k_RHLd.to(q_RHld.dtype), v_RHLd.to(q_RHld.dtype), 1.0, block_mask=block_mask,
+                             flex_fn=flex_fn)
         return dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0, attn_mask=mask_lL[None, None])
 
     def after_scale(self, si, guided_logits_BLV, run) -> None:
@@ -259,18 +283,36 @@ class SparVARPolicy(Policy):
             cache[key] = (mask_lL.to(device), mask_lL.sum(1).double().mean().item())
         return cache[key]
 
+    def _csla_block_mask(self, si, run, mask_lL: torch.Tensor):
+        """CSLA's FlexAttention BlockMask for scale ``si`` (built once per shape and kept in
+        ``run.shape_cache``) and the compiled ``flex_attention`` it runs with (compiled once per
+        shape: the same wrapper serves every generation of this workspace)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        c = self.config
+        cache = run.shape_cache
+        if "sparvar.flex" not in cache:
+            cache["sparvar.flex"] = torch.compile(flex_attention, dynamic=False)
+        key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(mask_lL.device))
+        if key not in cache:
+            cache[key] = block_mask_of(mask_lL)
+        return cache[key], cache["sparvar.flex"]
+
     def _cs4a(self, ctx, q_RHld, k_RHLd, v_RHLd, run, st):
         c, si, R = self.config, ctx.si, q_RHld.shape[0]
         Lk, C = k_RHLd.shape[2], c.query_group
         if si == st["decision"]:
             o_dense = dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0)
-            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=c.backend)
+            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=st["backend"])
             K = max(1, min(Lk, int(round(c.top_keys * Lk))))
             top_RHGK = colsum_RHGL.topk(K, dim=-1).indices
             keys_RHGL = torch.zeros_like(colsum_RHGL, dtype=torch.bool).scatter_(-1, top_RHGK, True)
-            o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
+            idx_RHGK = top_RHGK.sort(dim=-1).values.to(torch.int32)                # ascending: near keys together
+            count_RHG = torch.full(idx_RHGK.shape[:3], K, device=idx_RHGK.device, dtype=torch.int32)
+            o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
+                                                         backend=st["backend"])
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
-                                                        si=si)}
+                                                        si=si, width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
@@ -278,13 +320,17 @@ class SparVARPolicy(Policy):
         # "relative" (the paper) follows the decision scale's selection: its entry is never rewritten;
         # "verbatim" (the development code) follows the previous sparse scale's keys
         entry = st["cs4a"][ctx.layer]
-        band_GL, sizes_G = self._band(si, st["decision"], run, q_RHld.device)
-        keys_RHGL = self._follow(entry["keys"][:R], entry["si"], si, run) | band_GL[None, None]
+        band_GL, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
+        keys_RHGL, followed_max = self._follow(entry["keys"][:R], entry["si"], si, run, entry["width"])
+        keys_RHGL = keys_RHGL | band_GL[None, None]
+        width = min(Lk, followed_max + band_max)           # a bound on any group's keys, known on the host
         if c.mapping == "verbatim":
-            st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si}}
+            st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
         h, w = run.schedule.hw[si]
-        st["keys"] = st["keys"] + [(keys_RHGL.sum(-1).float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
-        o_sparse = ref.group_masked_attention(q_RHld, k_RHLd, v_RHLd, keys_RHGL, C, 1.0)
+        idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
+        st["keys"] = st["keys"] + [(count_RHG.float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
+        o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
+                                                     backend=st["backend"])
         hS, wS = run.schedule.hw[st["decision"]]
         o_cache = entry["o_cache"][:R]                                                   # (R, H, hS·wS, d)
         Rr, H, _, d = o_cache.shape
@@ -293,9 +339,9 @@ class SparVARPolicy(Policy):
         up_RHld = up.permute(0, 2, 3, 1).reshape(Rr, H, h * w, d)
         return (o_sparse.float() + up_RHld).to(q_RHld.dtype)
 
-    def _band(self, si: int, decision: int, run, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _band(self, si: int, decision: int, run, device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(G, L) bool: the keys of scale ``si``'s own band per query group (the side grows by 2 per
-        scale after the first sparse one), and (G,) float32 the queries of each group."""
+        scale after the first sparse one); (G,) float32 the queries of each group; the largest band."""
         c = self.config
         key = ("sparvar.band", run.schedule.hw, si, decision, c.query_group, c.local_window, str(device))
         cache = run.shape_cache
@@ -307,12 +353,14 @@ class SparVARPolicy(Policy):
             band_GL = (pos_L[None] >= band_G2[:, :1]) & (pos_L[None] <= band_G2[:, 1:])
             sizes_G = torch.full((band_GL.shape[0],), float(c.query_group))
             sizes_G[-1] = h * w - c.query_group * (band_GL.shape[0] - 1)               # the last group's queries
-            cache[key] = (band_GL.to(device), sizes_G.to(device))
+            band_max = int((band_G2[:, 1] - band_G2[:, 0]).max()) + 1
+            cache[key] = (band_GL.to(device), sizes_G.to(device), band_max)
         return cache[key]
 
-    def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run) -> torch.Tensor:
+    def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run, width: int) -> tuple[torch.Tensor, int]:
         """Scale ``si_from``'s key selection for scale ``si_to``'s query groups: group g takes the
-        proportionally nearest source group, keys moved by ``mapping``; extended to the new length."""
+        proportionally nearest source group, keys moved by ``mapping``; extended to the new length.
+        With the bound on the keys a group can now hold, from ``width``, the bound at ``si_from``."""
         c = self.config
         sched = run.schedule
         R, H, G_from, L_from = keys_RHGL.shape
@@ -328,7 +376,7 @@ class SparVARPolicy(Policy):
         out = picked_RHGL.new_zeros(R, H, G_to, L_to)
         if c.mapping == "verbatim":
             out[..., :L_from] = picked_RHGL
-            return out
+            return out, width
         key = ("sparvar.relative", sched.hw, si_from, si_to, str(keys_RHGL.device))
         if key not in cache:
             map_L, sinks = relative_key_map(sched.hw, si_from, si_to)
@@ -336,6 +384,7 @@ class SparVARPolicy(Policy):
         map_L, sinks = cache[key]
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
         out = out.to(torch.uint8).scatter_reduce_(-1, map_L.expand_as(src), src, reduce="amax").bool()
-        out[..., :sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]] = True   # A_sink ∪ mapped keys
-        return out
+        sink_end = sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]
+        out[..., :sink_end] = True                                                       # A_sink ∪ mapped keys
+        return out, width + sink_end
 

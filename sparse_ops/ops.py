@@ -20,7 +20,7 @@ from ._backend import resolve_backend
 _TRITON_MODULES = {
     "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
     "restore_residual": "restore", "pivotal_tokens": "pivotal", "change_map": "select", "select_kept": "select",
-    "anchor_match": "anchor", "attention_colsum": "colsum",
+    "anchor_match": "anchor", "attention_colsum": "colsum", "group_sparse_attention": "group_attention",
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
@@ -94,6 +94,13 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
                      backend: str = "auto") -> torch.Tensor:
     """(R, H, G, Lk) float32 attention probabilities summed per query group (see ``ref.attention_colsum``)."""
     return implementation("attention_colsum", backend, q_RHld.device)(q_RHld, k_RHLd, scale, group)
+
+
+def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
+                           count_RHG: torch.Tensor, group: int, scale: float, *, backend: str = "auto") -> torch.Tensor:
+    """(R, H, l, d): each query group attends to its own gathered keys (see ``ref.group_sparse_attention``)."""
+    return implementation("group_sparse_attention", backend, q_RHld.device)(q_RHld, k_RHLd, v_RHLd, idx_RHGK,
+                                                                            count_RHG, group, scale)
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],

@@ -385,23 +385,41 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     return out_RHGL
 
 
-def group_masked_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor,
-                           keys_RHGL: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+def key_lists(keys_RHGL: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index form of a per-group key mask that ``group_sparse_attention`` reads: (idx (R, H, G,
+    width) int32, each group's kept key positions ascending, then filler; count (R, H, G) int32).
+    ``width`` is a host-side bound on any group's key count (no device sync): a group with more
+    keys keeps its first ``width``. A prefix sum on the device places each key (plain torch on every
+    backend)."""
+    R, H, G, L = keys_RHGL.shape
+    pos_RHGL = keys_RHGL.cumsum(-1, dtype=torch.int32) - 1                         # a kept key's slot
+    dest_RHGL = torch.where(keys_RHGL & (pos_RHGL < width), pos_RHGL, width).long()  # others → spare slot
+    idx_RHGW = torch.zeros(R, H, G, width + 1, device=keys_RHGL.device, dtype=torch.int32)
+    src_RHGL = torch.arange(L, device=keys_RHGL.device, dtype=torch.int32).expand(R, H, G, L)
+    idx_RHGW.scatter_(-1, dest_RHGL, src_RHGL)
+    count_RHG = pos_RHGL[..., -1].add(1).clamp(max=width) if L else keys_RHGL.new_zeros(R, H, G, dtype=torch.int32)
+    return idx_RHGW[..., :width], count_RHG.to(torch.int32)
+
+
+def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
+                           count_RHG: torch.Tensor, group: int, scale: float) -> torch.Tensor:
     """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
-    group may be shorter; G = ceil(l / group)) reads only the keys where ``keys_RHGL[:, :, g]`` is
-    True, softmax normalised over those keys alone — SparVAR's column-sparse attention
-    (research/accel.md §4.2–4.3). A group with no key gives zeros. Float32 softmax, output in q's
-    dtype; computed one group at a time, so memory stays at (R, H, group, Lk)."""
-    R, H, l, _ = q_RHld.shape
-    G = -(-l // group)
-    if keys_RHGL.shape[:3] != (R, H, G) or keys_RHGL.shape[3] != k_RHLd.shape[2]:
-        raise ValueError(f"group_masked_attention: keys_RHGL has shape {tuple(keys_RHGL.shape)}, need "
-                         f"{(R, H, G, k_RHLd.shape[2])} for {l} queries in groups of {group}")
+    group may be shorter; G = ceil(l / group)) reads only its keys ``idx_RHGK[:, :, g, :count_RHG[:,
+    :, g]]`` (see ``key_lists``), softmax normalised over those keys alone — SparVAR's column-sparse
+    attention (research/accel.md §4.2–4.3). A group with no key gives zeros. Float32 softmax, output in q's dtype; one group at a time, so memory
+    stays at (R, H, group + K, d)."""
+    R, H, l, d = q_RHld.shape
+    G, K = -(-l // group), idx_RHGK.shape[-1]
+    if idx_RHGK.shape[:3] != (R, H, G) or count_RHG.shape != (R, H, G):
+        raise ValueError(f"group_sparse_attention: idx_RHGK {tuple(idx_RHGK.shape)} / count_RHG "
+                         f"{tuple(count_RHG.shape)} need (R, H, G) = {(R, H, G)} for {l} queries in groups of {group}")
     out_RHld = torch.empty_like(q_RHld)
-    k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
+    valid_RHGK = torch.arange(K, device=q_RHld.device) < count_RHG[..., None].long()
     for g in range(G):
-        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
-        keep = keys_RHGL[:, :, g, None, :]                                              # (R, H, 1, Lk)
-        p = s.masked_fill(~keep, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_f).to(q_RHld.dtype)
+        idx_RHKd = idx_RHGK[:, :, g].long()[..., None].expand(R, H, K, d)
+        k_RHKd = k_RHLd.gather(2, idx_RHKd).float()
+        v_RHKd = v_RHLd.gather(2, idx_RHKd).float()
+        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_RHKd.transpose(-1, -2) * scale   # (R, H, ≤group, K)
+        p = s.masked_fill(~valid_RHGK[:, :, g, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_RHKd).to(q_RHld.dtype)
     return out_RHld

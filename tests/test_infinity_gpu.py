@@ -202,3 +202,34 @@ def test_fused_elementwise_kernels_track_the_eager_path():
     bits_e = torch.cat([c for _, c in out["torch"][:4]], 1)
     bits_f = torch.cat([c for _, c in out["triton"][:4]], 1)
     assert (bits_e == bits_f).float().mean() > 0.97
+
+
+def test_sparvar_on_the_triton_backend_draws_the_torch_backends_codes():
+    """SparVAR's GPU path (the gathered CS4A kernel, CSLA through compiled FlexAttention) on the tiny
+    model in float32: the neutral setting draws dense's greedy codes, and an active setting the
+    codes its torch path draws (SDPA with masks, the torch twin)."""
+    from sparsevar import SparVARConfig
+    pipe = InfinityPipeline.from_random("infinity-tiny", seed=1).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+
+    def run():
+        codes = []
+        pipe(["w3 w4 w5", "w9"], height=256, width=256, guidance_scale=3.0, top_k=1,
+             generator=torch.Generator("cuda").manual_seed(0), output_type="latent",
+             callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"].cpu()) or d)
+        return codes
+
+    dense = run()
+    pipe.enable_sparvar(SparVARConfig.dense(backend="triton"))
+    neutral = run()
+    pipe.disable_sparvar()
+    active = dict(windows=(3, 1), sink_scales=2, top_keys=0.1)
+    pipe.enable_sparvar(backend="triton", **active)
+    on_triton = run()
+    pipe.disable_sparvar()
+    pipe.enable_sparvar(backend="torch", **active)
+    on_torch = run()
+    assert len(dense) == len(neutral) == len(on_triton) == len(on_torch) == 7
+    assert all(torch.equal(a, b) for a, b in zip(neutral, dense))
+    assert all(torch.equal(a, b) for a, b in zip(on_triton, on_torch))
+    assert any(not torch.equal(a, b) for a, b in zip(on_triton, dense))

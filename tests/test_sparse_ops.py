@@ -466,6 +466,29 @@ def _colsum_case(R, H, l, Lk, d, group, dtype, device):
     torch.testing.assert_close(got.sum(-1).double(), oracle.sum(-1), rtol=1e-4, atol=0)
 
 
+def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, width_slack=3):
+    """Random per-group key masks (about ``keep`` of the keys; group 0 of row 0 keeps none, the
+    last group is partial when ``group`` does not divide ``l``), compacted by ``ref.key_lists``."""
+    from sparsevar.sparse_ops import group_attention, ref
+    g = _gen(7)
+    q = _rand((R, H, l, d), g, device, dtype=dtype)
+    k = _rand((R, H, Lk, d), g, device, dtype=dtype)
+    v = _rand((R, H, Lk, d), g, device, dtype=dtype)
+    G = -(-l // group)
+    keys = (torch.rand(R, H, G, Lk, generator=g) < keep).to(device)
+    keys[0, 0, 0] = False
+    width = int(keys.sum(-1).max()) + width_slack
+    idx, count = ref.key_lists(keys, width)
+    assert torch.equal(count.long(), keys.sum(-1))
+    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5)
+    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5)
+    s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5                       # (R, H, l, Lk)
+    mask = keys.repeat_interleave(group, dim=2)[:, :, :l]
+    oracle = (s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double())
+    assert_close_to_oracle("group_sparse_attention", got, want, oracle)
+    assert got[0, 0, :group].abs().max().item() == 0.0                              # a group with no key: zeros
+
+
 # odd, small shapes for the interpreter (about 0.6 ms per program instance on 2 cores)
 @case("gather_norm_modulate-1x13x13-C96-bf16")
 def _(device="cpu"):
@@ -530,6 +553,16 @@ def _(device="cpu"):           # VAR/HART's 4096-way logits run in the GPU tier 
 @case("attention_colsum-R2H3-l37-Lk101-d24-fp32")
 def _(device="cpu"):
     _colsum_case(2, 3, 37, 101, 24, 12, torch.float32, device)
+
+
+@case("group_sparse_attention-R2H3-l37-Lk101-d24-g12-fp32")
+def _(device="cpu"):
+    _group_attention_case(2, 3, 37, 101, 24, 12, 0.3, torch.float32, device)
+
+
+@case("group_sparse_attention-R1H2-l50-Lk77-d32-g16-bf16")
+def _(device="cpu"):
+    _group_attention_case(1, 2, 50, 77, 32, 16, 0.5, torch.bfloat16, device)
 
 
 @case("attention_colsum-R1H2-l50-Lk77-d32-bf16")
@@ -1044,6 +1077,10 @@ GPU_CASES = {
     "pivotal_tokens-2x40x40-C2048-fp32": lambda device: _pivotal_case((2, 40, 40), 2048, torch.float32, device),
     "pivotal_tokens-4x48x64-C2048-bf16": lambda device: _pivotal_case((4, 48, 64), 2048, torch.bfloat16, device),
     "anchor_match-2x64x64-V64": lambda device: _anchor_case((2, 64, 64), (48, 48), 64, device),
+    "group_sparse_attention-R2H16-l2304-Lk6681-d128-g192-bf16":
+        lambda device: _group_attention_case(2, 16, 2304, 6681, 128, 192, 0.25, torch.bfloat16, device),
+    "group_sparse_attention-R2H6-l1024-Lk2240-d64-g192-fp16":
+        lambda device: _group_attention_case(2, 6, 1024, 2240, 64, 192, 0.2, torch.float16, device),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
     "qk_norm_rope_store-R2-l4096-H16-d128-bf16": lambda device: _qk_rope_case(2, 4096, 16, 128, 6000, torch.bfloat16,

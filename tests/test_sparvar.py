@@ -60,20 +60,55 @@ def test_csla_mask_reads_sinks_and_windows_only():
 
 
 # ---- the attention op --------------------------------------------------------------------------------
-def test_group_masked_attention_is_dense_attention_over_each_groups_keys():
+def _masked(q, k, v, keys_RHGL, group, scale):
+    idx, count = sparse_ref.key_lists(keys_RHGL, keys_RHGL.shape[-1])
+    return sparse_ref.group_sparse_attention(q, k, v, idx, count, group, scale)
+
+
+def test_group_sparse_attention_is_dense_attention_over_each_groups_keys():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (10, 13, 13))
     every = torch.ones(2, 3, 4, 13, dtype=torch.bool)                                    # 10 queries, groups of 3
     want = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
-    torch.testing.assert_close(sparse_ref.group_masked_attention(q, k, v, every, 3, 0.5), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_masked(q, k, v, every, 3, 0.5), want, rtol=1e-5, atol=1e-6)
     one = torch.zeros_like(every)
     one[..., 2, 7] = True                                                                # group 2 (queries 6–8): key 7
     one[..., [0, 1, 3], 0] = True
-    out = sparse_ref.group_masked_attention(q, k, v, one, 3, 0.5)
+    out = _masked(q, k, v, one, 3, 0.5)
     torch.testing.assert_close(out[:, :, 6:9], v[:, :, 7:8].expand(2, 3, 3, 8))          # one key: its value
     torch.testing.assert_close(out[:, :, 9:], v[:, :, 0:1])                              # the short last group
-    with pytest.raises(ValueError, match="keys_RHGL has shape"):
-        sparse_ref.group_masked_attention(q, k, v, every[:, :, :3], 3, 0.5)
+    none = one.clone()
+    none[..., 1, :] = False
+    assert _masked(q, k, v, none, 3, 0.5)[:, :, 3:6].abs().max() == 0                    # no key: zeros
+    idx, count = sparse_ref.key_lists(every, 13)
+    with pytest.raises(ValueError, match=r"need \(R, H, G\) = \(2, 3, 4\) for 10 queries in groups of 3"):
+        sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :3], count[:, :, :3], 3, 0.5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_csla_block_mask_runs_flex_attention_equal_to_the_masked_sdpa():
+    """The block mask CSLA hands FlexAttention on the Triton backend reads what the boolean mask
+    of the torch backend reads (eager FlexAttention here; the GPU test runs the compiled one)."""
+    from sparsevar.policies.sparvar import block_mask_of
+    from sparsevar.sparse_ops.attention import attention
+    hw = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13))
+    mask_lL = csla_mask(hw, 4, 2, (3, 1, -1))
+    l, L = mask_lL.shape
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 3, l, 16, generator=g), torch.randn(2, 3, L, 16, generator=g), torch.randn(2, 3, L, 16, generator=g)
+    got = attention(q, k, v, 0.25, block_mask=block_mask_of(mask_lL))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_lL, scale=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_key_lists_compact_each_groups_keys_in_order_within_the_width():
+    keys = torch.tensor([[[[0, 1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]]]], dtype=torch.bool)
+    idx, count = sparse_ref.key_lists(keys, 7)
+    assert idx.dtype == count.dtype == torch.int32 and idx.shape == (1, 1, 3, 7)
+    assert count.tolist() == [[[3, 0, 7]]]
+    assert idx[0, 0, 0, :3].tolist() == [1, 3, 4] and idx[0, 0, 2].tolist() == list(range(7))
+    idx, count = sparse_ref.key_lists(keys, 2)                     # more keys than the width: the first ones
+    assert count.tolist() == [[[2, 0, 2]]] and idx[0, 0, 0].tolist() == [1, 3] and idx[0, 0, 2].tolist() == [0, 1]
 
 
 # ---- the policy on the fixture model --------------------------------------------------------------------
