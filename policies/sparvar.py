@@ -199,16 +199,44 @@ def csla_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.
     return torch.cat(parts, dim=1)
 
 
-def block_mask_of(mask_lL: torch.Tensor):
-    """A FlexAttention BlockMask (shared by every row and head) of an (l, L) boolean mask: the
-    blocks with no True are skipped, the others read the mask element by element."""
+def csla_mask_mod(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
+    """CSLA's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: ``csla_mask`` computed from
+    the positions (small per-key and per-scale tables), so no (l, L) table is read per score."""
+    S = len(hw)
+    h, w = hw[si]
+    scale_of, row_of, col_of, radius = [], [], [], []
+    for j in range(si + 1):
+        hj, wj = hw[j]
+        side = windows[S - 1 - j] if S - 1 - j < len(windows) else 0
+        radius.append(-1 if j < sink_scales or side == -1 else (-2 if side == 0 else side // 2))
+        scale_of.append(torch.full((hj * wj,), j))
+        row_of.append(torch.arange(hj).repeat_interleave(wj))
+        col_of.append(torch.arange(wj).repeat(hj))
+    to = dict(device=device, dtype=torch.int32)
+    scale_L, row_L, col_L = (torch.cat(t).to(**to) for t in (scale_of, row_of, col_of))
+    h_S = torch.tensor([hj for hj, _ in hw[:si + 1]], **to)
+    w_S = torch.tensor([wj for _, wj in hw[:si + 1]], **to)
+    r_S = torch.tensor(radius, **to)
+
+    def mask_mod(b, head, q_idx, kv_idx):
+        j = scale_L[kv_idx]
+        r = r_S[j]
+        cy = ((2 * (q_idx // w) + 1) * h_S[j]) // (2 * h)      # ⌊(y + ½)·h_j / h⌋, the proportional centre
+        cx = ((2 * (q_idx % w) + 1) * w_S[j]) // (2 * w)
+        near = ((cy - row_L[kv_idx]).abs() <= r) & ((cx - col_L[kv_idx]).abs() <= r)
+        return (r == -1) | ((r >= 0) & near)
+
+    return mask_mod
+
+
+def csla_block_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
+    """CSLA's FlexAttention BlockMask for the queries of scale ``si`` over the cache up to it, shared
+    by every row and head: blocks no window touches are skipped."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask_lL[q_idx, kv_idx]
-
-    l, L = mask_lL.shape
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=l, KV_LEN=L, device=mask_lL.device)
+    l, L = hw[si][0] * hw[si][1], sum(a * b for a, b in hw[:si + 1])
+    return create_block_mask(csla_mask_mod(hw, si, sink_scales, windows, device), B=None, H=None, Q_LEN=l, KV_LEN=L,
+                             device=device)
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -251,10 +279,10 @@ class SparVARPolicy(Policy):
         st = run.policy_state[self.name]
         if ctx.layer < self._cs4a_layers(run):
             return self._cs4a(ctx, q_RHld, k_RHLd, v_RHLd, run, st)
-        mask_lL, keys = self._csla_mask(ctx.si, run, q_RHld.device)
+        mask_lL, keys = self._csla_mask(ctx.si, run, q_RHld.device, need_mask=st["backend"] != "triton")
         st["keys"] = st["keys"] + [keys]
         if st["backend"] == "triton":                    # FlexAttention: only the blocks the windows touch
-            block_mask, flex_fn = self._csla_block_mask(ctx.si, run, mask_lL)
+            block_mask, flex_fn = self._csla_block_mask(ctx.si, run, q_RHld.device)
             return attention(q_RHld, k_RHLd.to(q_RHld.dtype), v_RHLd.to(q_RHld.dtype), 1.0, block_mask=block_mask,
                              flex_fn=flex_fn)
         return dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0, attn_mask=mask_lL[None, None])
@@ -273,17 +301,22 @@ class SparVARPolicy(Policy):
             run.keys_read = total / len(counts)
         st["keys"] = []
 
-    def _csla_mask(self, si, run, device) -> tuple[torch.Tensor, float]:
-        """CSLA's (l, L) mask for scale ``si`` on ``device`` and the mean keys a query reads."""
+    def _csla_mask(self, si, run, device, need_mask: bool = True) -> tuple[Optional[torch.Tensor], float]:
+        """CSLA's (l, L) mask for scale ``si`` on ``device`` (None unless ``need_mask``: the
+        FlexAttention path computes it from positions) and the mean keys a query reads."""
         c = self.config
-        key = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         cache = run.shape_cache
+        key = ("sparvar.csla_keys", run.schedule.hw, si, c.sink_scales, c.windows)
         if key not in cache:
-            mask_lL = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows)
-            cache[key] = (mask_lL.to(device), mask_lL.sum(1).double().mean().item())
-        return cache[key]
+            cache[key] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows).sum(1).double().mean().item()
+        if not need_mask:
+            return None, cache[key]
+        mkey = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
+        if mkey not in cache:
+            cache[mkey] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows).to(device)
+        return cache[mkey], cache[key]
 
-    def _csla_block_mask(self, si, run, mask_lL: torch.Tensor):
+    def _csla_block_mask(self, si, run, device):
         """CSLA's FlexAttention BlockMask for scale ``si`` (built once per shape and kept in
         ``run.shape_cache``) and the compiled ``flex_attention`` it runs with (compiled once per
         shape: the same wrapper serves every generation of this workspace)."""
@@ -293,26 +326,27 @@ class SparVARPolicy(Policy):
         cache = run.shape_cache
         if "sparvar.flex" not in cache:
             cache["sparvar.flex"] = torch.compile(flex_attention, dynamic=False)
-        key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(mask_lL.device))
+        key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         if key not in cache:
-            cache[key] = block_mask_of(mask_lL)
+            cache[key] = csla_block_mask(run.schedule.hw, si, c.sink_scales, c.windows, device)
         return cache[key], cache["sparvar.flex"]
 
     def _cs4a(self, ctx, q_RHld, k_RHLd, v_RHLd, run, st):
         c, si, R = self.config, ctx.si, q_RHld.shape[0]
-        Lk, C = k_RHLd.shape[2], c.query_group
+        Lk, C, backend = k_RHLd.shape[2], c.query_group, st["backend"]
         if si == st["decision"]:
             o_dense = dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0)
-            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=st["backend"])
+            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=backend)
             K = max(1, min(Lk, int(round(c.top_keys * Lk))))
-            top_RHGK = colsum_RHGL.topk(K, dim=-1).indices
-            keys_RHGL = torch.zeros_like(colsum_RHGL, dtype=torch.bool).scatter_(-1, top_RHGK, True)
-            idx_RHGK = top_RHGK.sort(dim=-1).values.to(torch.int32)                # ascending: near keys together
-            count_RHG = torch.full(idx_RHGK.shape[:3], K, device=idx_RHGK.device, dtype=torch.int32)
+            idx_RHGK = colsum_RHGL.topk(K, dim=-1).indices.sort(dim=-1).values.to(torch.int32)   # ascending
+            count_RHG = self._full_count(idx_RHGK.shape[:3], K, run, idx_RHGK.device)
             o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
-                                                         backend=st["backend"])
-            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=(o_dense.float() - o_sparse.float()), keys=keys_RHGL,
-                                                        si=si, width=K)}
+                                                         backend=backend)
+            hS, wS = run.schedule.hw[si]
+            H, d = q_RHld.shape[1], q_RHld.shape[3]
+            # what the unselected keys contributed, kept as (R·H, d, hS, wS) for the upsampling
+            o_cache = (o_dense.float() - o_sparse.float()).reshape(R * H, hS, wS, d).permute(0, 3, 1, 2).contiguous()
+            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, idx=idx_RHGK, si=si, width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
@@ -320,28 +354,53 @@ class SparVARPolicy(Policy):
         # "relative" (the paper) follows the decision scale's selection: its entry is never rewritten;
         # "verbatim" (the development code) follows the previous sparse scale's keys
         entry = st["cs4a"][ctx.layer]
-        band_GL, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
-        keys_RHGL, followed_max = self._follow(entry["keys"][:R], entry["si"], si, run, entry["width"])
-        keys_RHGL = keys_RHGL | band_GL[None, None]
-        width = min(Lk, followed_max + band_max)           # a bound on any group's keys, known on the host
-        if c.mapping == "verbatim":
-            st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
         h, w = run.schedule.hw[si]
-        idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
-        st["keys"] = st["keys"] + [(count_RHG.float() * sizes_G).sum() / (R * keys_RHGL.shape[1] * h * w)]
-        o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
-                                                     backend=st["backend"])
-        hS, wS = run.schedule.hw[st["decision"]]
-        o_cache = entry["o_cache"][:R]                                                   # (R, H, hS·wS, d)
-        Rr, H, _, d = o_cache.shape
-        up = F.interpolate(o_cache.reshape(Rr * H, hS, wS, d).permute(0, 3, 1, 2), size=(h, w), mode="bilinear",
-                           align_corners=False)                                          # (R·H, d, h, w)
-        up_RHld = up.permute(0, 2, 3, 1).reshape(Rr, H, h * w, d)
-        return (o_sparse.float() + up_RHld).to(q_RHld.dtype)
+        band_G2, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
+        lists = self._relative_lists(entry["idx"][:R], entry["si"], si, run) if c.mapping == "relative" else None
+        if lists is not None:        # the mapped keys, distinct; sinks and band read as ranges by the kernel
+            idx_RHGK, prefix = lists
+            count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
+            lo_G, hi_G = band_G2[:, 0].clamp(min=prefix), band_G2[:, 1]
+            outside_RHGK = (idx_RHGK >= prefix) & ((idx_RHGK < lo_G[:, None]) | (idx_RHGK > hi_G[:, None]))
+            n_RHG = prefix + (hi_G - lo_G + 1).clamp(min=0) + outside_RHGK.sum(-1)
+            band_arg = band_G2
+        else:                        # masks: verbatim chaining, or a schedule whose scales do not map one to one
+            keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
+            keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
+            width = min(Lk, followed_max + band_max)       # a bound on any group's keys, known on the host
+            if c.mapping == "verbatim":
+                st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
+            idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
+            prefix, band_arg, n_RHG = 0, None, count_RHG
+        st["keys"] = st["keys"] + [(n_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
+        o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
+                                                     band_arg, backend=backend)
+        o_cache = entry["o_cache"]                                                       # (R·H, d, hS, wS)
+        H, d = q_RHld.shape[1], q_RHld.shape[3]
+        up = F.interpolate(o_cache[:R * H], size=(h, w), mode="bilinear", align_corners=False)  # (R·H, d, h, w)
+        return (o_sparse.float() + up.view(R, H, d, h * w).transpose(-1, -2)).to(q_RHld.dtype)
+
+    def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
+        """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""
+        key = ("sparvar.count", tuple(shape), K, str(device))
+        cache = run.shape_cache
+        if key not in cache:
+            cache[key] = torch.full(tuple(shape), K, device=device, dtype=torch.int32)
+        return cache[key]
+
+    def _keys_of(self, entry, R: int, run) -> torch.Tensor:
+        """The entry's (R, H, G, L) key mask: stored (verbatim chaining) or made from its index lists."""
+        if "keys" in entry:
+            return entry["keys"][:R]
+        idx_RHGK = entry["idx"][:R]
+        L = run.schedule.offsets[entry["si"] + 1]
+        return torch.zeros(*idx_RHGK.shape[:3], L, device=idx_RHGK.device, dtype=torch.bool).scatter_(
+            -1, idx_RHGK.long(), True)
 
     def _band(self, si: int, decision: int, run, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(G, L) bool: the keys of scale ``si``'s own band per query group (the side grows by 2 per
-        scale after the first sparse one); (G,) float32 the queries of each group; the largest band."""
+        """(G, 2) int32 [lo, hi] cache positions of scale ``si``'s own band per query group (the
+        side grows by 2 per scale after the first sparse one); (G,) float32 the queries of each
+        group; the largest band."""
         c = self.config
         key = ("sparvar.band", run.schedule.hw, si, decision, c.query_group, c.local_window, str(device))
         cache = run.shape_cache
@@ -349,42 +408,68 @@ class SparVARPolicy(Policy):
             h, w = run.schedule.hw[si]
             side = c.local_window if c.local_window < 0 else c.local_window + 2 * (si - decision - 1)
             band_G2 = run.schedule.offsets[si] + band_ranges(h, w, c.query_group, side)
-            pos_L = torch.arange(run.schedule.offsets[si + 1])
-            band_GL = (pos_L[None] >= band_G2[:, :1]) & (pos_L[None] <= band_G2[:, 1:])
-            sizes_G = torch.full((band_GL.shape[0],), float(c.query_group))
-            sizes_G[-1] = h * w - c.query_group * (band_GL.shape[0] - 1)               # the last group's queries
+            G = band_G2.shape[0]
+            sizes_G = torch.full((G,), float(c.query_group))
+            sizes_G[-1] = h * w - c.query_group * (G - 1)                                # the last group's queries
             band_max = int((band_G2[:, 1] - band_G2[:, 0]).max()) + 1
-            cache[key] = (band_GL.to(device), sizes_G.to(device), band_max)
+            cache[key] = (band_G2.to(device=device, dtype=torch.int32), sizes_G.to(device), band_max)
         return cache[key]
 
+    def _band_mask(self, si: int, decision: int, run, device) -> torch.Tensor:
+        """(G, L) bool: ``_band`` as a mask over the cache (the mask paths)."""
+        band_G2 = self._band(si, decision, run, device)[0]
+        pos_L = torch.arange(run.schedule.offsets[si + 1], device=device)
+        return (pos_L[None] >= band_G2[:, :1]) & (pos_L[None] <= band_G2[:, 1:])
+
+    def _group_map(self, G_from: int, G_to: int, run, device) -> torch.Tensor:
+        """(G_to,) int64: the supplement's query-block map g_k → g_S (proportionally nearest group)."""
+        key = ("sparvar.groups", G_from, G_to, str(device))
+        cache = run.shape_cache
+        if key not in cache:
+            cache[key] = torch.clamp(((torch.arange(G_to, dtype=torch.float64) + 0.5) * G_from / G_to - 0.5).round()
+                                     .long(), 0, G_from - 1).to(device)
+        return cache[key]
+
+    def _relative_map(self, si_from: int, si_to: int, run, device) -> tuple[torch.Tensor, int, bool]:
+        """``relative_key_map`` on ``device`` (int32), its sinks, and whether it is one to one."""
+        key = ("sparvar.relative", run.schedule.hw, si_from, si_to, str(device))
+        cache = run.shape_cache
+        if key not in cache:
+            map_L, sinks = relative_key_map(run.schedule.hw, si_from, si_to)
+            cache[key] = (map_L.to(device=device, dtype=torch.int32), sinks, map_L.unique().numel() == map_L.numel())
+        return cache[key]
+
+    def _relative_lists(self, idx_RHGK: torch.Tensor, si_from: int, si_to: int, run):
+        """(scale ``si_to``'s key lists (R, H, G_to, K) int32, the sink prefix) from the decision
+        scale's ascending lists, or None where the map is not one to one (the mask path dedupes).
+        The map keeps raster order, so the lists stay ascending and distinct."""
+        c, sched = self.config, run.schedule
+        map_L, sinks, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
+        if not injective:
+            return None
+        G_to = -(-sched.tokens(si_to) // c.query_group)
+        src_G = self._group_map(idx_RHGK.shape[2], G_to, run, idx_RHGK.device)
+        mapped_RHGK = map_L[idx_RHGK[:, :, src_G].long()]
+        return mapped_RHGK, sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]
+
     def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run, width: int) -> tuple[torch.Tensor, int]:
-        """Scale ``si_from``'s key selection for scale ``si_to``'s query groups: group g takes the
-        proportionally nearest source group, keys moved by ``mapping``; extended to the new length.
-        With the bound on the keys a group can now hold, from ``width``, the bound at ``si_from``."""
+        """Scale ``si_from``'s key selection for scale ``si_to``'s query groups as a mask: group g
+        takes the proportionally nearest source group, keys moved by ``mapping``; extended to the
+        new length. With the bound on the keys a group can now hold, from ``width``, the bound at
+        ``si_from``."""
         c = self.config
         sched = run.schedule
         R, H, G_from, L_from = keys_RHGL.shape
         G_to = -(-sched.tokens(si_to) // c.query_group)
-        key = ("sparvar.groups", G_from, G_to, str(keys_RHGL.device))
-        cache = run.shape_cache
-        if key not in cache:                      # the supplement's query-block map g_k → g_S
-            cache[key] = torch.clamp(((torch.arange(G_to, dtype=torch.float64) + 0.5) * G_from / G_to - 0.5).round()
-                                     .long(), 0, G_from - 1).to(keys_RHGL.device)
-        src_G = cache[key]
-        picked_RHGL = keys_RHGL[:, :, src_G]                                             # (R, H, G_to, L_from)
+        picked_RHGL = keys_RHGL[:, :, self._group_map(G_from, G_to, run, keys_RHGL.device)]   # (R, H, G_to, L_from)
         L_to = sched.offsets[si_to + 1]
         out = picked_RHGL.new_zeros(R, H, G_to, L_to)
         if c.mapping == "verbatim":
             out[..., :L_from] = picked_RHGL
             return out, width
-        key = ("sparvar.relative", sched.hw, si_from, si_to, str(keys_RHGL.device))
-        if key not in cache:
-            map_L, sinks = relative_key_map(sched.hw, si_from, si_to)
-            cache[key] = (map_L.to(keys_RHGL.device), sinks)
-        map_L, sinks = cache[key]
+        map_L, sinks, _ = self._relative_map(si_from, si_to, run, keys_RHGL.device)
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
-        out = out.to(torch.uint8).scatter_reduce_(-1, map_L.expand_as(src), src, reduce="amax").bool()
+        out = out.to(torch.uint8).scatter_reduce_(-1, map_L.long().expand_as(src), src, reduce="amax").bool()
         sink_end = sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]
         out[..., :sink_end] = True                                                       # A_sink ∪ mapped keys
         return out, width + sink_end
-

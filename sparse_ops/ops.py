@@ -97,10 +97,12 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
-                           count_RHG: torch.Tensor, group: int, scale: float, *, backend: str = "auto") -> torch.Tensor:
-    """(R, H, l, d): each query group attends to its own gathered keys (see ``ref.group_sparse_attention``)."""
+                           count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
+                           band_G2: Optional[torch.Tensor] = None, *, backend: str = "auto") -> torch.Tensor:
+    """(R, H, l, d): each query group attends to a shared prefix, its band and its listed keys (see
+    ``ref.group_sparse_attention``)."""
     return implementation("group_sparse_attention", backend, q_RHld.device)(q_RHld, k_RHLd, v_RHLd, idx_RHGK,
-                                                                            count_RHG, group, scale)
+                                                                            count_RHG, group, scale, prefix, band_G2)
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],

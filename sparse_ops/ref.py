@@ -402,24 +402,38 @@ def key_lists(keys_RHGL: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
-                           count_RHG: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+                           count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
+                           band_G2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
-    group may be shorter; G = ceil(l / group)) reads only its keys ``idx_RHGK[:, :, g, :count_RHG[:,
-    :, g]]`` (see ``key_lists``), softmax normalised over those keys alone — SparVAR's column-sparse
-    attention (research/accel.md §4.2–4.3). A group with no key gives zeros. Float32 softmax, output in q's dtype; one group at a time, so memory
-    stays at (R, H, group + K, d)."""
+    group may be shorter; G = ceil(l / group)) reads only its keys, softmax normalised over those
+    keys alone — SparVAR's column-sparse attention (research/accel.md §4.2–4.3). A group's keys
+    are the union of the first ``prefix`` keys (every group), the inclusive range ``band_G2[g]``
+    = [lo, hi] (None: no range) and the distinct positions ``idx_RHGK[:, :, g, :count_RHG[:, :,
+    g]]`` (see ``key_lists``); a listed key inside the prefix or the range counts once. A group
+    with no key gives zeros. Float32 softmax, output in q's dtype; one group at a time, so memory
+    stays at (R, H, group, Lk)."""
     R, H, l, d = q_RHld.shape
-    G, K = -(-l // group), idx_RHGK.shape[-1]
-    if idx_RHGK.shape[:3] != (R, H, G) or count_RHG.shape != (R, H, G):
-        raise ValueError(f"group_sparse_attention: idx_RHGK {tuple(idx_RHGK.shape)} / count_RHG "
-                         f"{tuple(count_RHG.shape)} need (R, H, G) = {(R, H, G)} for {l} queries in groups of {group}")
+    G, K, Lk = -(-l // group), idx_RHGK.shape[-1], k_RHLd.shape[2]
+    _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group)
     out_RHld = torch.empty_like(q_RHld)
-    valid_RHGK = torch.arange(K, device=q_RHld.device) < count_RHG[..., None].long()
+    listed_RHGK = torch.arange(K, device=q_RHld.device) < count_RHG[..., None].long()
+    pos_L = torch.arange(Lk + 1, device=q_RHld.device)
+    k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
     for g in range(G):
-        idx_RHKd = idx_RHGK[:, :, g].long()[..., None].expand(R, H, K, d)
-        k_RHKd = k_RHLd.gather(2, idx_RHKd).float()
-        v_RHKd = v_RHLd.gather(2, idx_RHKd).float()
-        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_RHKd.transpose(-1, -2) * scale   # (R, H, ≤group, K)
-        p = s.masked_fill(~valid_RHGK[:, :, g, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_RHKd).to(q_RHld.dtype)
+        keys_RHL = (pos_L < prefix).expand(R, H, Lk + 1).clone()                     # column Lk: a spare slot
+        if band_G2 is not None:
+            keys_RHL |= (pos_L >= band_G2[g, 0]) & (pos_L <= band_G2[g, 1])
+        keys_RHL.scatter_(-1, torch.where(listed_RHGK[:, :, g], idx_RHGK[:, :, g].long(), Lk), True)
+        keys_RHL = keys_RHL[..., :Lk]
+        s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
+        p = s.masked_fill(~keys_RHL[:, :, None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_f).to(q_RHld.dtype)
     return out_RHld
+
+
+def _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group) -> None:
+    if idx_RHGK.shape[:3] != (R, H, G) or count_RHG.shape != (R, H, G) \
+            or (band_G2 is not None and tuple(band_G2.shape) != (G, 2)):
+        raise ValueError(f"group_sparse_attention: idx_RHGK {tuple(idx_RHGK.shape)} / count_RHG "
+                         f"{tuple(count_RHG.shape)} / band_G2 {None if band_G2 is None else tuple(band_G2.shape)} "
+                         f"need (R, H, G) = {(R, H, G)} and (G, 2) for {l} queries in groups of {group}")

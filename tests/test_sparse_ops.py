@@ -466,27 +466,39 @@ def _colsum_case(R, H, l, Lk, d, group, dtype, device):
     torch.testing.assert_close(got.sum(-1).double(), oracle.sum(-1), rtol=1e-4, atol=0)
 
 
-def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, width_slack=3):
-    """Random per-group key masks (about ``keep`` of the keys; group 0 of row 0 keeps none, the
-    last group is partial when ``group`` does not divide ``l``), compacted by ``ref.key_lists``."""
+def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3):
+    """Random per-group key masks (about ``keep`` of the keys, compacted by ``ref.key_lists``; the
+    lists overlap the prefix and the bands, which must count once), a shared ``prefix``, and with
+    ``band`` a random range per group. Group 0 of row 0 lists no key and, without a prefix or band,
+    reads none; the last group is partial when ``group`` does not divide ``l``."""
     from sparsevar.sparse_ops import group_attention, ref
     g = _gen(7)
     q = _rand((R, H, l, d), g, device, dtype=dtype)
     k = _rand((R, H, Lk, d), g, device, dtype=dtype)
     v = _rand((R, H, Lk, d), g, device, dtype=dtype)
     G = -(-l // group)
-    keys = (torch.rand(R, H, G, Lk, generator=g) < keep).to(device)
-    keys[0, 0, 0] = False
-    width = int(keys.sum(-1).max()) + width_slack
-    idx, count = ref.key_lists(keys, width)
-    assert torch.equal(count.long(), keys.sum(-1))
-    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5)
-    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5)
+    listed = torch.rand(R, H, G, Lk, generator=g) < keep
+    listed[0, 0, 0] = False
+    band_G2 = None
+    if band:
+        lo = torch.randint(0, Lk, (G,), generator=g)
+        band_G2 = torch.stack([lo, (lo + torch.randint(0, 40, (G,), generator=g)).clamp(max=Lk - 1)], 1).to(device)
+    width = int(listed.sum(-1).max()) + width_slack
+    idx, count = ref.key_lists(listed.to(device), width)
+    assert torch.equal(count.long().cpu(), listed.sum(-1))
+    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2)
+    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2)
+    keys = listed.to(device).clone()
+    keys[..., :prefix] = True
+    if band:
+        pos = torch.arange(Lk, device=device)
+        keys |= ((pos >= band_G2[:, :1]) & (pos <= band_G2[:, 1:]))[None, None]
     s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5                       # (R, H, l, Lk)
     mask = keys.repeat_interleave(group, dim=2)[:, :, :l]
     oracle = (s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double())
     assert_close_to_oracle("group_sparse_attention", got, want, oracle)
-    assert got[0, 0, :group].abs().max().item() == 0.0                              # a group with no key: zeros
+    if not prefix and not band:
+        assert got[0, 0, :group].abs().max().item() == 0.0                          # a group with no key: zeros
 
 
 # odd, small shapes for the interpreter (about 0.6 ms per program instance on 2 cores)
@@ -563,6 +575,11 @@ def _(device="cpu"):
 @case("group_sparse_attention-R1H2-l50-Lk77-d32-g16-bf16")
 def _(device="cpu"):
     _group_attention_case(1, 2, 50, 77, 32, 16, 0.5, torch.bfloat16, device)
+
+
+@case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-fp32")
+def _(device="cpu"):
+    _group_attention_case(2, 2, 45, 90, 16, 16, 0.2, torch.float32, device, prefix=21, band=True)
 
 
 @case("attention_colsum-R1H2-l50-Lk77-d32-bf16")
@@ -1081,6 +1098,9 @@ GPU_CASES = {
         lambda device: _group_attention_case(2, 16, 2304, 6681, 128, 192, 0.25, torch.bfloat16, device),
     "group_sparse_attention-R2H6-l1024-Lk2240-d64-g192-fp16":
         lambda device: _group_attention_case(2, 6, 1024, 2240, 64, 192, 0.2, torch.float16, device),
+    "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-bf16":
+        lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
+                                             band=True),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
     "qk_norm_rope_store-R2-l4096-H16-d128-bf16": lambda device: _qk_rope_case(2, 4096, 16, 128, 6000, torch.bfloat16,

@@ -81,22 +81,30 @@ def test_group_sparse_attention_is_dense_attention_over_each_groups_keys():
     none[..., 1, :] = False
     assert _masked(q, k, v, none, 3, 0.5)[:, :, 3:6].abs().max() == 0                    # no key: zeros
     idx, count = sparse_ref.key_lists(every, 13)
-    with pytest.raises(ValueError, match=r"need \(R, H, G\) = \(2, 3, 4\) for 10 queries in groups of 3"):
+    with pytest.raises(ValueError, match=r"need \(R, H, G\) = \(2, 3, 4\) and \(G, 2\) for 10 queries in groups of 3"):
         sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :3], count[:, :, :3], 3, 0.5)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_csla_block_mask_runs_flex_attention_equal_to_the_masked_sdpa():
-    """The block mask CSLA hands FlexAttention on the Triton backend reads what the boolean mask
-    of the torch backend reads (eager FlexAttention here; the GPU test runs the compiled one)."""
-    from sparsevar.policies.sparvar import block_mask_of
+def test_csla_block_mask_reads_what_the_boolean_mask_reads():
+    """The FlexAttention path of CSLA (Triton backend) computes the window rule from positions; it
+    reads exactly the keys of ``csla_mask`` (the torch backend's SDPA mask), sinks, whole scales and
+    unread scales included, on a non-square schedule (eager FlexAttention here; the GPU test runs
+    the compiled one)."""
+    from sparsevar.policies.sparvar import csla_block_mask, csla_mask_mod
     from sparsevar.sparse_ops.attention import attention
-    hw = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13))
+    hw = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
+    for si, sinks, windows in ((4, 2, (3, 1, -1)), (5, 1, (7, 0, 3, 1)), (5, 0, (1,)), (3, 4, (5,))):
+        want_lL = csla_mask(hw, si, sinks, windows)
+        l, L = want_lL.shape
+        mod = csla_mask_mod(hw, si, sinks, windows, "cpu")
+        got_lL = mod(0, 0, torch.arange(l, dtype=torch.int32)[:, None], torch.arange(L, dtype=torch.int32)[None])
+        assert torch.equal(got_lL, want_lL), (si, sinks, windows)
     mask_lL = csla_mask(hw, 4, 2, (3, 1, -1))
     l, L = mask_lL.shape
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(2, 3, l, 16, generator=g), torch.randn(2, 3, L, 16, generator=g), torch.randn(2, 3, L, 16, generator=g)
-    got = attention(q, k, v, 0.25, block_mask=block_mask_of(mask_lL))
+    got = attention(q, k, v, 0.25, block_mask=csla_block_mask(hw, 4, 2, (3, 1, -1), "cpu"))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_lL, scale=0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -155,6 +163,28 @@ def test_preset_changes_the_picture_and_a_batch_equals_its_images(pipe):
     pipe.disable_sparvar()
     pipe.enable_sparvar(top_keys=0.5, mapping="verbatim", windows=(3, 1), cs4a_layers=0.5)
     assert (_run(pipe, [1, 4]).images - both.images).abs().amax() > 1e-4                 # settings matter
+
+
+def test_relative_index_lists_read_the_keys_of_the_mask_path(pipe):
+    """The "relative" mapping moves the decision scale's index lists and hands the sinks and the
+    band to the kernel as ranges; the mask path (used where a schedule's map is not one to one)
+    unions the same keys as masks. Same keys: the same pictures and the same key counts."""
+    from sparsevar.policies.sparvar import SparVARPolicy
+
+    class MaskPath(SparVARPolicy):
+        def _relative_lists(self, idx_RHGK, si_from, si_to, run):
+            return None
+
+    cfg = SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)
+    pipe.enable_sparvar(cfg)
+    lists = _run(pipe, [1, 4])
+    pipe.disable_sparvar()
+    pipe.add_policy(MaskPath(cfg))
+    masks = _run(pipe, [1, 4])
+    torch.testing.assert_close(lists.images, masks.images, rtol=0, atol=1e-6)
+    for a, b in zip(lists.stats, masks.stats):
+        got, want = ([s.keys_read for s in x.scales if s.keys_read is not None] for x in (a, b))
+        assert len(got) == len(want) == 3 and got == pytest.approx(want, rel=1e-6)
 
 
 def test_decision_scale_follows_the_last_computed_scale_and_cond_only_composes(pipe):
