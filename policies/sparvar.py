@@ -344,8 +344,9 @@ class SparVARPolicy(Policy):
                                                          backend=backend)
             hS, wS = run.schedule.hw[si]
             H, d = q_RHld.shape[1], q_RHld.shape[3]
-            # what the unselected keys contributed, kept as (R·H, d, hS, wS) for the upsampling
-            o_cache = (o_dense.float() - o_sparse.float()).reshape(R * H, hS, wS, d).permute(0, 3, 1, 2).contiguous()
+            # what the unselected keys contributed, kept in q's dtype as (R·H, d, hS, wS) for the upsampling
+            o_cache = (o_dense.float() - o_sparse.float()).to(q_RHld.dtype).reshape(R * H, hS, wS, d) \
+                .permute(0, 3, 1, 2).contiguous()
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, idx=idx_RHGK, si=si, width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
@@ -378,7 +379,7 @@ class SparVARPolicy(Policy):
         o_cache = entry["o_cache"]                                                       # (R·H, d, hS, wS)
         H, d = q_RHld.shape[1], q_RHld.shape[3]
         up = F.interpolate(o_cache[:R * H], size=(h, w), mode="bilinear", align_corners=False)  # (R·H, d, h, w)
-        return (o_sparse.float() + up.view(R, H, d, h * w).transpose(-1, -2)).to(q_RHld.dtype)
+        return o_sparse + up.view(R, H, d, h * w).transpose(-1, -2).to(o_sparse.dtype)
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""
