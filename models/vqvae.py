@@ -342,6 +342,10 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
     default square schedule; every schedule-taking method accepts an explicit (possibly
     non-square) schedule.
 
+    ``phi_on_last=False`` is HART's hybrid tokenizer (hart.md §4.2): the same network, but the last
+    scale's codes enter the latent without φ (encode, ``idx_to_fhat``, ``next_stage_input``); the
+    rest of the latent, ``f − f_hat``, is the continuous residual its diffusion head models.
+
     The decode side can differ from the official model (the encoder never does), with the same
     state-dict keys and shapes: ``decoder_norm`` is the decoder's normalisation, "group" (GroupNorm,
     official) or "channel" (:class:`ChannelNorm`, per pixel), and ``decoder_padding`` the padding of
@@ -366,6 +370,7 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
         patch_nums: tuple = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16),
         decoder_norm: str = "group",
         decoder_padding: str = "zeros",
+        phi_on_last: bool = True,
     ):
         super().__init__()
         ch_mult = tuple(int(m) for m in ch_mult)
@@ -406,6 +411,7 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
         self.z_channels = int(z_channels)
         self.patch_nums = patch_nums
         self.resi_ratio = abs(float(quant_resi))
+        self.phi_on_last = bool(phi_on_last)
         self.downsample_factor = 2 ** (len(ch_mult) - 1)
 
         self.encoder = Encoder(int(ch), ch_mult, int(num_res_blocks), self.z_channels,
@@ -551,6 +557,13 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
         conv = self.quantize.quant_resi.qresi_ls[self.phi_index(si, num_scales)]
         return conv.weight, conv.bias, self.resi_ratio
 
+    def phi_or_identity(self, h_BChw: torch.Tensor, si: int, num_scales: int) -> torch.Tensor:
+        """``apply_phi``, except at the last scale of a tokenizer with ``phi_on_last=False`` (HART),
+        where the codes enter the latent as they are."""
+        if si == num_scales - 1 and not self.phi_on_last:
+            return h_BChw.float()
+        return self.apply_phi(h_BChw, si, num_scales)
+
     def apply_phi(self, h_BChw: torch.Tensor, si: int, num_scales: int) -> torch.Tensor:
         """phi(h) = (1 - r) * h + r * conv_k(h) with r = |quant_resi| and k = phi_index(si, num_scales).
 
@@ -615,7 +628,7 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
                     h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic", align_corners=False).contiguous()
                 else:
                     h_BChw = h_BChw.contiguous()
-                h_BChw = self.apply_phi(h_BChw, si, SN)
+                h_BChw = self.phi_or_identity(h_BChw, si, SN)
                 f_hat_BChw.add_(h_BChw)
                 f_rest_BChw.sub_(h_BChw)
                 idx_list.append(idx_N.reshape(B, ph * pw))  # (B*ph*pw,) -> (B, ph*pw)
@@ -669,7 +682,7 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
                 h_BChw = self.embed(idx_list[si], ph, pw)
                 if si != SN - 1:
                     h_BChw = F.interpolate(h_BChw, size=(H, W), mode="bicubic", align_corners=False)
-                f_hat_BChw.add_(self.apply_phi(h_BChw, si, SN))
+                f_hat_BChw.add_(self.phi_or_identity(h_BChw, si, SN))
         return f_hat_BChw
 
     def idx_to_var_input(self, idx_list: Sequence[torch.Tensor], schedule: Schedule | None = None) -> torch.Tensor:
@@ -729,7 +742,7 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
                 up_BChw = F.interpolate(h_BChw.float(), size=(H, W), mode="bicubic", align_corners=False)
                 f_hat_BChw.add_(self.apply_phi(up_BChw, si, SN))
                 return f_hat_BChw, F.interpolate(f_hat_BChw, size=sched[si + 1], mode="area")
-            f_hat_BChw.add_(self.apply_phi(h_BChw, si, SN))
+            f_hat_BChw.add_(self.phi_or_identity(h_BChw, si, SN))
             return f_hat_BChw, f_hat_BChw
 
     # -------------------------------------------------------------------------------- decode

@@ -68,6 +68,19 @@ def var_official_files(var_fixture_dir, var_fixture_config, tmp_path_factory) ->
     return files
 
 
+# ---- HART ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def hart_fixture_dir() -> Path:
+    return family_dir("hart")
+
+
+@pytest.fixture(scope="session")
+def hart_state_dicts(hart_fixture_dir) -> dict[str, dict[str, torch.Tensor]]:
+    """The fixture's official state dicts: {'tokenizer': the ``vae.*`` tree, 'transformer': HARTForT2I's}."""
+    return {name: materialize(hart_fixture_dir / f"{name}.weights_manifest.json")
+            for name in ("tokenizer", "transformer")}
+
+
 # ---- Infinity ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def infinity_fixture_dir() -> Path:
