@@ -18,6 +18,7 @@ multi-scale VQVAE with its last scale outside φ (``MultiScaleVQVAE(phi_on_last=
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,7 +28,15 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from ..engine.adapter import ModelAdapter
+from ..engine.contract import SubLayer, SubLayerContext
+from ..engine.kv_cache import KVCache
+from ..engine.layers import LayerCall
+from ..engine.sampling import sample_codes
 from ..engine.schedule import ScaleSchedule
+from ..engine.state import RunState
+from ..engine.workspace import Workspace
+from ..sparse_ops.attention import dense_attention
 
 HART_SCHEDULE_1024 = (1, 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)
 ROPE_BASE = 10000.0
@@ -426,3 +435,270 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         for block in self.blocks:
             x = block(x, cos, sin, block.modulation(cond), attn_mask=mask)
         return self.logits(x[:, T - 1:], cond_BTC)
+
+
+# ---- the engine adapter -----------------------------------------------------------------------------
+REFERENCE_TOP_K = ((7, 600), (None, 300))    # top-k 600 below scale index 7, then 300 (the reference's rule)
+
+
+@dataclass(frozen=True)
+class HARTConditioning:
+    """What one generation is conditioned on: the text encoder's last hidden states of the B prompts
+    (B, T, D) with their validity mask and HART's position ids (cumsum(mask) − 1, pads repeating the
+    last), and optionally the diffusion head's noise ((B·P², Cvae) start, one (B·P², Cvae) draw per
+    reverse step) instead of drawing it from the generator (parity tests)."""
+
+    context_BTD: torch.Tensor
+    position_ids_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    diffusion_noise: Optional[tuple] = None
+
+
+class _HARTCall(LayerCall):
+    """Where a HART block runs: the layer's AdaLN modulation (or None) and the RoPE of the tokens."""
+
+    __slots__ = ("mod", "rope")
+
+    def __init__(self, kv, si, layer, run, ops, pos, valid_Rl, record, mod, rope):
+        super().__init__(kv, si, layer, run, ops, pos, valid_Rl, record)
+        self.mod, self.rope = mod, rope
+
+
+class _HARTWorkspace(Workspace):
+    """The buffers of one batch size: KV cache (text slots, then every image scale), the latent,
+    the next scale's input, the text embeddings, every row's RoPE tables and the last scale's hidden
+    states (the diffusion head's condition)."""
+
+    def __init__(self, model: HARTTransformer, batch: int, schedule: ScaleSchedule, device, dtype):
+        super().__init__(device, schedule.total_tokens)
+        cfg = model.config
+        R, L = 2 * batch, schedule.total_tokens
+        self.kv = KVCache(cfg.depth, R, cfg.num_heads, model.head_dim, L, dtype, device)
+        P = cfg.patch_nums[-1]
+        self.f_hat = torch.zeros(batch, cfg.z_channels, P, P, device=device, dtype=torch.float32)
+        self.next_BLC = torch.zeros(batch, L, cfg.z_channels, device=device, dtype=torch.float32)
+        self.cond_RTC: Optional[torch.Tensor] = None
+        self.cos_RLd: Optional[torch.Tensor] = None
+        self.sin_RLd: Optional[torch.Tensor] = None
+        self.mods: list = []
+        self.last_hidden: Optional[torch.Tensor] = None
+
+
+class HARTAdapter(ModelAdapter):
+    """The engine's view of a HART transformer + its hybrid tokenizer (engine/adapter.py).
+
+    The engine's schedule holds the text as scale 0 (1 × T tokens: the step-0 input, whose last
+    slot predicts the 1×1 code), then the image scales. Rows are [cond (B); uncond (B)]; the
+    unconditional text is zeros (its embedding the bias) at position 0. Guidance ramps with the
+    scale: t = cfg·si/(S−1), the last scale reusing (S−2)/(S−1); guided = (1 + t)·cond − t·uncond.
+    ``top_k`` 0 samples with the reference's rule (600 below scale 7, then 300)."""
+
+    family = "hart"
+    supports_cuda_graphs = False
+
+    def __init__(self, transformer: HARTTransformer, vqvae):
+        cfg = transformer.config
+        if vqvae.phi_on_last:
+            raise ValueError("HART's tokenizer keeps its last scale out of φ: build the VQVAE with phi_on_last=False")
+        if tuple(vqvae.patch_nums) != tuple(cfg.patch_nums):
+            raise ValueError(f"the tokenizer's schedule {tuple(vqvae.patch_nums)} is not the transformer's "
+                             f"{tuple(cfg.patch_nums)}")
+        hw = ((1, cfg.context_token),) + tuple((p, p) for p in cfg.patch_nums[1:])
+        super().__init__(transformer, ScaleSchedule(hw), transformer.blocks)
+        self.vqvae = vqvae
+        self.image_schedule = transformer.schedule
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.blocks[0].attn.qkv_proj.weight.dtype
+
+    # ---- adapter interface ----------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, run: RunState, cond: HARTConditioning) -> None:
+        m, B, dev = self.transformer, run.batch_size, self.device
+        if not isinstance(cond, HARTConditioning):
+            raise TypeError(f"HART conditioning must be a HARTConditioning, got {type(cond).__name__}")
+        T = m.config.context_token
+        if tuple(cond.context_BTD.shape[:2]) != (B, T):
+            raise ValueError(f"context of shape {tuple(cond.context_BTD.shape)}: need ({B}, {T}, D) for {B} images")
+        ws = self.workspace((B, dev, self.dtype), lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype))
+        run.cfg_active = float(run.settings.guidance_scale) != 0.0
+        ctx = cond.context_BTD.to(dev, torch.float32)
+        pos_BT = cond.position_ids_BT.to(dev)
+        mask_BT = cond.mask_BT.to(dev)
+        if run.cfg_active:
+            unc_mask = torch.zeros_like(mask_BT)
+            unc_mask[:, 0] = True
+            ctx, pos_BT = torch.cat((ctx, torch.zeros_like(ctx))), torch.cat((pos_BT, torch.zeros_like(pos_BT)))
+            mask_BT = torch.cat((mask_BT, unc_mask))
+        ws.cond_RTC = m.text_condition(ctx.to(m.context_embed.weight.dtype)).float()
+        cos_t, sin_t = rope_1d(pos_BT, m.head_dim)
+        cos_i, sin_i = m.image_rope(range(1, self.image_schedule.num_scales), pos_BT[:, -1].float())
+        ws.cos_RLd, ws.sin_RLd = torch.cat((cos_t, cos_i), 1), torch.cat((sin_t, sin_i), 1)
+        pooled = m.block_condition(ws.cond_RTC, mask_BT)
+        ws.mods = [blk.modulation(pooled.to(self.dtype)) if pooled is not None else None for blk in m.blocks]
+        ws.f_hat.zero_()
+        ws.kv.reset()
+        if not run.cfg_active:
+            ws.kv.keep_rows(B)
+        run.model_state.update(diffusion_noise=cond.diffusion_noise)
+        run.workspace = ws
+
+    def stage_input(self, si: int, run: RunState) -> torch.Tensor:
+        """(R, l, C) float32: the text embeddings at scale 0, else the word embedding of the next-scale
+        input; plus the level embedding."""
+        ws, R, B, m = run.workspace, run.rows, run.batch_size, self.transformer
+        lvl = m.level_embedding(torch.tensor([si], device=self.device)).float()           # (1, C)
+        if si == 0:
+            return ws.cond_RTC[:R] + lvl
+        start, end = run.schedule.offsets[si], run.schedule.offsets[si + 1]
+        x_BlC = m.word_embed(ws.next_BLC[:, start:end].to(m.word_embed.weight.dtype)).float() + lvl
+        return x_BlC.repeat(R // B, 1, 1)
+
+    def chains_layers(self) -> bool:
+        return False
+
+    def chains_into_head(self) -> bool:
+        return False
+
+    def scale_constants(self, si: int, run: RunState, pos: torch.Tensor):
+        return None
+
+    def _rope(self, run: RunState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (R, l, d) of positions (l,) shared by the rows or (R, n) per row."""
+        ws, R = run.workspace, run.rows
+        if pos.dim() == 1:
+            return ws.cos_RLd[:R, pos], ws.sin_RLd[:R, pos]
+        idx = pos[..., None].expand(-1, -1, ws.cos_RLd.shape[-1])
+        return ws.cos_RLd[:R].gather(1, idx), ws.sin_RLd[:R].gather(1, idx)
+
+    def layer_call(self, si: int, i: int, run: RunState, pos, valid_Rn, record: bool, shared) -> _HARTCall:
+        ws = run.workspace
+        mod = ws.mods[i]
+        if mod is not None:
+            mod = tuple(t[:run.rows] for t in mod)
+        return _HARTCall(ws.kv, si, i, run, self.ops, pos, valid_Rn, record, mod, None)
+
+    def layer(self, i: int, x_RlC: torch.Tensor, call: _HARTCall) -> torch.Tensor:
+        blk, run = self.blocks[i], call.run
+        R, l, C = x_RlC.shape
+        wdtype = self.dtype
+        ones = x_RlC.new_ones(R, 1, C)
+        zeros = x_RlC.new_zeros(R, 1, C)
+        if call.mod is not None:
+            g1, g2, s1, s2, b1, b2 = (t.float() for t in call.mod)
+            m1, m2 = s1 + 1, s2 + 1
+        else:
+            g1 = g2 = m1 = m2 = ones
+            b1 = b2 = zeros
+
+        def modulate(x, mul, shift):
+            return (blk.ln_wo_grad(x).float() * mul + shift).to(wdtype)
+
+        def attn_branch(y_RnC, idx_Rn=None):
+            n = y_RnC.shape[1]
+            pos, valid = call.positions(idx_Rn)
+            cos, sin = self._rope(run, pos)
+            q, k, v = blk.attn.qkv(y_RnC, cos, sin)
+            q = q * blk.attn.scale                          # the temperature folded into q: attention at scale 1
+            k_dst, v_dst = call.reserve(n, idx_Rn, pos, valid)
+            k_dst.copy_(k)
+            v_dst.copy_(v)
+            K, V = call.kv.view(call.layer)
+            out = None
+            if run.hooks.attends(call.layer):
+                out = run.policies.attention(SubLayerContext(call.si, call.layer, "self_attn"), q, K, V, run)
+            if out is None:
+                out = dense_attention(q, K, V, scale=1.0, attn_mask=call.kv.key_mask(call.layer))
+            return blk.attn.proj(out.transpose(1, 2).reshape(R, n, C).to(wdtype))   # (R, H, n, d) → (R, n, C)
+
+        def ffn_branch(y_RnC, idx_Rn=None):
+            return blk.ffn(y_RnC)
+
+        add = self.ops.gated_residual
+        if run.hooks.wraps(i):
+            stack = run.policies
+            x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(call.si, i, "self_attn"), m1, b1, g1, attn_branch,
+                                                 modulate, add), x_RlC, run)
+            return stack.wrap_sublayer(SubLayer(SubLayerContext(call.si, i, "ffn"), m2, b2, g2, ffn_branch, modulate,
+                                                add), x_RlC, run)
+        x_RlC = add(x_RlC, attn_branch(modulate(x_RlC, m1, b1)).float(), g1)
+        return add(x_RlC, ffn_branch(modulate(x_RlC, m2, b2)).float(), g2)
+
+    def head(self, x_RLC: torch.Tensor, run: RunState, modulated: bool = False) -> torch.Tensor:
+        """Float32 logits: at scale 0 of the last text slot only (it predicts the 1×1 code); the last
+        scale's hidden states are kept for the diffusion head."""
+        si, ws = run.si, run.workspace
+        if si == 0:
+            x_RLC = x_RLC[:, -1:]
+        elif si == run.schedule.num_scales - 1:
+            ws.last_hidden = x_RLC
+        return self.transformer.logits(x_RLC, ws.cond_RTC[:run.rows])
+
+    def guidance(self, si: int, run: RunState) -> float:
+        """t at scale ``si``: cfg·si/(S−1), the last scale reusing the ratio of the one before."""
+        S = run.schedule.num_scales
+        return float(run.settings.guidance_scale) * min(si, S - 2) / (S - 1)
+
+    def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
+        B = run.batch_size
+        if not run.cfg_active:
+            return logits_RlV[:B]
+        t = self.guidance(si, run)
+        return (1 + t) * logits_RlV[:B] - t * logits_RlV[B:]
+
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
+        s = run.settings
+        k = s.top_k or next(k for below, k in REFERENCE_TOP_K if below is None or si < below)
+        return sample_codes(guided_BlV, k, s.top_p, run.generator)
+
+    def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Codebook vectors (B, l, Cvae) float32."""
+        return F.embedding(codes_Bl, self.vqvae.quantize.embedding.weight.float())
+
+    def _diffusion_noise(self, run: RunState, n: int, C: int):
+        given = run.model_state.get("diffusion_noise")
+        if given is not None:
+            init, steps = given
+            return init.to(self.device), [s[:n].to(self.device) for s in steps]
+        gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
+        per = n // len(gens)
+
+        def draw():
+            return torch.cat([torch.randn(per, C, generator=g, device=g.device if g is not None else self.device)
+                              .to(self.device) for g in gens])
+        return draw(), [draw() for _ in self.transformer.sampler.timesteps]
+
+    @torch.no_grad()
+    def accumulate(self, si: int, residual_BlC: torch.Tensor, run: RunState) -> None:
+        ws, m, S = run.workspace, self.transformer, run.schedule.num_scales
+        B, l, Cv = residual_BlC.shape
+        p = self.image_schedule.hw[si][0]
+        h_BChw = residual_BlC.transpose(1, 2).reshape(B, Cv, p, p)                   # (B, l, Cv) → (B, Cv, p, p)
+        if si < S - 1:
+            _, nxt_BChw = self.vqvae.next_stage_input(si, None, ws.f_hat, h_BChw)
+            start, end = run.schedule.offsets[si + 1], run.schedule.offsets[si + 2]
+            ws.next_BLC[:, start:end].copy_(nxt_BChw.flatten(2).transpose(1, 2))    # (B, Cv, h, w) → (B, h·w, Cv)
+            return
+        # the last scale: the diffusion head samples the continuous residual of every token
+        R = run.rows
+        z_RlC = m.decoder_norm(ws.last_hidden.to(self.dtype) +
+                               m.word_embed(residual_BlC.to(self.dtype)).repeat(R // B, 1, 1)).float()
+        init, steps = self._diffusion_noise(run, B * l, Cv)
+        z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
+        r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),
+                               init, steps)
+        tokens_BlC = residual_BlC + r_NC.view(B, l, Cv)
+        ws.f_hat.add_(tokens_BlC.transpose(1, 2).reshape(B, Cv, p, p))
+        ws.last_hidden = None
+
+    def latent(self, run: RunState) -> torch.Tensor:
+        return run.workspace.f_hat
+
+    @torch.no_grad()
+    def decode(self, run: RunState) -> torch.Tensor:
+        return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5

@@ -112,3 +112,35 @@ def test_diffusion_head_samples_the_references_residual_from_the_recorded_noise(
         out = sample_residual(transformer.diffloss.net, transformer.sampler, z[:B].flatten(0, 1),
                               z[B:].flatten(0, 1), t, got_f["diff_noise_init"], noise_steps)
     torch.testing.assert_close(out.view(B, n, -1), got_f["diff_out"], rtol=1e-4, atol=1e-4)
+
+
+def _generate(transformer, tokenizer, inputs, fixture, cfg: float, generator=None, **settings):
+    from sparsevar.engine.sampler import generate
+    from sparsevar.engine.state import SamplingSettings
+    from sparsevar.models.hart import HARTAdapter, HARTConditioning
+    adapter = HARTAdapter(transformer, tokenizer(phi_on_last=False))
+    noise = None
+    if fixture is not None:
+        B, n = fixture["diff_out"].shape[:2]
+        noise = (fixture["diff_noise_init"], list(fixture["diff_noise_steps"]))
+    cond = HARTConditioning(inputs["context"], inputs["context_position_ids"], inputs["context_mask"], noise)
+    codes = []
+    out = generate(adapter, cond, inputs["context"].shape[0],
+                   settings=SamplingSettings(guidance_scale=cfg, **settings), generator=generator,
+                   callback=lambda si, d: codes.append(d["codes"]))
+    return out, codes
+
+
+@pytest.mark.parametrize("cfg", ["1", "4.5"])
+def test_greedy_generation_with_the_recorded_diffusion_noise_matches_the_reference(hart_dir, transformer, tokenizer,
+                                                                                  cfg):
+    """Through the engine: every scale's argmax codes, the last latent and the image, with the
+    diffusion noise the reference recorded (its own draws come from the global RNG)."""
+    inputs = load_file(hart_dir / "inputs.safetensors")
+    want = load_file(hart_dir / f"infer_cfg{cfg}.safetensors")
+    out, codes = _generate(transformer, tokenizer, inputs, want, float(cfg), top_k=1, top_p=0.0)
+    assert len(codes) == 6
+    for si, c in enumerate(codes):
+        assert torch.equal(c, want[f"tokens_s{si}"]), si
+    torch.testing.assert_close(out.latent, want["fhat_final"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.images, want["image"], rtol=2e-4, atol=2e-4)
