@@ -1,0 +1,96 @@
+"""Acceleration policies on HART (issue #29; the fixture model, CPU, greedy): every policy's neutral
+setting reproduces dense generation bit for bit; active settings change the picture and compute
+fewer tokens or read fewer keys, and every method still hands the diffusion head the full last map."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar.engine.contract import PolicyStack
+from sparsevar.engine.sampler import generate
+from sparsevar.engine.state import SamplingSettings
+from sparsevar.models.hart import HARTAdapter, HARTConditioning, HARTTransformer
+from sparsevar.models.vqvae import MultiScaleVQVAE
+from sparsevar.policies import FastVARConfig, ScaleSkipConfig, SparseVARConfig, SparVARConfig
+from sparsevar.policies.fastvar import FastVARPolicy
+from sparsevar.policies.scale_skip import ScaleSkipPolicy
+from sparsevar.policies.sparsevar import SparseVARPolicy
+from sparsevar.policies.sparvar import SparVARPolicy
+
+
+@pytest.fixture(scope="module")
+def adapter(hart_state_dicts, hart_fixture_dir):
+    import json
+    m = json.loads((hart_fixture_dir / "manifest.json").read_text())
+    c, t = m["transformer_config"], m["tokenizer_config"]
+    sd = dict(hart_state_dicts["transformer"])
+    for k in HARTTransformer.official_extra_keys(c["depth"]):
+        sd.pop(k)
+    tr = HARTTransformer(vocab_size=t["vocab_size"], z_channels=t["z_channels"], context_token=c["context_token"],
+                         context_dim=c["context_dim"], depth=c["depth"], embed_dim=c["embed_dim"],
+                         num_heads=c["num_heads"], diff_width=c["diff_width"], diff_depth=c["diff_depth"],
+                         patch_nums=c["patch_nums"])
+    tr.load_state_dict(sd, strict=True)
+    vsd = {k.removeprefix("vae."): v for k, v in hart_state_dicts["tokenizer"].items()}
+    vsd.pop("quantize.ema_vocab_hit_SV")
+    vq = MultiScaleVQVAE(**MultiScaleVQVAE.config_from_state_dict(vsd, patch_nums=t["v_patch_nums"]), phi_on_last=False)
+    vq.load_state_dict(vsd, strict=True)
+    return HARTAdapter(tr.eval(), vq.eval())
+
+
+@pytest.fixture(scope="module")
+def inputs(hart_fixture_dir):
+    return load_file(hart_fixture_dir / "inputs.safetensors")
+
+
+def _run(adapter, inputs, *policies):
+    codes = []
+    cond = HARTConditioning(inputs["context"], inputs["context_position_ids"], inputs["context_mask"])
+    out = generate(adapter, cond, 2, settings=SamplingSettings(guidance_scale=4.5, top_k=1, top_p=0.0),
+                   generator=torch.Generator().manual_seed(0), policies=PolicyStack(policies),
+                   callback=lambda si, d: codes.append(d["codes"]))
+    return out, codes
+
+
+@pytest.fixture(scope="module")
+def dense(adapter, inputs):
+    return _run(adapter, inputs)
+
+
+@pytest.mark.parametrize("policy", [
+    SparseVARPolicy(SparseVARConfig(tau=0.0, block=1)),
+    FastVARPolicy(FastVARConfig(ratios=(0.0, 0.0))),
+    ScaleSkipPolicy(ScaleSkipConfig()),
+    SparVARPolicy(SparVARConfig.dense()),
+], ids=["sparsevar", "fastvar", "scale_skip", "sparvar"])
+def test_neutral_settings_reproduce_dense(adapter, inputs, dense, policy):
+    out, codes = _run(adapter, inputs, policy)
+    (want, want_codes) = dense
+    assert len(codes) == len(want_codes) == 6
+    assert all(torch.equal(a, b) for a, b in zip(codes, want_codes))
+    tol = 1e-5 if isinstance(policy, SparVARPolicy) else 0.0                 # SparVAR re-sums attention
+    torch.testing.assert_close(out.images, want.images, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("policy", [
+    SparseVARPolicy(SparseVARConfig(keep_ratio=0.3, block=1)),
+    FastVARPolicy(FastVARConfig(ratios=(0.5, 0.75))),
+    SparVARPolicy(SparVARConfig(decision_scale=-4, top_keys=0.2, windows=(3, 1), sink_scales=1, query_group=4)),
+], ids=["sparsevar", "fastvar", "sparvar"])
+def test_active_settings_act_and_the_diffusion_head_gets_the_full_map(adapter, inputs, dense, policy):
+    out, codes = _run(adapter, inputs, policy)
+    want, want_codes = dense
+    assert (out.images - want.images).abs().max() > 1e-4
+    assert torch.isfinite(out.images).all() and out.images.shape == want.images.shape
+    stats = out.stats.scales
+    if isinstance(policy, SparVARPolicy):
+        assert all(s.keys_read is not None for s in stats[-3:])
+    else:
+        assert sum(s.tokens_computed for s in stats) < sum(s.tokens_computed for s in want.stats.scales)
+
+
+def test_skipping_the_last_scale_leaves_out_the_continuous_residual(adapter, inputs, dense):
+    out, codes = _run(adapter, inputs, ScaleSkipPolicy(ScaleSkipConfig(skip_last=1)))
+    assert len(codes) == 5 and out.stats.scales[-1].skipped
+    assert torch.isfinite(out.images).all()
