@@ -32,7 +32,8 @@ from ..engine.adapter import ModelAdapter
 from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.kv_cache import KVCache
 from ..engine.layers import LayerCall
-from ..engine.sampling import sample_codes
+from ..engine.sampling import sample_codes_per_image
+from ..sparse_ops.ref import filter_top_k_top_p
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
@@ -446,12 +447,18 @@ class HARTConditioning:
     """What one generation is conditioned on: the text encoder's last hidden states of the B prompts
     (B, T, D) with their validity mask and HART's position ids (cumsum(mask) − 1, pads repeating the
     last), and optionally the diffusion head's noise ((B·P², Cvae) start, one (B·P², Cvae) draw per
-    reverse step) instead of drawing it from the generator (parity tests)."""
+    reverse step) instead of drawing it from the generator (parity tests).
+
+    smooth: the reference's ``more_smooth`` (its demo default): the latent takes a Gumbel-softmax
+    mixture of the codebook from the top-k/top-p filtered logits (temperature
+    max(0.27·(1 − 0.95·ratio), 0.005)), drawn after each scale's codes from the same generator;
+    the diffusion head is still conditioned on the drawn code."""
 
     context_BTD: torch.Tensor
     position_ids_BT: torch.Tensor
     mask_BT: torch.Tensor
     diffusion_noise: Optional[tuple] = None
+    smooth: bool = False
 
 
 class _HARTCall(LayerCall):
@@ -545,7 +552,7 @@ class HARTAdapter(ModelAdapter):
         ws.kv.reset()
         if not run.cfg_active:
             ws.kv.keep_rows(B)
-        run.model_state.update(diffusion_noise=cond.diffusion_noise)
+        run.model_state.update(diffusion_noise=cond.diffusion_noise, smooth=bool(cond.smooth), hard_BlC=None)
         run.workspace = ws
 
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
@@ -639,10 +646,15 @@ class HARTAdapter(ModelAdapter):
             ws.last_hidden = x_RLC
         return self.transformer.logits(x_RLC, ws.cond_RTC[:run.rows])
 
-    def guidance(self, si: int, run: RunState) -> float:
-        """t at scale ``si``: cfg·si/(S−1), the last scale reusing the ratio of the one before."""
+    @staticmethod
+    def ratio(si: int, run: RunState) -> float:
+        """si/(S−1), the last scale reusing the ratio of the one before (the reference's loop)."""
         S = run.schedule.num_scales
-        return float(run.settings.guidance_scale) * min(si, S - 2) / (S - 1)
+        return min(si, S - 2) / (S - 1)
+
+    def guidance(self, si: int, run: RunState) -> float:
+        """t at scale ``si``: cfg·ratio."""
+        return float(run.settings.guidance_scale) * self.ratio(si, run)
 
     def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
         B = run.batch_size
@@ -654,11 +666,26 @@ class HARTAdapter(ModelAdapter):
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings
         k = s.top_k or next(k for below, k in REFERENCE_TOP_K if below is None or si < below)
-        return sample_codes(guided_BlV, k, s.top_p, run.generator)
+        codes_Bl = sample_codes_per_image(guided_BlV, k, s.top_p, run.generator)
+        if run.model_state["smooth"]:                   # its Gumbel draws follow the codes', as in the reference
+            B, l, V = guided_BlV.shape
+            masked_BlV = filter_top_k_top_p(guided_BlV.reshape(B * l, V), k, s.top_p).view(B, l, V)
+            gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
+            rows = [masked_BlV] if len(gens) == 1 else list(masked_BlV.split(1))
+            exp_BlV = torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
+            tau = max(0.27 * (1 - 0.95 * self.ratio(si, run)), 0.005)
+            weights_BlV = ((masked_BlV * (1 + self.ratio(si, run)) - exp_BlV.log()) / tau).softmax(-1)
+            run.model_state["mixture_BlC"] = weights_BlV @ self.vqvae.quantize.embedding.weight.float()
+        return codes_Bl
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Codebook vectors (B, l, Cvae) float32."""
-        return F.embedding(codes_Bl, self.vqvae.quantize.embedding.weight.float())
+        """Codebook vectors (B, l, Cvae) float32 (with ``smooth``, the Gumbel mixture; the drawn
+        codes' vectors are kept for the diffusion head's condition)."""
+        hard_BlC = F.embedding(codes_Bl, self.vqvae.quantize.embedding.weight.float())
+        if not run.model_state["smooth"]:
+            return hard_BlC
+        run.model_state["hard_BlC"] = hard_BlC
+        return run.model_state.pop("mixture_BlC")
 
     def _diffusion_noise(self, run: RunState, n: int, C: int):
         given = run.model_state.get("diffusion_noise")
@@ -686,8 +713,9 @@ class HARTAdapter(ModelAdapter):
             return
         # the last scale: the diffusion head samples the continuous residual of every token
         R = run.rows
+        hard_BlC = run.model_state["hard_BlC"] if run.model_state["smooth"] else residual_BlC
         z_RlC = m.decoder_norm(ws.last_hidden.to(self.dtype) +
-                               m.word_embed(residual_BlC.to(self.dtype)).repeat(R // B, 1, 1)).float()
+                               m.word_embed(hard_BlC.to(self.dtype)).repeat(R // B, 1, 1)).float()
         init, steps = self._diffusion_noise(run, B * l, Cv)
         z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
         r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),

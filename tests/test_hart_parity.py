@@ -144,3 +144,29 @@ def test_greedy_generation_with_the_recorded_diffusion_noise_matches_the_referen
         assert torch.equal(c, want[f"tokens_s{si}"]), si
     torch.testing.assert_close(out.latent, want["fhat_final"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.images, want["image"], rtol=2e-4, atol=2e-4)
+
+
+def test_seeded_smooth_sampling_reproduces_the_references_random_stream(hart_dir, manifest, transformer, tokenizer):
+    """The reference's demo path (``more_smooth``, top-k 600 then 300): codes from the seeded CPU
+    generator, Gumbel draws after each scale's codes; its diffusion noise came from the global RNG
+    seeded with seed + 2 (one (B·P², C) start, then one (2B·P², C) draw per step), passed here."""
+    from sparsevar.engine.sampler import generate
+    from sparsevar.engine.state import SamplingSettings
+    from sparsevar.models.hart import HARTAdapter, HARTConditioning
+    inputs = load_file(hart_dir / "inputs.safetensors")
+    want = load_file(hart_dir / "infer_sampled_cfg4.5.safetensors")
+    seed = manifest["seed"]
+    B, n, C = want["diff_out"].shape
+    g = torch.Generator().manual_seed(seed + 2)
+    init = torch.randn(B * n, C, generator=g)
+    steps = [torch.randn(2 * B * n, C, generator=g) for _ in range(8)]
+    adapter = HARTAdapter(transformer, tokenizer(phi_on_last=False))
+    cond = HARTConditioning(inputs["context"], inputs["context_position_ids"], inputs["context_mask"],
+                            (init, steps), smooth=True)
+    codes = []
+    out = generate(adapter, cond, B, settings=SamplingSettings(guidance_scale=4.5, top_k=0, top_p=0.0),
+                   generator=torch.Generator().manual_seed(seed), callback=lambda si, d: codes.append(d["codes"]))
+    for si, c in enumerate(codes):
+        assert torch.equal(c, want[f"tokens_s{si}"]), si
+    torch.testing.assert_close(out.latent, want["fhat_final"], rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(out.images, want["image"], rtol=5e-3, atol=5e-3)
