@@ -9,9 +9,11 @@ from .engine import GenerationStats, SamplingSettings, ScaleSchedule
 from .models import MultiScaleVQVAE, VARTransformer, load_var_transformer, load_var_vqvae
 from .pipelines import VARPipeline, VARPipelineOutput
 from .pipelines import InfinityPipeline, InfinityPipelineOutput
+from .pipelines import HARTPipeline, HARTPipelineOutput
+from .models.hart import HARTTransformer
 from .models.infinity import InfinityTransformer
 from .models.bsq_vae import BSQVAE
-from .models.loading import load_infinity_transformer, load_infinity_vae
+from .models.loading import load_hart_tokenizer, load_hart_transformer, load_infinity_transformer, load_infinity_vae
 from .policies import (FastVARConfig, Policy, PolicyStack, ScalePlan, ScaleSkipConfig, SparseVARConfig,
                        SparVARConfig, FASTVAR_PRESETS, SPARSEVAR_PRESETS, SPARVAR_PRESETS)
 
@@ -27,7 +29,8 @@ __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVA
            "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SparVARConfig", "SPARSEVAR_PRESETS",
            "FASTVAR_PRESETS", "SPARVAR_PRESETS", "__version__",
            "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
-           "load_infinity_vae"]
+           "load_infinity_vae", "HARTPipeline", "HARTPipelineOutput", "HARTTransformer", "load_hart_transformer",
+           "load_hart_tokenizer"]
 
 
 def _inside_comfyui() -> bool:

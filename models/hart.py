@@ -29,6 +29,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.adapter import ModelAdapter
+from ._blocks import trunc_normal_init_
 from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.kv_cache import KVCache
 from ..engine.layers import LayerCall
@@ -40,6 +41,16 @@ from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention
 
 HART_SCHEDULE_1024 = (1, 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)
+# Sizes for models built with random weights (HARTPipeline.from_random): the release's best estimate
+# (hart.md §1.3: depth 24, width 1536, 24 heads, 300 text slots of Qwen2-1.5B's 1536 channels) and a
+# tiny one of the fixture's shape.
+HART_PRESETS = {
+    "hart-0.7b": dict(transformer=dict(), vqvae=dict(patch_nums=HART_SCHEDULE_1024)),
+    "hart-tiny": dict(transformer=dict(vocab_size=1024, z_channels=8, context_token=12, context_dim=32, depth=2,
+                                       embed_dim=64, num_heads=4, diff_width=32, diff_depth=2,
+                                       patch_nums=(1, 2, 3, 4, 6, 8)),
+                      vqvae=dict(vocab_size=1024, z_channels=8, ch=32, ch_mult=(1, 1, 2), patch_nums=(1, 2, 3, 4, 6, 8))),
+}
 ROPE_BASE = 10000.0
 VAE_SCALE = 0.6                      # the diffusion head samples residual / 0.6
 
@@ -378,6 +389,21 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         self.diffloss = _DiffLoss(DiffusionMLP(z_channels, C, diff_width, diff_depth))
         self.head_dim = C // num_heads
         self.sampler = RespacedIDDPM(int(num_sampling_steps))
+
+    def init_random_weights(self, std: float = 0.02) -> "HARTTransformer":
+        """Random weights for a model built by size (benchmarks, smoke tests): trunc-normal linears and
+        embeddings, zero biases, unit norms. Not the official training init; draws noise."""
+        trunc_normal_init_(self, std)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, HARTAttention):
+                nn.init.zeros_(m.q_bias)
+                nn.init.zeros_(m.v_bias)
+        return self
 
     @staticmethod
     def official_extra_keys(depth: int) -> set:

@@ -1074,3 +1074,83 @@ def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[t
                                 **kw)
     check_finite(model, folder, "the weights in")
     return model.eval().requires_grad_(False)
+
+
+# ---- HART: the official folders (llm/ and tokenizer/) ------------------------------------------------------
+HART_HINT = ("the official HART folders (Hugging Face mit-han-lab/hart-0.7b-1024px): llm/ (config.json and "
+             "ema_model.bin or model.safetensors) and tokenizer/ (config.json and model.safetensors)")
+_HART_CONFIG_FIELDS = ("context_token", "context_dim", "depth", "embed_dim", "num_heads", "mlp_ratio", "norm_eps",
+                       "sep_aln_pooling_mode", "diff_width", "diff_depth", "num_sampling_steps", "patch_nums")
+
+
+def _hart_weights(folder: Path, names: Sequence[str], what: str) -> Path:
+    for n in names:
+        if (folder / n).is_file():
+            return folder / n
+    raise FileNotFoundError(f"{folder} holds none of {', '.join(names)}: the {what} weights are missing; put "
+                            f"{HART_HINT} there")
+
+
+def load_hart_transformer(llm_dir, dtype: torch.dtype = torch.float32):
+    """HART's transformer from its official ``llm/`` folder: ``config.json`` (HARTForT2IConfig) and
+    the EMA weights ``ema_model.bin`` the reference generates with (else ``model.safetensors`` /
+    ``pytorch_model.bin``). Block flavour, level embedding and attention kind are read off the keys;
+    the derived buffers (``lvl_1L``, the 380 MB ``attn_bias_for_masking``, ``zero_k_bias``) are
+    dropped and rebuilt."""
+    from .hart import HARTTransformer
+
+    folder = local_path(llm_dir, "llm folder")
+    cfg_file = folder / "config.json"
+    if not folder.is_dir() or not cfg_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; pass the llm/ folder of {HART_HINT}")
+    config = read_json_file(cfg_file, "HART transformer config")
+    if config.get("attn_type", "llama") != "llama" or config.get("mlp_type", "llama") != "llama":
+        raise ValueError(f"{cfg_file}: attn_type={config.get('attn_type')!r}, mlp_type={config.get('mlp_type')!r}; "
+                         f"only HART's llama blocks (the released model's) are supported")
+    if config.get("shared_aln") or config.get("use_cross_attn"):
+        raise ValueError(f"{cfg_file}: shared_aln / use_cross_attn are set; the released model uses neither and "
+                         f"they are not supported")
+    path = _hart_weights(folder, ("ema_model.bin", "model.safetensors", "pytorch_model.bin"), "HART transformer")
+    sd = read_state_dict(path, "HART transformer")
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    for k in HARTTransformer.official_extra_keys(depth):
+        sd.pop(k, None)
+    missing_cfg = [f for f in _HART_CONFIG_FIELDS if f not in config and f != "norm_eps"]
+    if missing_cfg:
+        raise ValueError(f"{cfg_file} lacks {', '.join(missing_cfg)}; pass the llm/ folder of {HART_HINT}")
+    if "head.weight" not in sd or "word_embed.weight" not in sd:
+        raise ValueError(f"{path} is not a HART transformer (no head.weight / word_embed.weight); pass the llm/ folder "
+                         f"of {HART_HINT}")
+    cfg = {f: config[f] for f in _HART_CONFIG_FIELDS if f in config}
+    cfg.update(vocab_size=sd["head.weight"].shape[0], z_channels=sd["word_embed.weight"].shape[1],
+               use_timestep_embed="lvl_embed.mlp.0.weight" in sd, disable_aln="blocks.0.ada_lin.1.weight" not in sd,
+               attn_l2_norm="blocks.0.attn.scale_mul_1H11" in sd, num_sampling_steps=int(config["num_sampling_steps"]))
+    model = _load_into(HARTTransformer, cfg, sd, path, "HART transformer")
+    return torch.nn.Module.to(model, dtype)
+
+
+def load_hart_tokenizer(tokenizer_dir, dtype: torch.dtype = torch.float32) -> MultiScaleVQVAE:
+    """HART's hybrid tokenizer from its official ``tokenizer/`` folder: ``config.json``
+    (HARTAutoEncoderWithDiscConfig, for the schedule ``v_patch_nums``) and its weights, whose
+    ``vae.*`` tree is VAR's VQVAE (the GAN discriminator ``disc.*`` is dropped)."""
+    folder = local_path(tokenizer_dir, "tokenizer folder")
+    cfg_file = folder / "config.json"
+    if not folder.is_dir() or not cfg_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; pass the tokenizer/ folder of {HART_HINT}")
+    config = read_json_file(cfg_file, "HART tokenizer config")
+    if "v_patch_nums" not in config:
+        raise ValueError(f"{cfg_file} has no v_patch_nums (the token schedule); pass the tokenizer/ folder of {HART_HINT}")
+    path = _hart_weights(folder, ("model.safetensors", "pytorch_model.bin"), "HART tokenizer")
+    sd = {k[len("vae."):]: v for k, v in read_state_dict(path, "HART tokenizer").items() if k.startswith("vae.")}
+    if not sd:
+        raise ValueError(f"{path} has no vae.* weights: it is not a HART tokenizer; pass the tokenizer/ folder of "
+                         f"{HART_HINT}")
+    for k in MultiScaleVQVAE.official_extra_keys():
+        sd.pop(k, None)
+    try:
+        cfg = MultiScaleVQVAE.config_from_state_dict(sd, patch_nums=config["v_patch_nums"])
+    except ValueError as e:
+        raise ValueError(f"HART tokenizer {path}: {e}") from None
+    cfg.update(quant_resi=float(config.get("quant_resi", 0.5)), phi_on_last=False)
+    model = _load_into(MultiScaleVQVAE, cfg, sd, path, "HART tokenizer")
+    return torch.nn.Module.to(model, dtype)

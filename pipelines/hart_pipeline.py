@@ -1,0 +1,190 @@
+"""HARTPipeline: HART text-to-image generation (hybrid tokens: codes + a diffusion residual), diffusers style.
+
+    pipe = HARTPipeline.from_single_file("hart-0.7b-1024px/llm", "hart-0.7b-1024px/tokenizer",
+                                         text_encoder="Qwen2-VL-1.5B-Instruct/", dtype=torch.bfloat16).to("cuda")
+    out = pipe("a red fox in the snow", generator=torch.Generator("cuda").manual_seed(0))
+    out.images[0].save("fox.png"); print(out.stats[0].summary())
+
+1024 × 1024 only (the schedule is square and the text positions offset its grid). The defaults follow
+the reference's sample.py: guidance 4.5 on its ramp, the hard-coded top-k rule (600 below scale 7,
+then 300), no top-p, smooth sampling (``more_smooth``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from ..engine.contract import Policy
+from ..models.hart import HART_PRESETS, HARTAdapter, HARTConditioning, HARTTransformer
+from ..models.hart_text import encode_hart_prompts, load_qwen2, random_qwen2
+from ..models.vqvae import MultiScaleVQVAE
+from ._accelerated import AcceleratedPipelineMixin, _dtype_of
+from .defaults import HART_DEFAULTS
+
+PRESET_FAMILY = "hart"             # key of the policy presets (SPARSEVAR_PRESETS / FASTVAR_PRESETS / SPARVAR_PRESETS)
+
+
+@dataclass
+class HARTPipelineOutput(BaseOutput):
+    """images: list of PIL images, (B, H, W, 3) float array in [0, 1], (B, 3, H, W) tensor in [0, 1], or
+    the latent (B, Cvae, 64, 64); stats: per-scale statistics of the generation (one entry per call)."""
+
+    images: Union[list, np.ndarray, torch.Tensor]
+    stats: list
+
+
+class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
+    """Text-to-image next-scale prediction with HART's hybrid tokenizer and pluggable acceleration.
+
+    Components: ``transformer`` (:class:`HARTTransformer`, with its diffusion head), ``vqvae`` (the
+    hybrid tokenizer, a :class:`MultiScaleVQVAE` with ``phi_on_last=False``), ``text_encoder`` (a
+    ``transformers`` Qwen2 base model) and ``tokenizer`` (its tokenizer).
+    """
+
+    PRESET_FAMILY = PRESET_FAMILY
+    DEFAULTS = HART_DEFAULTS
+    _output_class = HARTPipelineOutput
+    model_cpu_offload_seq = "text_encoder->transformer->vqvae"
+    _callback_tensor_inputs = ["codes", "logits", "latent"]
+
+    def __init__(self, transformer: HARTTransformer, vqvae: MultiScaleVQVAE, text_encoder, tokenizer):
+        super().__init__()
+        self.register_modules(transformer=transformer, vqvae=vqvae, text_encoder=text_encoder, tokenizer=tokenizer)
+        width = getattr(getattr(text_encoder, "config", None), "hidden_size", None)
+        if width is not None and width != transformer.config.context_dim:
+            raise ValueError(f"text encoder and transformer do not match: the Qwen2 model produces {width}-channel "
+                             f"states, the transformer reads {transformer.config.context_dim}; pass the text encoder "
+                             f"the model was trained with (Qwen2-1.5B for the released HART)")
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_single_file(cls, llm, tokenizer_folder, text_encoder, dtype: Union[torch.dtype, str] = torch.float32,
+                         vae_dtype: Union[torch.dtype, str] = torch.float32,
+                         text_encoder_dtype: Union[torch.dtype, str] = torch.float32) -> "HARTPipeline":
+        """Load the official folders: ``llm`` (the transformer: config.json + ema_model.bin or
+        model.safetensors), ``tokenizer_folder`` (the hybrid tokenizer: config.json + model.safetensors)
+        and ``text_encoder`` (a local Qwen2 folder, weights + tokenizer). dtype: the transformer's;
+        vae_dtype: the tokenizer's; text_encoder_dtype: Qwen2's (the reference runs it in float16)."""
+        from ..models.loading import load_hart_tokenizer, load_hart_transformer, local_path, resolve_dtype
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
+        text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
+        transformer = load_hart_transformer(local_path(llm, "llm"), dtype)
+        vqvae = load_hart_tokenizer(local_path(tokenizer_folder, "tokenizer_folder"), vae_dtype)
+        tokenizer, qwen = load_qwen2(local_path(text_encoder, "text_encoder"), text_encoder_dtype)
+        return cls(transformer=transformer, vqvae=vqvae, text_encoder=qwen, tokenizer=tokenizer)
+
+    @classmethod
+    def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
+                    dtype: Union[torch.dtype, str] = torch.float32) -> "HARTPipeline":
+        """A model of a known size with random weights (benchmarks, smoke tests; it draws noise):
+        ``HART_PRESETS`` (hart-tiny, hart-0.7b, the release's best-estimate size), with a one-layer random
+        Qwen2 of the preset's text width and a word-level tokenizer."""
+        from accelerate import init_empty_weights
+
+        from ..models.loading import resolve_dtype
+        if preset not in HART_PRESETS:
+            raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(HART_PRESETS)}")
+        dtype = resolve_dtype(dtype, "dtype")
+        spec = HART_PRESETS[preset]
+        with init_empty_weights():
+            transformer = HARTTransformer(**spec["transformer"])
+            vqvae = MultiScaleVQVAE(**spec["vqvae"], phi_on_last=False)
+        dev = torch.device(device)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            transformer = transformer.to_empty(device=dev).init_random_weights()
+            vqvae = vqvae.to_empty(device=dev).init_random_weights()
+        tokenizer, qwen = random_qwen2(transformer.config.context_dim, seed=seed)
+        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval().requires_grad_(False),
+                   vqvae=vqvae.eval().requires_grad_(False), text_encoder=qwen.to(dev), tokenizer=tokenizer)
+
+    # ---- text ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompt(self, prompt: Union[str, Sequence[str]]):
+        """(context (B, T, D), mask (B, T), position ids (B, T)) of the prompts, as the reference
+        encodes them (system prompt in front, padded to the transformer's text slots)."""
+        return encode_hart_prompts(self.tokenizer, self.text_encoder, prompt,
+                                   max_length=self.transformer.config.context_token)
+
+    # ---- engine -------------------------------------------------------------------------------------
+    def adapter(self) -> HARTAdapter:
+        """The engine adapter over the current modules (rebuilt when a component was replaced)."""
+        a = self._adapter
+        if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
+            a = self._adapter = HARTAdapter(self.transformer, self.vqvae)
+        a.set_kernels(self._kernels)
+        return a
+
+    def memory_needed(self, batch_size: int) -> dict[str, int]:
+        """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV
+        cache ([cond; uncond] rows, text slots included), the last scale's float32 logits and the
+        diffusion head's rows, and the decoder's full-resolution activation with the output images."""
+        cfg, vq = self.transformer.config, self.vqvae
+        R, el = 2 * batch_size, _dtype_of(self.transformer).itemsize
+        L = cfg.context_token + sum(p * p for p in cfg.patch_nums[1:])
+        last = cfg.patch_nums[-1] ** 2
+        side = cfg.patch_nums[-1] * vq.downsample_factor
+        return {"KV cache": cfg.depth * R * L * (2 * cfg.embed_dim * el + 8),
+                "logits": R * last * cfg.vocab_size * 4 + R * last * cfg.diff_width * 4 * 4,
+                "decoder": batch_size * side * side * (vq.config.ch * _dtype_of(vq).itemsize + 3 * 4)}
+
+    # ---- call -------------------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_list(prompt, name: str) -> list[str]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        raise ValueError(f"{name} must be a string or a non-empty list of strings, got {prompt!r}")
+
+    @torch.no_grad()
+    def __call__(self, prompt: Union[str, Sequence[str], None] = None,
+                 guidance_scale: float = HART_DEFAULTS.guidance_scale, top_k: int = HART_DEFAULTS.top_k,
+                 top_p: float = HART_DEFAULTS.top_p, smooth: bool = True, num_images_per_prompt: int = 1,
+                 generator=None, output_type: str = "pil", return_dict: bool = True,
+                 callback_on_step_end: Optional[Callable] = None,
+                 callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
+                 policies: Optional[Sequence[Policy]] = None, use_cuda_graphs: Optional[bool] = None):
+        """Generate 1024 × 1024 images from text.
+
+        Args:
+            prompt: a string or a list of strings.
+            guidance_scale: the reference's cfg: at scale k the logits are (1 + t)·cond − t·uncond with
+                t = cfg·k/(S−1) (the last scale reuses the previous ratio; the diffusion head uses the
+                same t); 0 disables guidance. Reference: 4.5.
+            top_k: 0 = the reference's rule (600 below scale 7, then 300); k > 0 keeps k codes per token.
+            top_p: nucleus mass kept per token (0 = off, the reference).
+            smooth: the reference's ``more_smooth`` (its default): the latent takes a Gumbel-softmax
+                mixture of the codebook; False adds the drawn codes' vectors.
+            num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
+                callback_on_step_end_tensor_inputs, policies: as in the other pipelines. Every random
+                draw, the diffusion head's noise included, comes from ``generator``.
+            use_cuda_graphs: HART runs eagerly (not captured yet); True raises.
+        Returns:
+            :class:`HARTPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
+        """
+        if prompt is None:
+            raise ValueError("prompt is required: pass a string or a list of strings")
+        prompts = self._prompt_list(prompt, "prompt")
+        if not isinstance(smooth, bool):
+            raise TypeError(f"smooth must be True or False, got {smooth!r}")
+        if use_cuda_graphs:
+            raise ValueError("use_cuda_graphs=True: HART scales run eagerly in this version; pass None or False")
+        B = self._check_call(len(prompts), "prompt", self.memory_needed, guidance_scale, top_k, top_p,
+                             num_images_per_prompt, output_type, generator, callback_on_step_end,
+                             callback_on_step_end_tensor_inputs, policies)
+        stack = self._call_policies(policies)
+        context, mask, pos = self.encode_prompt(prompts)
+        k = int(num_images_per_prompt)
+        context, mask, pos = (t.repeat_interleave(k, dim=0) for t in (context, mask, pos))
+        cond = HARTConditioning(context, pos, mask, smooth=smooth)
+        return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,
+                              callback_on_step_end, callback_on_step_end_tensor_inputs, False)
+
+
+__all__ = ["HARTPipeline", "HARTPipelineOutput"]

@@ -1,0 +1,123 @@
+"""HARTPipeline (issue #29): the official folder layout (llm/ with ema_model.bin, tokenizer/ with the
+discriminator beside the VQVAE) through the project's loaders, a real transformers Qwen2 text
+encoder from a local folder, generation with the reference's defaults, determinism, batches,
+policies, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sparsevar import HARTPipeline
+from sparsevar.models.hart_text import HART_SYSTEM_PROMPT, encode_hart_prompts, random_qwen2
+
+
+@pytest.fixture(scope="module")
+def official(hart_state_dicts, hart_fixture_dir, tmp_path_factory):
+    """The fixture model in the release's containers: llm/ (config.json, ema_model.bin with the
+    derived buffers), tokenizer/ (config.json, model.safetensors with vae.* and a disc.* tensor), and
+    a Qwen2 folder of the fixture's text width."""
+    out = tmp_path_factory.mktemp("hart_official")
+    llm, tok, qwen = out / "llm", out / "tokenizer", out / "qwen2"
+    llm.mkdir()
+    tok.mkdir()
+    (llm / "config.json").write_text((hart_fixture_dir / "transformer_config.json").read_text())
+    torch.save(hart_state_dicts["transformer"], llm / "ema_model.bin")
+    (tok / "config.json").write_text((hart_fixture_dir / "tokenizer_config.json").read_text())
+    vae = dict(hart_state_dicts["tokenizer"])
+    vae["disc.conv.weight"] = torch.zeros(2, 3)
+    save_file({k: v.contiguous() for k, v in vae.items()}, str(tok / "model.safetensors"))
+    width = json.loads((hart_fixture_dir / "transformer_config.json").read_text())["context_dim"]
+    tokenizer, model = random_qwen2(width, seed=1)
+    tokenizer.save_pretrained(str(qwen))
+    model.save_pretrained(str(qwen))
+    return {"llm": llm, "tokenizer": tok, "text_encoder": qwen}
+
+
+@pytest.fixture(scope="module")
+def pipe(official):
+    p = HARTPipeline.from_single_file(official["llm"], official["tokenizer"], official["text_encoder"])
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def test_prompts_are_encoded_after_the_system_prompt_and_padded_to_the_text_slots():
+    tokenizer, model = random_qwen2(32, seed=0, vocab_words=HART_SYSTEM_PROMPT.split())
+    ctx, mask, pos = encode_hart_prompts(tokenizer, model, ["w5 w6 w7", "w9"], max_length=12)
+    assert ctx.shape == (2, 12, 32) and ctx.dtype == torch.float32
+    assert mask.tolist()[1] == [True] + [False] * 11
+    assert pos.tolist()[0] == [0, 1, 2] + [2] * 9                                   # pads repeat the last position
+    sys_ids = tokenizer(HART_SYSTEM_PROMPT, return_tensors="pt", max_length=12, truncation=True).input_ids  # as the
+    assert sys_ids.shape[1] == 12 and (sys_ids != tokenizer.unk_token_id).all()       # reference: cut at max_length
+    ids = tokenizer("w5 w6 w7", return_tensors="pt", padding="max_length", max_length=12).input_ids
+    full = model(torch.cat((sys_ids, ids), 1), attention_mask=torch.cat((torch.ones_like(sys_ids), ids != 0), 1).long(),
+                 output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(ctx[0], full[0, sys_ids.shape[1]:])               # the prompt slots of that run
+
+
+def test_official_folders_generate_deterministic_pictures_and_a_batch_equals_its_images(pipe):
+    gens = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    codes_both, codes_one = [], []
+    both = pipe(["w5 w6 w7", "w9 w10"], generator=gens, output_type="pt",
+                callback_on_step_end=lambda p, si, t, d: codes_both.append(d["codes"]) or d)
+    assert both.images.shape == (2, 3, 32, 32) and torch.isfinite(both.images).all()
+    assert len(both.stats[0].scales) == 6 and both.stats[0].scales[0].tokens_computed == 12     # the text slots
+    again = pipe(["w5 w6 w7", "w9 w10"], generator=[torch.Generator().manual_seed(s) for s in (3, 4)],
+                 output_type="pt")
+    assert torch.equal(again.images, both.images)
+    one = pipe(["w9 w10"], generator=torch.Generator().manual_seed(4), output_type="pt",
+               callback_on_step_end=lambda p, si, t, d: codes_one.append(d["codes"]) or d)
+    assert len(codes_one) == 6 and all(torch.equal(a[1:], b) for a, b in zip(codes_both, codes_one))
+    # the same codes; the pictures agree to float rounding, which the Gumbel mixture amplifies by about 1/τ
+    torch.testing.assert_close(both.images[1:], one.images, rtol=0, atol=1e-3)
+    other = pipe(["w5 w6 w7"], generator=torch.Generator().manual_seed(5), output_type="pt")
+    assert (other.images - both.images[:1]).abs().max() > 1e-3
+    sharp = pipe(["w5 w6 w7"], generator=torch.Generator().manual_seed(3), output_type="pt", smooth=False)
+    assert (sharp.images - both.images[:1]).abs().max() > 1e-4                         # smooth changes the picture
+
+
+def test_policies_run_on_the_pipeline(pipe):
+    dense = pipe("w5 w6", generator=torch.Generator().manual_seed(0), output_type="pt")
+    pipe.enable_fastvar()
+    fast = pipe("w5 w6", generator=torch.Generator().manual_seed(0), output_type="pt")
+    pipe.disable_fastvar()
+    assert sum(s.tokens_computed for s in fast.stats[0].scales) < sum(s.tokens_computed for s in dense.stats[0].scales)
+    pipe.enable_scale_skip(skip_last=1)
+    skipped = pipe("w5 w6", generator=torch.Generator().manual_seed(0), output_type="pt")
+    pipe.disable_scale_skip()
+    assert skipped.stats[0].scales[-1].skipped
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prompt=None), "prompt is required"),
+    (dict(prompt=["a", 3]), "prompt must be a string or a non-empty list"),
+    (dict(prompt="a", smooth="yes"), "smooth must be True or False"),
+    (dict(prompt="a", guidance_scale=-1), "guidance_scale must be a number in"),
+    (dict(prompt="a", use_cuda_graphs=True), "HART scales run eagerly"),
+])
+def test_bad_calls_name_the_argument(pipe, kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        pipe(**kw)
+
+
+def test_missing_or_wrong_folders_say_what_to_put_where(official, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json; pass the llm/ folder"):
+        HARTPipeline.from_single_file(tmp_path, official["tokenizer"], official["text_encoder"])
+    empty = tmp_path / "llm"
+    empty.mkdir()
+    (empty / "config.json").write_text((official["llm"] / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="holds none of ema_model.bin, model.safetensors"):
+        HARTPipeline.from_single_file(empty, official["tokenizer"], official["text_encoder"])
+    with pytest.raises(FileNotFoundError, match="put the Qwen2 text encoder HART was trained with"):
+        HARTPipeline.from_single_file(official["llm"], official["tokenizer"], tmp_path / "nothing")
+
+
+def test_random_presets_build():
+    p = HARTPipeline.from_random("hart-tiny", seed=0)
+    p.set_progress_bar_config(disable=True)
+    out = p("w3 w4", generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert out.images.shape == (1, 3, 32, 32) and torch.isfinite(out.images).all()
+    with pytest.raises(ValueError, match="preset='hart-9b' is unknown"):
+        HARTPipeline.from_random("hart-9b")
