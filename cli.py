@@ -694,10 +694,11 @@ def cmd_bench(args) -> int:
                 resolve_resolution(args.resolution, args.resolution)
             except ValueError as e:
                 raise CLIError(f"--resolution {args.resolution}: {e}") from None
-        unknown = [m for m in args.models if m not in VAR_PRESETS and m not in INFINITY_PRESETS]
+        from .models.hart import HART_PRESETS
+        unknown = [m for m in args.models if m not in VAR_PRESETS and m not in INFINITY_PRESETS and m not in HART_PRESETS]
         if unknown:
             raise CLIError(f"--models {' '.join(unknown)}: unknown; choose from "
-                           f"{', '.join(sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS))}")
+                           f"{', '.join(sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS) + sorted(HART_PRESETS))}")
         methods = args.methods
         if methods == ["all"]:
             methods = list(METHODS)
@@ -886,8 +887,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_bench_gemm_rows)
     b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
     b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"],
-                   help="VAR_PRESETS (var-tiny, var-d16 … var-d36) or INFINITY_PRESETS (infinity-tiny, infinity-2b, "
-                        "infinity-8b); random weights at real size")
+                   help="VAR_PRESETS (var-tiny, var-d16 … var-d36), INFINITY_PRESETS (infinity-tiny, infinity-2b, "
+                        "infinity-8b) or HART_PRESETS (hart-tiny, hart-0.7b); random weights at real size")
     b.add_argument("--resolution", type=int, help="Infinity models: square image side (default 1024; VAR models keep their own)")
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)

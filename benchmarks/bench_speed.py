@@ -139,6 +139,33 @@ def infinity_floor_ms(cfg, hw, text_tokens: int, batch: int, weight_bytes: int, 
     return _floor_ms(per_scale(), gpu)
 
 
+def hart_floor_ms(cfg, batch: int, weight_bytes: int, gpu: str, stats=None) -> float:
+    """Lower bound of HART's loop with CFG (2·batch rows), the same model as :func:`var_floor_ms`
+    over the engine's scales (the text first): FLOPs as ``hart_loop_flops`` counts them per scale,
+    bytes the block weights, the float32 head and the K/V read; ``stats`` as for :func:`var_floor_ms`."""
+    from ..models.hart import hart_loop_flops
+
+    C, depth, V = cfg.embed_dim, cfg.depth, cfg.vocab_size
+    hidden = int((C * cfg.mlp_ratio * 2) / 3 + 255) // 256 * 256
+    block_w = (4 * C * C + 3 * C * hidden) * weight_bytes
+    sizes = [cfg.context_token] + [p * p for p in cfg.patch_nums[1:]]
+
+    def per_scale():
+        prefix = 0
+        for k, (n, r) in enumerate(_scale_counts(sizes, stats)):
+            if n == 0:
+                continue
+            prefix += n
+            only = [0] * len(sizes)
+            only[k] = n
+            kv = [0] * len(sizes)
+            kv[k] = prefix
+            flops = hart_loop_flops(cfg, batch, r, tokens_per_scale=only, kv_per_scale=kv)
+            yield flops, depth * block_w + C * V * 4 + depth * 2 * r * batch * prefix * C * weight_bytes
+
+    return _floor_ms(per_scale(), gpu)
+
+
 def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_scale, tokens, policy, ideal,
                floors, floor_of) -> None:
     for i in range(warmup + runs):
@@ -167,6 +194,20 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
            vae_dtype: torch.dtype = torch.float32):
     """(pipeline, resolution, call(generator, kwargs, batch) → (output, flop-speed-up fn), floor fn).
     ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule)."""
+    if name.startswith("hart"):
+        from ..pipelines.hart_pipeline import HARTPipeline
+
+        pipe = HARTPipeline.from_random(name, device=device, dtype=dtype)
+        prompt = "w3 w4 w5 w6"
+
+        def call(gen, kw, batch):
+            kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}     # HART runs eagerly
+            out = pipe([prompt] * batch, generator=gen, output_type="pt", **kw)
+            return out, pipe.flop_speedup
+
+        cfg = pipe.transformer.config
+        return pipe, cfg.patch_nums[-1] * pipe.vqvae.downsample_factor, call, \
+            lambda batch, wbytes, gpu, stats=None: hart_floor_ms(cfg, batch, wbytes, gpu, stats)
     if name.startswith("infinity"):
         from ..models.infinity import resolve_resolution
         from ..pipelines.infinity_pipeline import InfinityPipeline

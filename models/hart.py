@@ -405,6 +405,13 @@ class HARTTransformer(ModelMixin, ConfigMixin):
                 nn.init.zeros_(m.v_bias)
         return self
 
+    def set_block_dtype(self, dtype: torch.dtype) -> "HARTTransformer":
+        """The blocks in ``dtype`` (bf16 on GPUs, as the reference runs them under autocast); the
+        embeddings, the head, ``decoder_norm`` and the diffusion head stay float32."""
+        torch.nn.Module.to(self, torch.float32)
+        torch.nn.Module.to(self.blocks, dtype)
+        return self
+
     @staticmethod
     def official_extra_keys(depth: int) -> set:
         """Official buffers this module rebuilds instead of loading."""
@@ -740,8 +747,7 @@ class HARTAdapter(ModelAdapter):
         # the last scale: the diffusion head samples the continuous residual of every token
         R = run.rows
         hard_BlC = run.model_state["hard_BlC"] if run.model_state["smooth"] else residual_BlC
-        z_RlC = m.decoder_norm(ws.last_hidden.to(self.dtype) +
-                               m.word_embed(hard_BlC.to(self.dtype)).repeat(R // B, 1, 1)).float()
+        z_RlC = m.decoder_norm(ws.last_hidden.float() + m.word_embed(hard_BlC.float()).repeat(R // B, 1, 1))
         init, steps = self._diffusion_noise(run, B * l, Cv)
         z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
         r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),
@@ -756,3 +762,33 @@ class HARTAdapter(ModelAdapter):
     @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
         return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5
+
+
+def hart_loop_flops(cfg, batch: int = 1, cfg_rows: int = 2, tokens_per_scale: Optional[Sequence[float]] = None,
+                    rows_per_scale: Optional[Sequence[int]] = None,
+                    kv_per_scale: Optional[Sequence[float]] = None) -> float:
+    """FLOPs of HART's generation loop (multiply-add = 2) for ``batch`` images with ``cfg_rows`` rows
+    each (``rows_per_scale[k]`` overrides it), over the engine's scales (scale 0 = the T text tokens,
+    whose last slot alone reaches the head), when scale k runs ``tokens_per_scale[k]`` tokens
+    (default all; 0 = skipped) and attends to ``kv_per_scale[k]`` cached tokens (default the running
+    sum); the diffusion head's sampling steps at the last scale included (its net runs on both CFG
+    halves)."""
+    C, depth, V, W = cfg.embed_dim, cfg.depth, cfg.vocab_size, cfg.diff_width
+    hidden = int((C * cfg.mlp_ratio * 2) / 3 + 255) // 256 * 256
+    sizes = [cfg.context_token] + [p * p for p in cfg.patch_nums[1:]]
+    total, prefix = 0.0, 0.0
+    for k, full in enumerate(sizes):
+        n = full if tokens_per_scale is None else tokens_per_scale[k]
+        if n == 0:
+            continue
+        prefix += n
+        kv = prefix if kv_per_scale is None else kv_per_scale[k]
+        rows = batch * (cfg_rows if rows_per_scale is None else rows_per_scale[k])
+        per_layer = 2 * n * (4 * C * C + 3 * C * hidden) + 4 * n * kv * C
+        head = 2 * (1 if k == 0 else full) * C * V
+        total += rows * (depth * per_layer + head)
+        if k == len(sizes) - 1:                                        # the diffusion head, on every last-scale token
+            net = 2 * (cfg.z_channels * W + C * W + cfg.diff_depth * (2 * W * W + 3 * W * W) + 2 * W * W
+                       + 2 * W * cfg.z_channels) + 2 * (256 * W + W * W)
+            total += rows * full * cfg.num_sampling_steps * net
+    return total

@@ -1126,7 +1126,7 @@ def load_hart_transformer(llm_dir, dtype: torch.dtype = torch.float32):
                use_timestep_embed="lvl_embed.mlp.0.weight" in sd, disable_aln="blocks.0.ada_lin.1.weight" not in sd,
                attn_l2_norm="blocks.0.attn.scale_mul_1H11" in sd, num_sampling_steps=int(config["num_sampling_steps"]))
     model = _load_into(HARTTransformer, cfg, sd, path, "HART transformer")
-    return torch.nn.Module.to(model, dtype)
+    return model.set_block_dtype(dtype)
 
 
 def load_hart_tokenizer(tokenizer_dir, dtype: torch.dtype = torch.float32) -> MultiScaleVQVAE:

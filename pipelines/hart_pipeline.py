@@ -20,7 +20,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.contract import Policy
-from ..models.hart import HART_PRESETS, HARTAdapter, HARTConditioning, HARTTransformer
+from ..engine.state import GenerationStats
+from ..models.hart import HART_PRESETS, HARTAdapter, HARTConditioning, HARTTransformer, hart_loop_flops
 from ..models.hart_text import encode_hart_prompts, load_qwen2, random_qwen2
 from ..models.vqvae import MultiScaleVQVAE
 from ._accelerated import AcceleratedPipelineMixin, _dtype_of
@@ -69,7 +70,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """Load the official folders: ``llm`` (the transformer: config.json + ema_model.bin or
         model.safetensors), ``tokenizer_folder`` (the hybrid tokenizer: config.json + model.safetensors)
         and ``text_encoder`` (a local Qwen2 folder, weights + tokenizer). dtype: the transformer's;
-        vae_dtype: the tokenizer's; text_encoder_dtype: Qwen2's (the reference runs it in float16)."""
+        vae_dtype: the tokenizer's; text_encoder_dtype: Qwen2's (the reference runs it in float16). The
+        transformer's blocks take ``dtype``; its embeddings, heads and diffusion head stay float32."""
         from ..models.loading import load_hart_tokenizer, load_hart_transformer, local_path, resolve_dtype
         dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         text_encoder_dtype = resolve_dtype(text_encoder_dtype, "text_encoder_dtype")
@@ -100,7 +102,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             transformer = transformer.to_empty(device=dev).init_random_weights()
             vqvae = vqvae.to_empty(device=dev).init_random_weights()
         tokenizer, qwen = random_qwen2(transformer.config.context_dim, seed=seed)
-        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval().requires_grad_(False),
+        return cls(transformer=transformer.set_block_dtype(dtype).eval().requires_grad_(False),
                    vqvae=vqvae.eval().requires_grad_(False), text_encoder=qwen.to(dev), tokenizer=tokenizer)
 
     # ---- text ---------------------------------------------------------------------------------------
@@ -119,6 +121,14 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             a = self._adapter = HARTAdapter(self.transformer, self.vqvae)
         a.set_kernels(self._kernels)
         return a
+
+    def flop_speedup(self, stats: GenerationStats) -> float:
+        """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
+        cfg = self.transformer.config
+        rows = [s.rows for s in stats.scales]
+        dense = hart_loop_flops(cfg, rows_per_scale=[max(rows)] * len(rows))
+        return dense / hart_loop_flops(cfg, tokens_per_scale=[s.tokens_computed for s in stats.scales],
+                                       kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
 
     def memory_needed(self, batch_size: int) -> dict[str, int]:
         """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV

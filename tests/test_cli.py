@@ -204,18 +204,18 @@ def test_generate_text_and_class_arguments_do_not_mix(tmp_path, capsys, args, me
     assert message in capsys.readouterr().err
 
 
-def test_bench_speed_runs_both_families_on_cpu(tmp_path, capsys):
+def test_bench_speed_runs_every_family_on_cpu(tmp_path, capsys):
     """A functional run (CPU numbers mean nothing): every row written, a setting the model cannot
     take is reported and skipped."""
     out = tmp_path / "speed.csv"
-    assert main(["bench", "speed", "--models", "var-tiny", "infinity-tiny", "--resolution", "256", "--device", "cpu",
+    assert main(["bench", "speed", "--models", "var-tiny", "infinity-tiny", "hart-tiny", "--resolution", "256", "--device", "cpu",
                  "--runs", "1", "--warmup", "0", "--methods", "dense", "sparsevar-preset", "skip-last-1",
                  "--dtype", "float32", "--out", str(out)]) == 0
     import csv
     rows = list(csv.DictReader(out.open()))
     got = {(r["model"], r["method"]) for r in rows}
     assert {("var-tiny", "dense"), ("var-tiny", "skip-last-1"), ("infinity-tiny", "dense"),
-            ("infinity-tiny", "skip-last-1")} <= got
+            ("infinity-tiny", "skip-last-1"), ("hart-tiny", "dense"), ("hart-tiny", "skip-last-1")} <= got
     assert "infinity-tiny b1 sparsevar-preset: skipped: block=3" in capsys.readouterr().out
     skip = next(r for r in rows if r["model"] == "var-tiny" and r["method"] == "skip-last-1")
     assert float(skip["ideal_speedup"]) > 1.0

@@ -1,0 +1,64 @@
+"""HART on the GPU (``pytest -m gpu``): the fixture's greedy generation in float32 on CUDA, and the
+best-estimate release size (depth 24, width 1536, random weights) at 1024² in bf16 with every policy."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar import HARTPipeline
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")]
+
+
+def test_fixture_greedy_generation_on_cuda_float32(hart_state_dicts, hart_fixture_dir):
+    """float32 on the GPU (TF32 off) draws the fixture's greedy codes of every scale."""
+    import json
+
+    from sparsevar.engine.sampler import generate
+    from sparsevar.engine.state import SamplingSettings
+    from sparsevar.models.hart import HARTAdapter, HARTConditioning, HARTTransformer
+    from sparsevar.models.vqvae import MultiScaleVQVAE
+    m = json.loads((hart_fixture_dir / "manifest.json").read_text())
+    c, t = m["transformer_config"], m["tokenizer_config"]
+    sd = dict(hart_state_dicts["transformer"])
+    for k in HARTTransformer.official_extra_keys(c["depth"]):
+        sd.pop(k)
+    tr = HARTTransformer(vocab_size=t["vocab_size"], z_channels=t["z_channels"], context_token=c["context_token"],
+                         context_dim=c["context_dim"], depth=c["depth"], embed_dim=c["embed_dim"],
+                         num_heads=c["num_heads"], diff_width=c["diff_width"], diff_depth=c["diff_depth"],
+                         patch_nums=c["patch_nums"])
+    tr.load_state_dict(sd, strict=True)
+    vsd = {k.removeprefix("vae."): v for k, v in hart_state_dicts["tokenizer"].items()}
+    vsd.pop("quantize.ema_vocab_hit_SV")
+    vq = MultiScaleVQVAE(**MultiScaleVQVAE.config_from_state_dict(vsd, patch_nums=t["v_patch_nums"]), phi_on_last=False)
+    vq.load_state_dict(vsd, strict=True)
+    adapter = HARTAdapter(tr.cuda().eval(), vq.cuda().eval())
+    inputs = load_file(hart_fixture_dir / "inputs.safetensors")
+    want = load_file(hart_fixture_dir / "infer_cfg4.5.safetensors")
+    noise = (want["diff_noise_init"].cuda(), [s.cuda() for s in want["diff_noise_steps"]])
+    cond = HARTConditioning(inputs["context"].cuda(), inputs["context_position_ids"].cuda(),
+                            inputs["context_mask"].cuda(), noise)
+    codes = []
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = generate(adapter, cond, 2, settings=SamplingSettings(guidance_scale=4.5, top_k=1, top_p=0.0),
+                   generator=torch.Generator("cuda").manual_seed(0), callback=lambda si, d: codes.append(d["codes"].cpu()))
+    for si, c_ in enumerate(codes):
+        assert torch.equal(c_, want[f"tokens_s{si}"]), si
+    torch.testing.assert_close(out.images.cpu(), want["image"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("setup", ["dense", "sparsevar", "fastvar", "sparvar", "skip"])
+def test_hart_0_7b_real_size_random_weights_1024px(setup):
+    pipe = HARTPipeline.from_random("hart-0.7b", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_kernels("triton")
+    {"dense": lambda: None, "sparsevar": pipe.enable_sparsevar, "fastvar": pipe.enable_fastvar,
+     "sparvar": pipe.enable_sparvar, "skip": lambda: pipe.enable_scale_skip(skip_last=1)}[setup]()
+    out = pipe("w3 w4 w5 w6", generator=torch.Generator("cuda").manual_seed(0), output_type="pt")
+    assert out.images.shape == (1, 3, 1024, 1024) and torch.isfinite(out.images).all()
+    st = out.stats[0]
+    assert len(st.scales) == 14
+    print(setup, st.table())
+    pipe.release_memory()
