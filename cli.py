@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .pipelines.defaults import INFINITY_DEFAULTS, VAR_DEFAULTS
+from .pipelines.defaults import HART_DEFAULTS, INFINITY_DEFAULTS, VAR_DEFAULTS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SEED_MAX = 2 ** 64 - 1                          # torch.Generator.manual_seed takes 64-bit seeds
@@ -211,10 +211,11 @@ def _check_generate_args(args, text: bool) -> None:
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1] (0 disables "
                                                                     "nucleus sampling)")
-    _check_cfg(args.cfg, (INFINITY_DEFAULTS if text else VAR_DEFAULTS).guidance_off)
+    hart = text and bool(args.model) and _is_hart(args.model)
+    _check_cfg(args.cfg, (HART_DEFAULTS if hart else INFINITY_DEFAULTS if text else VAR_DEFAULTS).guidance_off)
     _number_in(args.temperature, "--temperature", lambda v: v > 0.0, "give a temperature > 0 (official: 0.5 for "
                                                                        "Infinity-2B, 1.0 for 8B)")
-    if text:
+    if text and not hart:
         _check_size(args)
     _at_least(args.skip_last, 0, "--skip-last", "give the number of final scales to skip, 0 or more")
     given = [flag for key, flag in SPARSEVAR_FLAGS if getattr(args, key) is not None]
@@ -358,6 +359,38 @@ def _load_infinity(args, device, dtype, say):
     return pipe.to(device)
 
 
+def _is_hart(model) -> bool:
+    from .models.loading import hart_folders
+    return hart_folders(model) is not None
+
+
+def _check_hart_args(args) -> None:
+    """HART takes no VAE file (its tokenizer folder sits beside llm/), one size and no temperature
+    or negative prompt (the reference has neither)."""
+    extra = [f for f, v in (("--vae-ckpt", args.vae_ckpt), ("--negative-prompt", args.negative_prompt),
+                            ("--temperature", args.temperature)) if v is not None]
+    if extra:
+        raise CLIError(f"{' / '.join(extra)}: not for HART ({args.model} is a HART model; its tokenizer/ folder sits "
+                       f"beside llm/, and it has no temperature or negative prompt): drop {' and '.join(extra)}")
+    for flag, v in (("--height", args.height), ("--width", args.width)):
+        if v is not None and v != 1024:
+            raise CLIError(f"{flag} {v}: HART generates 1024×1024 only; drop {flag} or give 1024")
+    if not args.text_encoder:
+        raise CLIError(f"{args.model} is a HART model: also pass --text-encoder FOLDER, a local copy of its Qwen2 "
+                       f"text encoder (mit-han-lab/Qwen2-VL-1.5B-Instruct)")
+
+
+def _load_hart(args, device, dtype, say):
+    import torch
+    from .models.loading import hart_folders
+    from .pipelines.hart_pipeline import HARTPipeline
+
+    llm, tokenizer = hart_folders(args.model)
+    te_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return HARTPipeline.from_single_file(llm, tokenizer, args.text_encoder, dtype=dtype,
+                                         text_encoder_dtype=te_dtype).to(device)
+
+
 def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
     """``--class`` values → class ids; an unknown name is reported with what the command line offers."""
     from .pipelines.var_pipeline import ClassLabelError
@@ -428,7 +461,11 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
                        f"--device cuda")
     dtype = _dtype(args.dtype, device)
-    if text:
+    hart = text and args.model is not None and _is_hart(args.model)
+    if hart:
+        from .pipelines.hart_pipeline import HARTPipeline as family
+        _check_hart_args(args)
+    elif text:
         from .pipelines.infinity_pipeline import InfinityPipeline as family
     else:
         from .pipelines.var_pipeline import VARPipeline as family
@@ -437,11 +474,16 @@ def cmd_generate(args) -> int:
     if args.quiet and text:                           # transformers' "Loading weights" bar for the T5
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()
-    pipe = (_load_infinity if text else _load_pipeline)(args, device, dtype, say)
+    pipe = (_load_hart if hart else _load_infinity if text else _load_pipeline)(args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
     _apply_acceleration(pipe, args, configs)
     gen = torch.Generator(device).manual_seed(args.seed)
-    if text:
+    if hart:
+        n = len(args.prompt)
+        needed = pipe.memory_needed(n * args.num)
+        call = dict(prompt=args.prompt)
+        what = f"{n} prompt(s)"
+    elif text:
         height, width = args.height or 1024, args.width or 1024
         n = len(args.prompt)
         needed = pipe.memory_needed(n * args.num, height=height, width=width)
@@ -763,7 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate images (class-conditional VAR, or text-to-image Infinity)")
     g.add_argument("--model", help="a folder written by `sparsevar convert` / save_pretrained; with --prompt also an "
-                                    "Infinity .pth file or 8B shard folder (default: the built-in demo model)")
+                                    "Infinity .pth file or 8B shard folder, or HART's release folder (llm/ + "
+                                    "tokenizer/) or its llm/ (default: the built-in demo model)")
     g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth")
     g.add_argument("--vae-ckpt", help="official VAE file: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth")
     g.add_argument("--class", dest="class_labels", nargs="+", action="extend",
@@ -771,9 +814,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 0; a repeated --class adds more)")
     g.add_argument("--prompt", nargs="+", action="extend",
                    help="text prompt(s), each in quotes (--prompt \"a red fox\" \"a cat\" is two; a repeated --prompt "
-                        "adds more): text-to-image with an Infinity model")
+                        "adds more): text-to-image with an Infinity or HART model")
     g.add_argument("--negative-prompt", help="Infinity: what to steer away from")
-    g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer)")
+    g.add_argument("--text-encoder", help="Infinity: a local Flan-T5 folder (T5EncoderModel + tokenizer); HART: a "
+                                          "local Qwen2 folder (mit-han-lab/Qwen2-VL-1.5B-Instruct)")
     g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
                                               "768 or 1024 for 1:1 (another size lists those of its aspect ratio)")
     g.add_argument("--width", type=int, help="Infinity: image width (default 1024)")

@@ -1154,3 +1154,20 @@ def load_hart_tokenizer(tokenizer_dir, dtype: torch.dtype = torch.float32) -> Mu
     cfg.update(quant_resi=float(config.get("quant_resi", 0.5)), phi_on_last=False)
     model = _load_into(MultiScaleVQVAE, cfg, sd, path, "HART tokenizer")
     return torch.nn.Module.to(model, dtype)
+
+
+def hart_folders(path) -> Optional[tuple[Path, Path]]:
+    """(llm folder, tokenizer folder) when ``path`` is HART's release folder (holding ``llm/`` and
+    ``tokenizer/``) or its ``llm/`` folder (the tokenizer is then the sibling ``tokenizer/``, as
+    the reference finds it); None for anything else."""
+    p = Path(path)
+    for llm in (p / "llm", p):
+        cfg = llm / "config.json"
+        if cfg.is_file():
+            try:
+                kind = json.loads(cfg.read_text()).get("model_type")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if kind == "hart_transformer_t2i":
+                return llm, llm.parent / "tokenizer"
+    return None

@@ -121,3 +121,24 @@ def test_random_presets_build():
     assert out.images.shape == (1, 3, 32, 32) and torch.isfinite(out.images).all()
     with pytest.raises(ValueError, match="preset='hart-9b' is unknown"):
         HARTPipeline.from_random("hart-9b")
+
+
+def test_cli_generates_from_the_release_folder(official, tmp_path, capsys):
+    """`sparsevar generate --prompt … --model <release folder or its llm/> --text-encoder <Qwen2>`;
+    HART's own limits are refused by name before anything loads."""
+    from sparsevar.cli import main
+    release = official["llm"].parent
+    out = tmp_path / "hart.png"
+    assert main(["generate", "--prompt", "w5 w6", "--model", str(release), "--text-encoder",
+                 str(official["text_encoder"]), "--out", str(out), "--fastvar", "--quiet"]) == 0
+    assert out.is_file() and "1 image(s)" in capsys.readouterr().out
+    assert main(["generate", "--prompt", "w5", "--model", str(official["llm"]), "--text-encoder",
+                 str(official["text_encoder"]), "--out", str(tmp_path / "b.png"), "--quiet"]) == 0
+    for extra, message in ((["--height", "512"], "--height 512: HART generates 1024×1024 only"),
+                           (["--negative-prompt", "x"], "--negative-prompt: not for HART"),
+                           ([], "also pass --text-encoder FOLDER")):
+        te = [] if not extra else ["--text-encoder", str(official["text_encoder"])]
+        assert main(["generate", "--prompt", "w5", "--model", str(release), *te, *extra,
+                     "--out", str(tmp_path / "c.png"), "--quiet"]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
