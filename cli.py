@@ -360,7 +360,14 @@ def _load_infinity(args, device, dtype, say):
 
 
 def _is_hart(model) -> bool:
+    """HART's release folder (or its llm/), or a converted HARTPipeline folder."""
     from .models.loading import hart_folders
+    index = Path(model) / "model_index.json"
+    if index.is_file():
+        try:
+            return json.loads(index.read_text()).get("_class_name") == "HARTPipeline"
+        except (OSError, ValueError, AttributeError):
+            return False
     return hart_folders(model) is not None
 
 
@@ -375,9 +382,13 @@ def _check_hart_args(args) -> None:
     for flag, v in (("--height", args.height), ("--width", args.width)):
         if v is not None and v != 1024:
             raise CLIError(f"{flag} {v}: HART generates 1024×1024 only; drop {flag} or give 1024")
-    if not args.text_encoder:
+    converted = (Path(args.model) / "model_index.json").is_file()
+    if not args.text_encoder and not converted:
         raise CLIError(f"{args.model} is a HART model: also pass --text-encoder FOLDER, a local copy of its Qwen2 "
                        f"text encoder (mit-han-lab/Qwen2-VL-1.5B-Instruct)")
+    if args.text_encoder and converted:
+        raise CLIError(f"--text-encoder: {args.model} is a converted HART folder with its text encoder inside; drop "
+                       f"--text-encoder")
 
 
 def _load_hart(args, device, dtype, say):
@@ -385,8 +396,10 @@ def _load_hart(args, device, dtype, say):
     from .models.loading import hart_folders
     from .pipelines.hart_pipeline import HARTPipeline
 
-    llm, tokenizer = hart_folders(args.model)
     te_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if (Path(args.model) / "model_index.json").is_file():
+        return HARTPipeline.from_pretrained(args.model, dtype=dtype, text_encoder_dtype=te_dtype).to(device)
+    llm, tokenizer = hart_folders(args.model)
     return HARTPipeline.from_single_file(llm, tokenizer, args.text_encoder, dtype=dtype,
                                          text_encoder_dtype=te_dtype).to(device)
 
@@ -546,8 +559,22 @@ def cmd_convert(args) -> int:
         raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
     _check_writable(out, "--out", folder=True)
     _check_beside(out)
-    family = checkpoint_family(args.ckpt)
-    if family == "var":
+    from .models.loading import hart_folders
+    hart = hart_folders(args.ckpt) if Path(args.ckpt).is_dir() else None
+    family = "hart" if hart else checkpoint_family(args.ckpt)
+    if family == "hart":
+        from .pipelines.hart_pipeline import HARTPipeline
+        if not args.text_encoder or args.vae_ckpt:
+            raise CLIError(f"{args.ckpt} is a HART model: pass --text-encoder FOLDER (a local copy of its Qwen2 text "
+                           f"encoder, saved into the pipeline folder) and no --vae-ckpt (its tokenizer/ sits beside llm/)")
+        pipe = HARTPipeline.from_single_file(hart[0], hart[1], args.text_encoder, dtype=dtype)
+        cfg = pipe.transformer.config
+        what = f"HART {cfg.depth} layers × {cfg.embed_dim}, {dtype_name}, with its Qwen2 text encoder"
+        usage = f"HARTPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --prompt \"...\"`"
+    elif not args.vae_ckpt:
+        raise CLIError(f"--ckpt {args.ckpt}: also pass --vae-ckpt, its VAE file (vae_ch160v4096z32.pth for VAR, "
+                       f"infinity_vae_d32reg.pth for Infinity)")
+    elif family == "var":
         from .pipelines.var_pipeline import VARPipeline
         if args.text_encoder:
             raise CLIError(f"--text-encoder is for Infinity; {args.ckpt} is a class-conditional VAR transformer")
@@ -858,15 +885,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("convert", help="official .pth files → safetensors pipeline folder (VAR, or Infinity with "
-                                        "its T5 text encoder)")
+    c = sub.add_parser("convert", help="official files → safetensors pipeline folder (VAR, Infinity with its T5 "
+                                        "text encoder, HART with its Qwen2)")
     c.add_argument("--ckpt", "--var-ckpt", dest="ckpt", required=True,
-                   help="the transformer: var_d*.pth, infinity_2b_reg.pth or the Infinity 8B shard folder "
-                        "(the family is read off its keys)")
-    c.add_argument("--vae-ckpt", required=True,
-                   help="its VAE: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth (Infinity)")
-    c.add_argument("--text-encoder", help="Infinity: a local google/flan-t5-xl folder (T5EncoderModel + tokenizer), "
-                                          "saved into the pipeline folder")
+                   help="the transformer: var_d*.pth, infinity_2b_reg.pth, the Infinity 8B shard folder, or HART's "
+                        "release folder (llm/ + tokenizer/) (the family is read off its keys)")
+    c.add_argument("--vae-ckpt",
+                   help="its VAE: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth (Infinity); HART: none (its "
+                        "tokenizer/ sits beside llm/)")
+    c.add_argument("--text-encoder", help="Infinity: a local google/flan-t5-xl folder (T5EncoderModel + tokenizer); "
+                                          "HART: a local Qwen2 folder; saved into the pipeline folder")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer weight dtype (auto = float32)")
     c.add_argument("--overwrite", action="store_true")

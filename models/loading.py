@@ -376,6 +376,9 @@ def describe_checkpoint(path) -> dict:
     if p.is_dir():
         if (p / "model_index.json").exists():
             return _describe_pipeline_folder(p)
+        hart = hart_folders(p)
+        if hart is not None:
+            return _describe_hart(*hart)
         if any(p.glob("*.index.json")) or any(p.glob("*.safetensors")) or any(p.glob("*.pth")) \
                 or any(p.glob("*.bin")):
             return describe_infinity_checkpoint(p)      # a shard folder (the 8B release)
@@ -407,7 +410,8 @@ def _describe_pipeline_folder(p: Path) -> dict:
     if pipeline in _PIPELINE_USE:                    # the checks a load makes: every component present and agreeing
         check_pipeline_folder(p, pipeline, pipeline_components(pipeline), "")
     info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
-            "family": {"VARPipeline": "var", "InfinityPipeline": "infinity"}.get(pipeline, "unknown"),
+            "family": {"VARPipeline": "var", "InfinityPipeline": "infinity", "HARTPipeline": "hart"}.get(pipeline,
+                                                                                                    "unknown"),
             "parameters": 0}
     for sub in ("transformer", "vqvae", "vae"):
         if not (p / sub).is_dir():
@@ -686,6 +690,7 @@ _TRANSFORMERS_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _PIPELINE_USE = {
     "VARPipeline": "VARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
     "InfinityPipeline": "InfinityPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
+    "HARTPipeline": "HARTPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
 }
 RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
 
@@ -990,11 +995,14 @@ def pipeline_components(pipeline: str) -> dict:
     """The component map :func:`check_pipeline_folder` takes for ``pipeline`` (``"VARPipeline"`` or
     ``"InfinityPipeline"``): subfolder → module class, ``"text_encoder"`` or None."""
     from .bsq_vae import BSQVAE
+    from .hart import HARTTransformer
     from .infinity import InfinityTransformer
     from .var import VARTransformer
     return {"VARPipeline": {"transformer": VARTransformer, "vqvae": MultiScaleVQVAE},
             "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE, "text_encoder": "text_encoder",
-                                 "tokenizer": None}}[pipeline]
+                                 "tokenizer": None},
+            "HARTPipeline": {"transformer": HARTTransformer, "vqvae": MultiScaleVQVAE,
+                             "text_encoder": "qwen2_text_encoder", "tokenizer": None}}[pipeline]
 
 
 def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
@@ -1033,6 +1041,8 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
     for sub, cls in components.items():
         if cls == "text_encoder":
             configs[sub] = check_saved_text_encoder(path / sub)
+        elif cls == "qwen2_text_encoder":
+            configs[sub] = check_saved_transformers_model(path / sub, "Qwen2")
         elif cls is not None:
             check_component_folder(path / sub, cls)
             configs[sub] = json.loads((path / sub / "config.json").read_text())
@@ -1171,3 +1181,48 @@ def hart_folders(path) -> Optional[tuple[Path, Path]]:
             if kind == "hart_transformer_t2i":
                 return llm, llm.parent / "tokenizer"
     return None
+
+
+def check_saved_transformers_model(folder, kind: str, fix: str = RECONVERT) -> dict:
+    """Check a saved ``transformers`` model folder (``config.json`` + weights) before it is loaded:
+    the JSON parses, the weights are whole, and the base model its config builds (on the meta
+    device) holds exactly the tensors of the weights. ``kind`` names the model in messages. Returns
+    the config."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    config = read_json_file(cfg_path, f"text encoder folder {folder}")
+    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS)
+    weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
+    try:
+        with init_empty_weights():
+            model = AutoModel.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        del model
+    except Exception as e:  # transformers refusing the settings
+        raise ValueError(f"{cfg_path}: these settings do not build a {kind} model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix the file, or {fix}") from None
+    found = {k.removeprefix("model."): tuple(v) for k, v in shapes.items() if not k.startswith("lm_head.")}
+    if found != expected:
+        raise ValueError(f"{cfg_path} does not match {weights}: {_shape_mismatch(expected, found)}; {fix}")
+    return config
+
+
+def _describe_hart(llm: Path, tokenizer: Path) -> dict:
+    """``sparsevar info`` of HART's official folders: the transformer's config and parameter count
+    (read through its loader's checks, on the meta device where the format allows)."""
+    config = read_json_file(llm / "config.json", "HART transformer config")
+    path = _hart_weights(llm, ("ema_model.bin", "model.safetensors", "pytorch_model.bin"), "HART transformer")
+    if _file_format(path) == "safetensors":
+        shapes = safetensors_shapes(path, "HART transformer")
+    else:
+        shapes = {k: tuple(v.shape) for k, v in read_state_dict(path, "HART transformer").items()}
+    derived = {"lvl_1L", "attn_bias_for_masking"}
+    n = sum(math.prod(s) for k, s in shapes.items() if k not in derived and not k.endswith(".zero_k_bias"))
+    keep = ("depth", "embed_dim", "num_heads", "context_token", "context_dim", "patch_nums", "disable_aln",
+            "use_timestep_embed", "diff_width", "diff_depth", "num_sampling_steps")
+    return {"path": str(llm.parent), "kind": "HART release folders (llm/, tokenizer/)", "family": "hart",
+            "transformer": {k: config[k] for k in keep if k in config}, "weights": str(path),
+            "tokenizer": str(tokenizer), "parameters": n}

@@ -81,6 +81,26 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return cls(transformer=transformer, vqvae=vqvae, text_encoder=qwen, tokenizer=tokenizer)
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Union[torch.dtype, str, None] = None,
+                        vae_dtype: Union[torch.dtype, str] = torch.float32,
+                        text_encoder_dtype: Union[torch.dtype, str] = torch.float32,
+                        torch_dtype: Union[torch.dtype, str, None] = None, **kwargs) -> "HARTPipeline":
+        """Load a folder written by :meth:`save_pretrained` / ``sparsevar convert`` (``transformer/``,
+        ``vqvae/``, ``text_encoder/``, ``tokenizer/``), checked before any weight is read. Nothing is
+        downloaded. dtype (or ``torch_dtype``): the transformer blocks' (default: as saved)."""
+        from ..models.loading import load_pretrained_component
+        path, _, dtype, vae_dtype, text_encoder_dtype = cls._pretrained_arguments(
+            pretrained_model_name_or_path, "load the official folders with HARTPipeline.from_single_file(llm, "
+            "tokenizer_folder, text_encoder=<Qwen2 folder>) (CLI: --model <release folder> --text-encoder FOLDER)",
+            kwargs, dtype, torch_dtype, vae_dtype=vae_dtype, text_encoder_dtype=text_encoder_dtype)
+        transformer = load_pretrained_component(HARTTransformer, path, "transformer")
+        saved = transformer.blocks[0].attn.qkv_proj.weight.dtype
+        transformer.set_block_dtype(dtype if dtype is not None else saved)
+        vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
+        tokenizer, qwen = load_qwen2(path / "text_encoder", text_encoder_dtype, path / "tokenizer")
+        return cls(transformer=transformer, vqvae=vqvae, text_encoder=qwen, tokenizer=tokenizer)
+
+    @classmethod
     def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
                     dtype: Union[torch.dtype, str] = torch.float32) -> "HARTPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests; it draws noise):

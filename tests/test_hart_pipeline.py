@@ -142,3 +142,26 @@ def test_cli_generates_from_the_release_folder(official, tmp_path, capsys):
                      "--out", str(tmp_path / "c.png"), "--quiet"]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_convert_save_and_load_a_pipeline_folder_give_the_same_pictures(official, pipe, tmp_path, capsys):
+    """`sparsevar convert` of the release folders (Qwen2 included) → HARTPipeline.from_pretrained and
+    `generate --model FOLDER`; `sparsevar info` names the family of both."""
+    from sparsevar.cli import main
+    out = tmp_path / "hart-converted"
+    assert main(["convert", "--ckpt", str(official["llm"].parent), "--text-encoder", str(official["text_encoder"]),
+                 "--out", str(out)]) == 0
+    loaded = HARTPipeline.from_pretrained(out)
+    loaded.set_progress_bar_config(disable=True)
+    a = pipe("w5 w6", generator=torch.Generator().manual_seed(2), output_type="pt").images
+    b = loaded("w5 w6", generator=torch.Generator().manual_seed(2), output_type="pt").images
+    assert torch.equal(a, b)
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "w5", "--model", str(out), "--out", str(tmp_path / "x.png"), "--quiet"]) == 0
+    assert "1 image(s)" in capsys.readouterr().out
+    for path in (out, official["llm"].parent):
+        assert main(["info", str(path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["family"] == "hart"
+    assert main(["generate", "--prompt", "w5", "--model", str(out), "--text-encoder", str(official["text_encoder"]),
+                 "--out", str(tmp_path / "y.png"), "--quiet"]) == 2
+    assert "is a converted HART folder with its text encoder inside" in capsys.readouterr().err
