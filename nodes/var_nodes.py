@@ -17,6 +17,7 @@ from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
 from ..pipelines.defaults import VAR_DEFAULTS       # the sampler's widgets serve both families: VAR's
 from ..pipelines.infinity_pipeline import InfinityPipeline
+from ..pipelines.hart_pipeline import HARTPipeline
 from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
@@ -389,8 +390,8 @@ class SparseVARSampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="SparseVAR_Sampler", display_name="SparseVAR Sampler", category=CATEGORY,
-            description="Generates images with a VAR model (class label) or an Infinity model (text prompt), scale "
-                        "by scale, with optional acceleration.",
+            description="Generates images with a VAR model (class label) or an Infinity or HART model (text "
+                        "prompt), scale by scale, with optional acceleration.",
             inputs=[
                 SparseVARModel.Input("model"),
                 io.String.Input("class_label", default="207",
@@ -401,14 +402,16 @@ class SparseVARSampler(io.ComfyNode):
                 io.Float.Input("cfg", default=VAR_DEFAULTS.guidance_scale, min=0.0, max=20.0, step=0.1,
                                tooltip="guidance strength. VAR: ramped from 0 at the first scale to this at the "
                                        "last; 0 = off (official demo 4, FID 1.5). Infinity: cfg·cond + (1 − cfg)·"
-                                       "uncond at every scale; 1 = off (official 3)"),
+                                       "uncond at every scale; 1 = off (official 3). HART: ramped like VAR; 0 = off "
+                                       "(official 4.5)"),
                 io.Int.Input("top_k", default=VAR_DEFAULTS.top_k, min=0, max=65536,
-                             tooltip="keep the k most likely codes (0 = all)"),
+                             tooltip="keep the k most likely codes (0 = all; HART: 0 = its reference rule, 600 "
+                                     "below scale 7, then 300)"),
                 io.Float.Input("top_p", default=VAR_DEFAULTS.top_p, min=0.0, max=1.0, step=0.01,
                                tooltip="nucleus mass kept per token (0 = off; official VAR 0.95, Infinity 0.97)"),
                 io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label or prompt"),
                 io.String.Input("prompt", default="", multiline=True,
-                                tooltip="Infinity: what to draw. VAR models ignore it (they read class_label)"),
+                                tooltip="Infinity, HART: what to draw. VAR models ignore it (they read class_label)"),
                 io.String.Input("negative_prompt", default="", multiline=True,
                                 tooltip="Infinity: what to steer away from; it replaces the unconditional branch of "
                                         "guidance (empty = the model's learned one). VAR models ignore it"),
@@ -417,7 +420,8 @@ class SparseVARSampler(io.ComfyNode):
                                      "256–1024 px sizes of 15 aspect ratios, e.g. 768×1024); another size gives an "
                                      "error listing the valid ones. VAR models draw at their own size"),
                 io.Int.Input("width", default=1024, min=16, max=4096, step=16,
-                             tooltip="Infinity: image width (see height). VAR models draw at their own size"),
+                             tooltip="Infinity: image width (see height). VAR models draw at their own size, HART at "
+                                     "1024×1024"),
                 SparseVARSettings.Input("sparsevar", optional=True),
                 AnchorSettings.Input("anchors", optional=True),
                 ScaleSkipSettings.Input("scale_skip", optional=True),
@@ -434,6 +438,7 @@ class SparseVARSampler(io.ComfyNode):
                 fastvar=None, sparvar=None) -> io.NodeOutput:
         pipe = model.pipe
         infinity = isinstance(pipe, InfinityPipeline)
+        hart = isinstance(pipe, HARTPipeline)
         if fastvar is not None and (sparsevar is not None or anchors is not None):
             raise ValueError("SparseVAR Sampler: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the "
                              "two methods cannot be combined (both choose the tokens each scale computes): "
@@ -445,6 +450,11 @@ class SparseVARSampler(io.ComfyNode):
         policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar, sparvar)
         if infinity:
             total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
+        elif hart:
+            if negative_prompt:
+                raise ValueError("SparseVAR Sampler: HART has no negative prompt (its unconditional branch is an empty "
+                                 "text); clear 'negative_prompt'")
+            total = pipe.adapter().schedule.num_scales
         else:
             labels = _class_ids(pipe, class_label)
             total = pipe.num_timesteps
@@ -465,6 +475,8 @@ class SparseVARSampler(io.ComfyNode):
                   "callback_on_step_end": on_scale, "policies": policies}
         if infinity:
             out = pipe(prompt, negative_prompt=negative_prompt or None, height=height, width=width, **common)
+        elif hart:
+            out = pipe(prompt, **common)
         else:
             out = pipe(labels, **common)
         if done[0] < total:

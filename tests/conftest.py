@@ -81,6 +81,36 @@ def hart_state_dicts(hart_fixture_dir) -> dict[str, dict[str, torch.Tensor]]:
             for name in ("tokenizer", "transformer")}
 
 
+def write_hart_release(out: Path, state_dicts: dict, fixture_dir: Path, text_encoder: Path) -> dict[str, Path]:
+    """The HART fixture model in the release's containers under ``out``: llm/ (config.json,
+    ema_model.bin with the derived buffers), tokenizer/ (config.json, model.safetensors with vae.* and
+    a disc.* tensor), and at ``text_encoder`` a transformers Qwen2 folder of the fixture's text width."""
+    from safetensors.torch import save_file
+
+    from sparsevar.models.hart_text import random_qwen2
+    llm, tok = out / "llm", out / "tokenizer"
+    llm.mkdir(parents=True)
+    tok.mkdir()
+    (llm / "config.json").write_text((fixture_dir / "transformer_config.json").read_text())
+    torch.save(state_dicts["transformer"], llm / "ema_model.bin")
+    (tok / "config.json").write_text((fixture_dir / "tokenizer_config.json").read_text())
+    vae = dict(state_dicts["tokenizer"])
+    vae["disc.conv.weight"] = torch.zeros(2, 3)
+    save_file({k: v.contiguous() for k, v in vae.items()}, str(tok / "model.safetensors"))
+    width = json.loads((fixture_dir / "transformer_config.json").read_text())["context_dim"]
+    tokenizer, model = random_qwen2(width, seed=1)
+    tokenizer.save_pretrained(str(text_encoder))
+    model.save_pretrained(str(text_encoder))
+    return {"llm": llm, "tokenizer": tok, "text_encoder": text_encoder}
+
+
+@pytest.fixture(scope="session")
+def hart_official_files(hart_state_dicts, hart_fixture_dir, tmp_path_factory) -> dict[str, Path]:
+    """{'llm', 'tokenizer', 'text_encoder'}: the HART fixture in the release's folders (write_hart_release)."""
+    out = tmp_path_factory.mktemp("hart_official")
+    return write_hart_release(out / "hart-0.7b-1024px", hart_state_dicts, hart_fixture_dir, out / "qwen2")
+
+
 # ---- Infinity ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def infinity_fixture_dir() -> Path:

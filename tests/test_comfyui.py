@@ -7,7 +7,8 @@ that run the tests (its requirements are in the dev extra). The server listens o
 temporary base directory whose models folders hold small random models under the official file
 names, so the shipped workflows run unchanged: models/var a 256-px VAR (the official size),
 models/infinity + models/text_encoders an Infinity of Infinity-2B's layer layout (32 layers in 8
-block groups, so the 2B presets apply) at a tiny width, with a tiny T5. The one change: Infinity
+block groups, so the 2B presets apply) at a tiny width, with a tiny T5; models/hart the HART parity
+fixture in its release folders with a tiny Qwen2. The one change: Infinity
 samplers run at 256x256 instead of the workflows' 1024x1024 (minutes on a CPU), through the same
 schedule logic.
 """
@@ -34,10 +35,12 @@ pytestmark = pytest.mark.comfyui
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent / "comfyui"
-NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader", "SparseVAR_Sampler", "SparseVAR_Settings",
+NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader", "SparseVAR_HARTModelLoader",
+            "SparseVAR_Sampler", "SparseVAR_Settings",
             "SparseVAR_AnchorSettings", "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings",
             "SparseVAR_TokenMapPreview"]
 INFINITY_SIZE = 256                                     # the Infinity samplers' height and width in these tests
+HART_SCALES, HART_SIDE = 6, 32                          # the HART fixture model: its schedule and picture side
 FROM_FOLDER = "(converted folder: none needed)"
 sys.path.insert(0, str(HERE))
 from browser_check import find_chromium  # noqa: E402
@@ -57,7 +60,7 @@ def _get(url: str):
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory, tiny_infinity_files):
+def comfy(tmp_path_factory, tiny_infinity_files, hart_official_files):
     work = Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui"))
     server = ensure_comfyui(work)
     base = tmp_path_factory.mktemp("comfy_base")
@@ -77,6 +80,10 @@ def comfy(tmp_path_factory, tiny_infinity_files):
     shutil.copytree(inf["t5"], base / "models" / "text_encoders" / "flan-t5-xl")
     assert cli_main(["convert", "--ckpt", str(inf["transformer"]), "--vae-ckpt", str(inf["vae"]), "--text-encoder",
                      str(inf["t5"]), "--out", str(base / "models" / "infinity" / "infinity-tiny-converted")]) == 0
+    hart = hart_official_files                                # the HART fixture in its release folders
+    (base / "models" / "hart").mkdir()
+    shutil.copytree(hart["llm"].parent, base / "models" / "hart" / "hart-0.7b-1024px")
+    shutil.copytree(hart["text_encoder"], base / "models" / "text_encoders" / "Qwen2-VL-1.5B-Instruct")
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(server["pythonpath"]), PYTHONDONTWRITEBYTECODE="1")
@@ -133,6 +140,10 @@ def _is_infinity(prompt: dict, sampler: dict) -> bool:
     return prompt[sampler["inputs"]["model"][0]]["class_type"] == "SparseVAR_InfinityModelLoader"
 
 
+def _is_hart(prompt: dict, sampler: dict) -> bool:
+    return prompt[sampler["inputs"]["model"][0]]["class_type"] == "SparseVAR_HARTModelLoader"
+
+
 def _stats(text: str) -> dict:
     """The sampler's stats line: '6/7 scales, 85.1/521 tokens computed per image (16%), …'."""
     m = re.match(r"(\d+)/(\d+) scales, ([\d.]+)/(\d+) tokens computed", text)
@@ -156,7 +167,9 @@ def test_pack_imports_and_registers_every_node(comfy):
     assert {"infinity_2b_reg.pth", "infinity-tiny-converted"} <= set(_options(info, "SparseVAR_InfinityModelLoader",
                                                                                 "model"))
     assert "infinity_vae_d32reg.pth" in _options(info, "SparseVAR_InfinityModelLoader", "vae")
-    assert _options(info, "SparseVAR_InfinityModelLoader", "text_encoder") == [FROM_FOLDER, "flan-t5-xl"]
+    assert _options(info, "SparseVAR_InfinityModelLoader", "text_encoder") == [FROM_FOLDER, "Qwen2-VL-1.5B-Instruct",
+                                                                                "flan-t5-xl"]
+    assert _options(info, "SparseVAR_HARTModelLoader", "model") == ["hart-0.7b-1024px"]
 
 
 def _options(info: dict, node: str, name: str) -> list:
@@ -235,7 +248,8 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     assert rep["status"] == "success", rep
     samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
     n_scales = {nid: InfinityPipeline.resolution(INFINITY_SIZE, INFINITY_SIZE).schedule.num_scales
-                if _is_infinity(prompt, prompt[nid]) else 10 for nid in samplers}
+                if _is_infinity(prompt, prompt[nid]) else HART_SCALES if _is_hart(prompt, prompt[nid]) else 10
+                for nid in samplers}
     for nid in samplers:                 # one progress message per computed scale; skipped last scales end the bar
         values = [v for node, v, m in rep["progress"] if node == nid]
         assert values[-1] == n_scales[nid] and values[:-1] == list(range(1, len(values))), rep["progress"]
@@ -247,7 +261,8 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         w, h = img.size
         src = prompt[nid]["inputs"]["images"][0]
         if prompt[src]["class_type"] == "SparseVAR_Sampler":
-            assert (w, h) == (256, 256) and img.mode == "RGB"
+            side = HART_SIDE if _is_hart(prompt, prompt[src]) else 256
+            assert (w, h) == (side, side) and img.mode == "RGB"
             import numpy as np
             assert np.asarray(img).std() > 1                 # a picture, not a constant fill
         else:
@@ -258,6 +273,9 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
             src = n["inputs"]["source"][0]
             assert prompt[src]["class_type"] == "SparseVAR_Sampler"
             stats[src] = _stats(rep["outputs"][nid]["text"][0])
+    for nid in [nid for nid in samplers if _is_hart(prompt, prompt[nid])]:      # hart_dense.json: every token
+        st = stats[nid]
+        assert st["scales"] == st["scales_run"] == HART_SCALES and st["computed"] == st["tokens"]
     infinity = [nid for nid in samplers if _is_infinity(prompt, prompt[nid])]
     if not infinity:
         return

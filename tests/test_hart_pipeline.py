@@ -8,32 +8,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sparsevar import HARTPipeline
 from sparsevar.models.hart_text import HART_SYSTEM_PROMPT, encode_hart_prompts, random_qwen2
 
 
 @pytest.fixture(scope="module")
-def official(hart_state_dicts, hart_fixture_dir, tmp_path_factory):
-    """The fixture model in the release's containers: llm/ (config.json, ema_model.bin with the
-    derived buffers), tokenizer/ (config.json, model.safetensors with vae.* and a disc.* tensor), and
-    a Qwen2 folder of the fixture's text width."""
-    out = tmp_path_factory.mktemp("hart_official")
-    llm, tok, qwen = out / "llm", out / "tokenizer", out / "qwen2"
-    llm.mkdir()
-    tok.mkdir()
-    (llm / "config.json").write_text((hart_fixture_dir / "transformer_config.json").read_text())
-    torch.save(hart_state_dicts["transformer"], llm / "ema_model.bin")
-    (tok / "config.json").write_text((hart_fixture_dir / "tokenizer_config.json").read_text())
-    vae = dict(hart_state_dicts["tokenizer"])
-    vae["disc.conv.weight"] = torch.zeros(2, 3)
-    save_file({k: v.contiguous() for k, v in vae.items()}, str(tok / "model.safetensors"))
-    width = json.loads((hart_fixture_dir / "transformer_config.json").read_text())["context_dim"]
-    tokenizer, model = random_qwen2(width, seed=1)
-    tokenizer.save_pretrained(str(qwen))
-    model.save_pretrained(str(qwen))
-    return {"llm": llm, "tokenizer": tok, "text_encoder": qwen}
+def official(hart_official_files):
+    return hart_official_files
 
 
 @pytest.fixture(scope="module")
