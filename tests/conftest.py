@@ -104,6 +104,35 @@ def write_hart_release(out: Path, state_dicts: dict, fixture_dir: Path, text_enc
     return {"llm": llm, "tokenizer": tok, "text_encoder": text_encoder}
 
 
+def write_tiny_hart_release(out: Path, fixture_dir: Path, depth: int, seed: int = 0) -> Path:
+    """``hart-tiny`` (the fixture's sizes and text width) with ``depth`` layers and random weights, in the
+    release's folders under ``out``: deep enough for the HART presets (SparseVAR observes block 16)."""
+    from safetensors.torch import save_file
+
+    from sparsevar import HARTPipeline
+    from sparsevar.models.hart import HART_PRESETS, HARTTransformer
+    spec = HART_PRESETS["hart-tiny"]["transformer"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = HARTTransformer(**{**spec, "depth": depth}).init_random_weights()
+    vqvae = HARTPipeline.from_random("hart-tiny", seed=seed).vqvae
+    llm, tok = out / "llm", out / "tokenizer"
+    llm.mkdir(parents=True)
+    tok.mkdir()
+    config = json.loads((fixture_dir / "transformer_config.json").read_text())
+    (llm / "config.json").write_text(json.dumps({**config, "depth": depth}))
+    torch.save(transformer.state_dict(), llm / "ema_model.bin")
+    (tok / "config.json").write_text((fixture_dir / "tokenizer_config.json").read_text())
+    save_file({f"vae.{k}": v.contiguous() for k, v in vqvae.state_dict().items()}, str(tok / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hart_release(hart_fixture_dir):
+    """``write(out, depth)``: :func:`write_tiny_hart_release` with the fixture's configs."""
+    return lambda out, depth: write_tiny_hart_release(out, hart_fixture_dir, depth)
+
+
 @pytest.fixture(scope="session")
 def hart_official_files(hart_state_dicts, hart_fixture_dir, tmp_path_factory) -> dict[str, Path]:
     """{'llm', 'tokenizer', 'text_encoder'}: the HART fixture in the release's folders (write_hart_release)."""
