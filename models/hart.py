@@ -14,6 +14,8 @@ multi-scale VQVAE with its last scale outside φ (``MultiScaleVQVAE(phi_on_last=
 - Head: AdaLN before the head from the max over the text embeddings, float32 logits.
 - Diffusion head (``diffloss.net``): MAR's MLP with AdaLN predicting ε and the variance
   interpolation of the last scale's continuous residual, sampled by an 8-step respaced IDDPM.
+- Engine adapter (``HARTAdapter``): the text runs as the engine's scale 0; the last scale's hidden
+  states condition the diffusion head, so every policy hands over the full map there.
 """
 from __future__ import annotations
 
@@ -419,9 +421,8 @@ class HARTTransformer(ModelMixin, ConfigMixin):
 
     # ---- pieces the generation loop uses ------------------------------------------------------------
     def level_embedding(self, levels: torch.Tensor) -> torch.Tensor:
-        """(n, C) level embedding of the (n,) integer levels (text = 0, scale k = k)."""
-        if isinstance(self.lvl_embed, TimestepEmbedder):
-            return self.lvl_embed(levels)
+        """(n, C) level embedding of the (n,) integer levels (text = 0, scale k = k): a table row or
+        the timestep embedder of the level."""
         return self.lvl_embed(levels)
 
     def text_condition(self, context_BTD: torch.Tensor) -> torch.Tensor:

@@ -105,24 +105,29 @@ def write_hart_release(out: Path, state_dicts: dict, fixture_dir: Path, text_enc
 
 
 def write_tiny_hart_release(out: Path, fixture_dir: Path, depth: int, seed: int = 0) -> Path:
-    """``hart-tiny`` (the fixture's sizes and text width) with ``depth`` layers and random weights, in the
-    release's folders under ``out``: deep enough for the HART presets (SparseVAR observes block 16)."""
+    """The fixture's HART sizes with ``depth`` layers and random weights, in the release's folders under
+    ``out``: deep enough for the HART presets (SparseVAR observes block 16)."""
     from safetensors.torch import save_file
 
-    from sparsevar import HARTPipeline
-    from sparsevar.models.hart import HART_PRESETS, HARTTransformer
-    spec = HART_PRESETS["hart-tiny"]["transformer"]
+    from sparsevar.models.hart import HARTTransformer
+    from sparsevar.models.vqvae import MultiScaleVQVAE
+    c = json.loads((fixture_dir / "transformer_config.json").read_text())
+    t = json.loads((fixture_dir / "tokenizer_config.json").read_text())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = HARTTransformer(**{**spec, "depth": depth}).init_random_weights()
-    vqvae = HARTPipeline.from_random("hart-tiny", seed=seed).vqvae
+        transformer = HARTTransformer(
+            vocab_size=t["vocab_size"], z_channels=t["z_channels"], context_token=c["context_token"],
+            context_dim=c["context_dim"], depth=depth, embed_dim=c["embed_dim"], num_heads=c["num_heads"],
+            mlp_ratio=c["mlp_ratio"], use_timestep_embed=c["use_timestep_embed"], disable_aln=c["disable_aln"],
+            diff_width=c["diff_width"], diff_depth=c["diff_depth"], patch_nums=c["patch_nums"]).init_random_weights()
+        vqvae = MultiScaleVQVAE(vocab_size=t["vocab_size"], z_channels=t["z_channels"], ch=t["ch"], ch_mult=t["ch_mult"],
+                                patch_nums=t["v_patch_nums"], phi_on_last=False).init_random_weights()
     llm, tok = out / "llm", out / "tokenizer"
     llm.mkdir(parents=True)
     tok.mkdir()
-    config = json.loads((fixture_dir / "transformer_config.json").read_text())
-    (llm / "config.json").write_text(json.dumps({**config, "depth": depth}))
+    (llm / "config.json").write_text(json.dumps({**c, "depth": depth}))
     torch.save(transformer.state_dict(), llm / "ema_model.bin")
-    (tok / "config.json").write_text((fixture_dir / "tokenizer_config.json").read_text())
+    (tok / "config.json").write_text(json.dumps(t))
     save_file({f"vae.{k}": v.contiguous() for k, v in vqvae.state_dict().items()}, str(tok / "model.safetensors"))
     return out
 

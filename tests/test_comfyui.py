@@ -40,7 +40,6 @@ NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader", "Sparse
             "SparseVAR_AnchorSettings", "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings",
             "SparseVAR_TokenMapPreview"]
 INFINITY_SIZE = 256                                     # the Infinity samplers' height and width in these tests
-HART_SCALES, HART_SIDE = 6, 32                          # the HART fixture model: its schedule and picture side
 FROM_FOLDER = "(converted folder: none needed)"
 sys.path.insert(0, str(HERE))
 from browser_check import find_chromium  # noqa: E402
@@ -82,7 +81,10 @@ def comfy(tmp_path_factory, tiny_infinity_files, hart_official_files, tiny_hart_
                      str(inf["t5"]), "--out", str(base / "models" / "infinity" / "infinity-tiny-converted")]) == 0
     hart = hart_official_files                 # a 24-layer hart-tiny in the release's folders: its presets apply
     (base / "models" / "hart").mkdir()
-    tiny_hart_release(base / "models" / "hart" / "hart-0.7b-1024px", 24)
+    release = tiny_hart_release(base / "models" / "hart" / "hart-0.7b-1024px", 24)
+    patch_nums = json.loads((release / "llm" / "config.json").read_text())["patch_nums"]
+    ch_mult = json.loads((release / "tokenizer" / "config.json").read_text())["ch_mult"]
+    hart_shape = {"scales": len(patch_nums), "side": patch_nums[-1] * 2 ** (len(ch_mult) - 1)}
     shutil.copytree(hart["text_encoder"], base / "models" / "text_encoders" / "Qwen2-VL-1.5B-Instruct")
     port = _free_port()
     log = open(base / "server.log", "w")
@@ -104,7 +106,7 @@ def comfy(tmp_path_factory, tiny_infinity_files, hart_official_files, tiny_hart_
                 time.sleep(0.5)
         else:
             raise RuntimeError("ComfyUI did not start in 120 s:\n" + (base / "server.log").read_text()[-3000:])
-        yield {"url": url, "base": base, "work": work, "log": base / "server.log"}
+        yield {"url": url, "base": base, "work": work, "log": base / "server.log", "hart": hart_shape}
     finally:
         proc.terminate()
         try:
@@ -231,7 +233,7 @@ def test_workflow_file_is_valid_v04(comfy, path):
         assert set(required) <= set(node["inputs"]), (nid, node)
 
 
-# What each HART workflow must show in its samplers' stats (the tiny 24-layer HART, 32 px)
+# What each HART workflow must show in its samplers' stats (the tiny 24-layer HART of the fixture's sizes)
 HART_EXPECT = {
     "hart_dense.json": ["dense"],
     "hart_sparsevar.json": ["dense", "sparsevar"],
@@ -258,7 +260,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     assert rep["status"] == "success", rep
     samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
     n_scales = {nid: InfinityPipeline.resolution(INFINITY_SIZE, INFINITY_SIZE).schedule.num_scales
-                if _is_infinity(prompt, prompt[nid]) else HART_SCALES if _is_hart(prompt, prompt[nid]) else 10
+                if _is_infinity(prompt, prompt[nid]) else comfy["hart"]["scales"] if _is_hart(prompt, prompt[nid]) else 10
                 for nid in samplers}
     for nid in samplers:                 # one progress message per computed scale; skipped last scales end the bar
         values = [v for node, v, m in rep["progress"] if node == nid]
@@ -271,7 +273,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         w, h = img.size
         src = prompt[nid]["inputs"]["images"][0]
         if prompt[src]["class_type"] == "SparseVAR_Sampler":
-            side = HART_SIDE if _is_hart(prompt, prompt[src]) else 256
+            side = comfy["hart"]["side"] if _is_hart(prompt, prompt[src]) else 256
             assert (w, h) == (side, side) and img.mode == "RGB"
             import numpy as np
             assert np.asarray(img).std() > 1                 # a picture, not a constant fill
@@ -288,16 +290,17 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         assert path.name in HART_EXPECT and len(hart) == len(HART_EXPECT[path.name]) == len(stats)
     for nid, method in zip(hart, HART_EXPECT.get(path.name, [])):
         st = stats[nid]
-        assert st["scales"] == HART_SCALES
+        S = comfy["hart"]["scales"]
+        assert st["scales"] == S
         if method in ("dense", "sparvar", "cond-only"):    # every token (SparVAR reads fewer keys, cond-only fewer rows)
-            assert st["computed"] == st["tokens"] and st["scales_run"] == HART_SCALES
+            assert st["computed"] == st["tokens"] and st["scales_run"] == S
         elif method == "fastvar":
-            assert st["computed"] < st["tokens"] and st["scales_run"] == HART_SCALES
+            assert st["computed"] < st["tokens"] and st["scales_run"] == S
         elif method == "sparsevar":
             # the preset (block 16 of 24, tau 0.6) runs every scale; with random weights block 16's change
             # map is flat (90 % of tokens within 8 % of the largest change), so tau 0.6 keeps every token —
             # pruning on HART is asserted with keep_ratio in test_hart_policies
-            assert st["scales_run"] == HART_SCALES and st["computed"] <= st["tokens"]
+            assert st["scales_run"] == S and st["computed"] <= st["tokens"]
     infinity = [nid for nid in samplers if _is_infinity(prompt, prompt[nid])]
     if not infinity:
         return

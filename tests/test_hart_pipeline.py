@@ -40,18 +40,20 @@ def test_prompts_are_encoded_after_the_system_prompt_and_padded_to_the_text_slot
 
 
 def test_official_folders_generate_deterministic_pictures_and_a_batch_equals_its_images(pipe):
+    S, T = pipe.adapter().schedule.num_scales, pipe.transformer.config.context_token
+    side = pipe.transformer.config.patch_nums[-1] * pipe.vqvae.downsample_factor
     gens = [torch.Generator().manual_seed(s) for s in (3, 4)]
     codes_both, codes_one = [], []
     both = pipe(["w5 w6 w7", "w9 w10"], generator=gens, output_type="pt",
                 callback_on_step_end=lambda p, si, t, d: codes_both.append(d["codes"]) or d)
-    assert both.images.shape == (2, 3, 32, 32) and torch.isfinite(both.images).all()
-    assert len(both.stats[0].scales) == 6 and both.stats[0].scales[0].tokens_computed == 12     # the text slots
+    assert both.images.shape == (2, 3, side, side) and torch.isfinite(both.images).all()
+    assert len(both.stats[0].scales) == S and both.stats[0].scales[0].tokens_computed == T     # the text slots
     again = pipe(["w5 w6 w7", "w9 w10"], generator=[torch.Generator().manual_seed(s) for s in (3, 4)],
                  output_type="pt")
     assert torch.equal(again.images, both.images)
     one = pipe(["w9 w10"], generator=torch.Generator().manual_seed(4), output_type="pt",
                callback_on_step_end=lambda p, si, t, d: codes_one.append(d["codes"]) or d)
-    assert len(codes_one) == 6 and all(torch.equal(a[1:], b) for a, b in zip(codes_both, codes_one))
+    assert len(codes_one) == S and all(torch.equal(a[1:], b) for a, b in zip(codes_both, codes_one))
     # the same codes; the pictures agree to float rounding, which the Gumbel mixture amplifies by about 1/τ
     torch.testing.assert_close(both.images[1:], one.images, rtol=0, atol=1e-3)
     other = pipe(["w5 w6 w7"], generator=torch.Generator().manual_seed(5), output_type="pt")
