@@ -68,6 +68,18 @@ def var_official_files(var_fixture_dir, var_fixture_config, tmp_path_factory) ->
     return files
 
 
+# ---- FlexVAR -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def flexvar_fixture_dir() -> Path:
+    return family_dir("flexvar")
+
+
+@pytest.fixture(scope="session")
+def flexvar_state_dicts(flexvar_fixture_dir) -> dict[str, dict[str, torch.Tensor]]:
+    """The fixture's official state dicts: {'vae': FlexVAE.pth['model'], 'flexvar': the transformer's}."""
+    return {name: materialize(flexvar_fixture_dir / f"{name}.weights_manifest.json") for name in ("vae", "flexvar")}
+
+
 # ---- HART ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def hart_fixture_dir() -> Path:

@@ -1,0 +1,53 @@
+"""FlexVAR (issue #31) against the official implementation's fixtures (``tests/fixtures/flexvar`` or
+``$SPARSEVAR_FIXTURES/flexvar``): first, its tokenizer (LlamaGen's VQ-16) — encoding, the independent
+cosine quantisation of every scale, the teacher-forcing input, and decoding of one scale's codes,
+square and not."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar.models.flexvar_vq import FlexVQ16
+
+
+@pytest.fixture(scope="module")
+def flexvar_dir(flexvar_fixture_dir):
+    return flexvar_fixture_dir
+
+
+@pytest.fixture(scope="module")
+def vq(flexvar_dir, flexvar_state_dicts):
+    cfg = json.loads((flexvar_dir / "config.json").read_text())
+    sd = dict(flexvar_state_dicts["vae"])
+    for k in FlexVQ16.official_extra_keys():
+        sd.pop(k)
+    m = FlexVQ16(vocab_size=cfg["vae_kwargs"]["codebook_size"], embed_dim=cfg["vae_kwargs"]["codebook_embed_dim"],
+                 ch=cfg["vae_ch"])
+    m.load_state_dict(sd, strict=True)
+    return m.eval()
+
+
+def test_tokenizer_encodes_quantises_and_decodes_like_the_reference(flexvar_dir, vq):
+    want = load_file(flexvar_dir / "vae.safetensors")
+    cfg = json.loads((flexvar_dir / "config.json").read_text())
+    img = (want["img_uint8"].float() / 255 - 0.5) / 0.5
+    patch_nums = cfg["constructor_patch_nums"]
+    with torch.no_grad():
+        f = vq.encode(img)
+        torch.testing.assert_close(f, want["f"], rtol=1e-4, atol=1e-4)
+        idx, x_in = vq.multiscale(img, patch_nums)
+        assert len(idx) == len(patch_nums)
+        for k, idx_Bl in enumerate(idx):
+            assert torch.equal(idx_Bl, want[f"idx_s{k}"]), k
+        torch.testing.assert_close(x_in, want["x_BLCv_wo_first_l"], rtol=1e-4, atol=1e-4)
+        last = patch_nums[-1]
+        torch.testing.assert_close(vq.decode_codes(idx[-1][:1], last, last), want["recon_from_idx"], rtol=1e-4,
+                                   atol=2e-4)
+        torch.testing.assert_close(vq.decode_codes(idx[3], patch_nums[3], patch_nums[3]), want["ms_dec_s3"],
+                                   rtol=1e-4, atol=2e-4)
+        h, w = want["idx_in"].shape[1:]
+        torch.testing.assert_close(vq.decode_codes(want["idx_in"].view(2, h * w), h, w), want["img_from_idx_in"],
+                                   rtol=1e-4, atol=2e-4)
