@@ -51,3 +51,34 @@ def test_tokenizer_encodes_quantises_and_decodes_like_the_reference(flexvar_dir,
         h, w = want["idx_in"].shape[1:]
         torch.testing.assert_close(vq.decode_codes(want["idx_in"].view(2, h * w), h, w), want["img_from_idx_in"],
                                    rtol=1e-4, atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def transformer(flexvar_dir, flexvar_state_dicts):
+    from sparsevar.models.flexvar import FlexVARTransformer
+    cfg = json.loads((flexvar_dir / "config.json").read_text())
+    k = cfg["flexvar_kwargs"]
+    sd = dict(flexvar_state_dicts["flexvar"])
+    for key in FlexVARTransformer.official_extra_keys(k["depth"]):
+        sd.pop(key)
+    m = FlexVARTransformer(vocab_size=cfg["vae_kwargs"]["codebook_size"], z_channels=32, num_classes=k["num_classes"],
+                           depth=k["depth"], embed_dim=k["embed_dim"], num_heads=k["num_heads"],
+                           norm_eps=k["norm_eps"], shared_aln=k["shared_aln"], patch_nums=k["patch_nums"])
+    m.load_state_dict(sd, strict=True)
+    return m.eval()
+
+
+def test_teacher_forced_logits_match_the_reference_at_two_schedules(flexvar_dir, vq, transformer):
+    """The default 10-step schedule and a training-style one (positions area-resized per scale; the
+    training schedule's codes and inputs from our tokenizer equal the reference's)."""
+    tf = load_file(flexvar_dir / "flexvar_tf.safetensors")
+    vae = load_file(flexvar_dir / "vae.safetensors")
+    with torch.no_grad():
+        got = transformer(tf["label_B"], vae["x_BLCv_wo_first_l"], tf["tf0.patch_nums"].tolist())
+        torch.testing.assert_close(got, tf["tf0.logits_BLV"], rtol=1e-4, atol=1e-4)
+        img = (vae["img_uint8"].float() / 255 - 0.5) / 0.5
+        idx, x_in = vq.multiscale(img, tf["tf1.patch_nums"].tolist())
+        assert torch.equal(torch.cat(idx, 1), tf["tf1.gt_idx_BL"])
+        torch.testing.assert_close(x_in, tf["tf1.x_BLCv_wo_first_l"], rtol=1e-4, atol=1e-4)
+        got = transformer(tf["label_B"], tf["tf1.x_BLCv_wo_first_l"], tf["tf1.patch_nums"].tolist())
+        torch.testing.assert_close(got, tf["tf1.logits_BLV"], rtol=1e-4, atol=1e-4)
