@@ -10,7 +10,8 @@ token map from the previous scale's codes, at any schedule. Only what differs fr
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,15 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from .var import VAR_SCHEDULES, VARBlock, VARTransformer
+from ..engine.kv_cache import KVCache
+from ..engine.sampling import sample_codes_per_image
+from ..engine.schedule import ScaleSchedule
+from ..engine.state import RunState
+from ..engine.workspace import Workspace
+from .var import VAR_SCHEDULES, VARAdapter, VARBlock, VARTransformer
+
+TRAINED_SIDES = frozenset((1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 23, 24, 32))   # sampled with top-k; others greedy
+MAX_PN = 16                          # above this side: greedy, and the full guidance (the reference's max_pn)
 
 POS_GRID = 32                        # the position grid's side (fixed by the released models)
 
@@ -83,4 +92,139 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
         return self.logits(x_BLC, self.head_adaln(cond_BD))
 
 
-__all__ = ["FlexVARTransformer", "POS_GRID"]
+@dataclass(frozen=True)
+class FlexVARConditioning:
+    """One generation's inputs: class ids (B,), the schedule (square sides, the first 1), and the
+    guidance form: VAR's ramp t = cfg·si/min(K−1, 9) (t = cfg above ``max_pn``; the evaluation
+    script's) or LlamaGen's constant uncond + cfg·(cond − uncond) (``llamagen_cfg``, the demo's)."""
+
+    class_labels: torch.Tensor
+    patch_nums: tuple
+    llamagen_cfg: bool = False
+    max_pn: int = MAX_PN
+
+
+class _FlexVARWorkspace(Workspace):
+    """The buffers of one batch size and schedule: the KV cache, the per-row AdaLN and head
+    modulation, the positions of every token, the next scales' inputs and the last codes."""
+
+    def __init__(self, model: FlexVARTransformer, batch: int, schedule: ScaleSchedule, device, dtype):
+        cfg = model.config
+        super().__init__(device, schedule.total_tokens)
+        R, C, L = 2 * batch, cfg.embed_dim, schedule.total_tokens
+        self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, L, dtype, device)
+        self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
+        self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
+        self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
+        self.pos_1LC = torch.zeros(1, L, C, device=device, dtype=torch.float32)
+        self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
+        self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
+        self.next_BLC = torch.zeros(batch, L, cfg.z_channels, device=device, dtype=torch.float32)
+        self.last_codes: Optional[torch.Tensor] = None
+
+
+class FlexVARAdapter(VARAdapter):
+    """VAR's adapter with what FlexVAR changes: the schedule comes with each call
+    (:class:`FlexVARConditioning`), the input of scale k+1 is ``word_embed`` of the bicubic upsample
+    of scale k's normalised code vectors plus the area-resized positions, guidance ramps over at most
+    nine steps, sides it was not trained on are drawn greedily, and the picture is decoded from the
+    last scale's codes alone (the unclamped decoder output, mapped to [0, 1] after a clamp to [−1, 1])."""
+
+    family = "flexvar"
+    supports_cuda_graphs = False
+    supports_scale_graphs = False
+
+    def __init__(self, transformer: FlexVARTransformer, vqvae, schedule: Optional[ScaleSchedule] = None):
+        if transformer.config.vocab_size != vqvae.config.vocab_size or \
+                transformer.config.z_channels != vqvae.config.embed_dim:
+            raise ValueError(
+                f"transformer and tokenizer do not match: transformer expects vocab {transformer.config.vocab_size} × "
+                f"{transformer.config.z_channels} channels, the tokenizer has {vqvae.config.vocab_size} × "
+                f"{vqvae.config.embed_dim}; pass the VQ-16 the transformer was trained with")
+        schedule = schedule or ScaleSchedule.square(transformer.config.patch_nums)
+        super(VARAdapter, self).__init__(transformer, schedule, transformer.blocks)
+        self.vqvae = vqvae
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.pos_1LC.device
+
+    @torch.no_grad()
+    def begin(self, run: RunState, cond: FlexVARConditioning) -> None:
+        m, B, sch = self.transformer, run.batch_size, run.schedule
+        if tuple(h for h, _ in sch.hw) != tuple(cond.patch_nums):
+            raise ValueError(f"the run's schedule {sch} is not the conditioning's {cond.patch_nums}")
+        ws = self.workspace((B, sch.hw, self.device, self.dtype),
+                            lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype))
+        labels_B = cond.class_labels.to(self.device, torch.long)
+        cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))     # (2B, D)
+        ws.pos_1LC.copy_(m.positions(cond.patch_nums))
+        ws.sos_R1C.copy_(cond_RD.unsqueeze(1) + m.pos_start + ws.pos_1LC[:, :1])
+        ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
+        for i, blk in enumerate(m.blocks):
+            ws.qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
+            ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
+        ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
+        ws.kv.reset()
+        ws.last_codes = None
+        run.model_state.update(llamagen_cfg=cond.llamagen_cfg, max_pn=int(cond.max_pn))
+        run.workspace = ws
+
+    def stage_input(self, si: int, run: RunState) -> torch.Tensor:
+        ws, R, B, sch = run.workspace, run.rows, run.batch_size, run.schedule
+        if si == 0:
+            return ws.sos_R1C[:R]
+        start, end = sch.offsets[si], sch.offsets[si + 1]
+        embed = self.transformer.word_embed
+        x_BlC = embed(ws.next_BLC[:, start:end].to(embed.weight.dtype)).float() + ws.pos_1LC[0, start:end]
+        return x_BlC.repeat(R // B, 1, 1)
+
+    def chains_into_head(self) -> bool:
+        return False
+
+    def guide(self, si: int, logits_RlV: torch.Tensor, run: RunState) -> torch.Tensor:
+        if not run.cfg_active:
+            return logits_RlV.float()
+        B, cfg, sch = run.batch_size, float(run.settings.guidance_scale), run.schedule
+        cond, uncond = logits_RlV[:B].float(), logits_RlV[B:].float()
+        if run.model_state["llamagen_cfg"]:
+            return uncond + (cond - uncond) * cfg
+        pn = sch.hw[si][0]
+        t = cfg if pn > run.model_state["max_pn"] else cfg * si / max(min(sch.num_scales - 1, 9), 1)
+        return (1 + t) * cond - t * uncond
+
+    def sample_noise_shape(self, si: int, run: RunState):
+        return None
+
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState, noise_NV=None) -> torch.Tensor:
+        s, pn = run.settings, run.schedule.hw[si][0]
+        greedy = pn > run.model_state["max_pn"] or pn not in TRAINED_SIDES
+        return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator)
+
+    def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
+        """Normalised code vectors (B, l, Cvae)."""
+        return F.embedding(codes_Bl, self.vqvae.codebook())
+
+    @torch.no_grad()
+    def accumulate(self, si: int, residual_BlC: torch.Tensor, run: RunState) -> None:
+        ws, sch = run.workspace, run.schedule
+        B, l, c = residual_BlC.shape
+        pn = sch.hw[si][0]
+        q_BChw = residual_BlC.transpose(1, 2).reshape(B, c, pn, pn)                   # (B, l, c) → (B, c, pn, pn)
+        ws.last_codes = q_BChw
+        if si + 1 < sch.num_scales:
+            nxt = sch.hw[si + 1][0]
+            up = F.interpolate(q_BChw, size=(nxt, nxt), mode="bicubic")
+            ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))
+
+    def latent(self, run: RunState) -> torch.Tensor:
+        return run.workspace.last_codes
+
+    @torch.no_grad()
+    def decode(self, run: RunState) -> torch.Tensor:
+        q = run.workspace.last_codes
+        img = self.vqvae.decoder(self.vqvae.post_quant_conv(q.to(self.vqvae.post_quant_conv.weight.dtype))).float()
+        return (img.clamp(-1, 1) + 1) * 0.5
+
+
+__all__ = ["FlexVARTransformer", "FlexVARAdapter", "FlexVARConditioning", "POS_GRID"]

@@ -82,3 +82,36 @@ def test_teacher_forced_logits_match_the_reference_at_two_schedules(flexvar_dir,
         torch.testing.assert_close(x_in, tf["tf1.x_BLCv_wo_first_l"], rtol=1e-4, atol=1e-4)
         got = transformer(tf["label_B"], tf["tf1.x_BLCv_wo_first_l"], tf["tf1.patch_nums"].tolist())
         torch.testing.assert_close(got, tf["tf1.logits_BLV"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("run", ["r0", "r1", "r2", "r3", "r4"])
+def test_generation_through_the_engine_draws_the_references_codes(flexvar_dir, vq, transformer, run):
+    """KV-cached generation: VAR-ramp guidance (ratio over at most nine steps, so past 1 on the 13-step
+    schedule), LlamaGen guidance, greedy at untrained sides, and the seeded sampled run (one draw per
+    scale from a CPU generator, also at greedy scales)."""
+    from sparsevar.engine.sampler import generate
+    from sparsevar.engine.schedule import ScaleSchedule
+    from sparsevar.engine.state import SamplingSettings
+    from sparsevar.models.flexvar import FlexVARAdapter, FlexVARConditioning
+    want = load_file(flexvar_dir / "flexvar_ar.safetensors")
+    spec = {r["name"]: r for r in json.loads((flexvar_dir / "config.json").read_text())["ar_runs"]}[run]
+    pn = tuple(spec["patch_nums"])
+    sched = ScaleSchedule.square(pn)
+    adapter = FlexVARAdapter(transformer, vq, sched)
+    cond = FlexVARConditioning(torch.tensor(spec["labels"]), pn, llamagen_cfg=spec["used_llamagen_cfg"],
+                               max_pn=spec["max_pn"])
+    codes, logits = [], []
+
+    def keep(si, d):
+        codes.append(d["codes"])
+        logits.append(d["logits"])
+    out = generate(adapter, cond, 2, settings=SamplingSettings(guidance_scale=spec["cfg"], top_k=spec["top_k"],
+                                                               top_p=spec["top_p"]),
+                   generator=torch.Generator().manual_seed(spec["g_seed"]), schedule=sched, callback=keep)
+    assert len(codes) == len(pn)
+    for k, c in enumerate(codes):
+        assert torch.equal(c, want[f"{run}.idx_s{k}"]), k
+    if f"{run}.logits_BLV" in want:
+        torch.testing.assert_close(torch.cat(logits, 1), want[f"{run}.logits_BLV"], rtol=1e-4, atol=1e-4)
+    if f"{run}.img" in want:
+        torch.testing.assert_close(out.images[:1] * 2 - 1, want[f"{run}.img"].clamp(-1, 1), rtol=1e-4, atol=2e-4)
