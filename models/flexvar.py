@@ -128,7 +128,8 @@ class FlexVARAdapter(VARAdapter):
     (:class:`FlexVARConditioning`), the input of scale k+1 is ``word_embed`` of the bicubic upsample
     of scale k's normalised code vectors plus the area-resized positions, guidance ramps over at most
     nine steps, sides it was not trained on are drawn greedily, and the picture is decoded from the
-    last scale's codes alone (the unclamped decoder output, mapped to [0, 1] after a clamp to [−1, 1])."""
+    last scale's codes alone (the unclamped decoder output, mapped to [0, 1] after a clamp to [−1, 1];
+    after skipped scales, from the last computed codes upsampled to the last scale's size)."""
 
     family = "flexvar"
     supports_cuda_graphs = False
@@ -222,7 +223,13 @@ class FlexVARAdapter(VARAdapter):
 
     @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
+        """The last computed scale's code vectors through the decoder; when later scales were skipped,
+        bicubic-upsampled to the last scale's size first (as the model's own next input would be),
+        so the picture keeps the schedule's size."""
         q = run.workspace.last_codes
+        side = run.schedule.hw[-1][0]
+        if q.shape[-1] != side:
+            q = F.interpolate(q, size=(side, side), mode="bicubic")
         img = self.vqvae.decoder(self.vqvae.post_quant_conv(q.to(self.vqvae.post_quant_conv.weight.dtype))).float()
         return (img.clamp(-1, 1) + 1) * 0.5
 
