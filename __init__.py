@@ -10,6 +10,7 @@ from .models import MultiScaleVQVAE, VARTransformer, load_var_transformer, load_
 from .pipelines import VARPipeline, VARPipelineOutput
 from .pipelines import InfinityPipeline, InfinityPipelineOutput
 from .pipelines import HARTPipeline, HARTPipelineOutput
+from .pipelines import FlexVARPipeline, FlexVARPipelineOutput
 from .models.hart import HARTTransformer
 from .models.infinity import InfinityTransformer
 from .models.bsq_vae import BSQVAE
@@ -30,7 +31,7 @@ __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVA
            "FASTVAR_PRESETS", "SPARVAR_PRESETS", "__version__",
            "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
            "load_infinity_vae", "HARTPipeline", "HARTPipelineOutput", "HARTTransformer", "load_hart_transformer",
-           "load_hart_tokenizer"]
+           "load_hart_tokenizer", "FlexVARPipeline", "FlexVARPipelineOutput"]
 
 
 def _inside_comfyui() -> bool:

@@ -30,6 +30,14 @@ TRAINED_SIDES = frozenset((1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 23, 24, 32))   # sam
 MAX_PN = 16                          # above this side: greedy, and the full guidance (the reference's max_pn)
 
 POS_GRID = 32                        # the position grid's side (fixed by the released models)
+# Sizes for models built with random weights (FlexVARPipeline.from_random): the releases and a tiny
+# one of the parity fixture's shape.
+FLEXVAR_PRESETS = {
+    "flexvar-tiny": dict(transformer=dict(vocab_size=96, num_classes=10, depth=2, embed_dim=128, num_heads=2),
+                         vqvae=dict(vocab_size=96, ch=32)),
+    **{f"flexvar-d{d}": dict(transformer=dict(depth=d, embed_dim=64 * d, num_heads=d), vqvae=dict())
+       for d in (16, 20, 24)},
+}
 
 
 class FlexVARTransformer(ModelMixin, ConfigMixin):
@@ -59,6 +67,17 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
     @staticmethod
     def official_extra_keys(depth: int) -> set:
         return {"attn_bias_for_masking"} | {f"blocks.{i}.attn.zero_k_bias" for i in range(depth)}
+
+    def init_random_weights(self, std: float = 0.02) -> "FlexVARTransformer":
+        """Random weights for a model built by size (benchmarks, smoke tests); draws noise."""
+        from ._blocks import trunc_normal_init_
+        trunc_normal_init_(self, std)
+        for p in (self.pos_start, self.pos_1LC):
+            nn.init.trunc_normal_(p, std=std)
+        for blk in self.blocks:
+            nn.init.trunc_normal_(blk.attn.q_bias, std=std)
+            nn.init.trunc_normal_(blk.attn.v_bias, std=std)
+        return self
 
     # VAR's AdaLN and head, unchanged
     null_class = VARTransformer.null_class
@@ -234,4 +253,4 @@ class FlexVARAdapter(VARAdapter):
         return (img.clamp(-1, 1) + 1) * 0.5
 
 
-__all__ = ["FlexVARTransformer", "FlexVARAdapter", "FlexVARConditioning", "POS_GRID"]
+__all__ = ["FlexVARTransformer", "FlexVARAdapter", "FlexVARConditioning", "FLEXVAR_PRESETS", "POS_GRID"]

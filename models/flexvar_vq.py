@@ -153,6 +153,13 @@ class FlexVQ16(ModelMixin, ConfigMixin):
     def official_extra_keys() -> set:
         return {"quantize.codebook_used"}
 
+    def init_random_weights(self) -> "FlexVQ16":
+        """PyTorch's default init for every layer, codebook ~ N(0, 1) (benchmarks, smoke tests)."""
+        for m in self.modules():
+            if hasattr(m, "reset_parameters") and m is not self:
+                m.reset_parameters()
+        return self
+
     def codebook(self) -> torch.Tensor:
         """(V, C) float32 L2-normalised code vectors (what every use of the codebook reads)."""
         return F.normalize(self.quantize.embedding.weight.float(), p=2, dim=-1)

@@ -217,11 +217,12 @@ def read_state_dict(path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
 
 
 def detect_family(sd: Mapping[str, torch.Tensor]) -> str:
-    """'var' (class-conditional VAR transformer), 'var-vqvae' (its tokenizer) or 'unknown'."""
+    """'var' (class-conditional VAR transformer), 'var-vqvae' (its tokenizer), 'flexvar' (FlexVAR's
+    transformer: VAR's keys without a level embedding), 'flexvar-vq' (its LlamaGen VQ-16) or 'unknown'."""
     if "class_emb.weight" in sd and "pos_1LC" in sd and any(k.startswith("blocks.") for k in sd):
-        return "var"
+        return "var" if "lvl_embed.weight" in sd else "flexvar"
     if "quantize.embedding.weight" in sd and "encoder.conv_in.weight" in sd and "decoder.conv_out.weight" in sd:
-        return "var-vqvae"
+        return "flexvar-vq" if any(k.startswith("encoder.conv_blocks.") for k in sd) else "var-vqvae"
     return "unknown"
 
 
@@ -231,6 +232,8 @@ _FAMILY_NAMES = {
     "var-vqvae": "the VAR VQVAE (vae_ch160v4096z32.pth)",
     "infinity": "an Infinity transformer (text-to-image, infinity_*.pth)",
     "infinity-vae": "an Infinity VAE (infinity_vae_*.pth)",
+    "flexvar": "a FlexVAR transformer (FlexVARd*.pth)",
+    "flexvar-vq": "FlexVAR's tokenizer (FlexVAE.pth)",
 }
 _FAMILY_USE = {
     "var": "load it with VARPipeline.from_single_file(var_ckpt, vae_ckpt) (CLI: --var-ckpt)",
@@ -239,6 +242,8 @@ _FAMILY_USE = {
                 "(CLI: generate --model FILE --vae-ckpt infinity_vae_*.pth --text-encoder FOLDER --prompt TEXT)",
     "infinity-vae": "pass it as InfinityPipeline.from_single_file's vae_ckpt (CLI: --vae-ckpt, with an Infinity "
                     "--model and --text-encoder)",
+    "flexvar": "load it with FlexVARPipeline.from_single_file(transformer_ckpt, vae_ckpt)",
+    "flexvar-vq": "pass it as FlexVARPipeline.from_single_file's vae_ckpt",
 }
 
 
@@ -1226,3 +1231,42 @@ def _describe_hart(llm: Path, tokenizer: Path) -> dict:
     return {"path": str(llm.parent), "kind": "HART release folders (llm/, tokenizer/)", "family": "hart",
             "transformer": {k: config[k] for k in keep if k in config}, "weights": str(path),
             "tokenizer": str(tokenizer), "parameters": n}
+
+
+# ---- FlexVAR (FlexVARd*.pth, FlexVAE.pth) -------------------------------------------------------------------
+def load_flexvar_vq(path, dtype: torch.dtype = torch.float32):
+    """FlexVAR's tokenizer from the official ``FlexVAE.pth`` (``{'model': state_dict}``, or flat):
+    sizes read off the weights; the training-only ``quantize.codebook_used`` is dropped."""
+    from .flexvar_vq import FlexVQ16
+
+    p = local_path(path, "vae_ckpt")
+    sd = _read_nested(p, "FlexVAR tokenizer", [("model",)])
+    _expect_family(sd, "flexvar-vq", p, "FlexVAR tokenizer")
+    for k in FlexVQ16.official_extra_keys():
+        sd.pop(k, None)
+    ch = sd["encoder.conv_in.weight"].shape[0]
+    levels = sorted({int(k.split(".")[2]) for k in sd if k.startswith("encoder.conv_blocks.")})
+    ch_mult = tuple(sd[f"encoder.conv_blocks.{i}.res.0.conv1.weight"].shape[0] // ch for i in levels)
+    cfg = dict(vocab_size=sd["quantize.embedding.weight"].shape[0], embed_dim=sd["quantize.embedding.weight"].shape[1],
+               z_channels=sd["quant_conv.weight"].shape[1], ch=ch, ch_mult=ch_mult,
+               num_res_blocks=len({k.split(".")[4] for k in sd if k.startswith("encoder.conv_blocks.0.res.")}))
+    return torch.nn.Module.to(_load_into(FlexVQ16, cfg, sd, p, "FlexVAR tokenizer"), dtype)
+
+
+def load_flexvar_transformer(path, dtype: torch.dtype = torch.float32):
+    """A FlexVAR transformer (``FlexVARd*.pth``: flat, or ``['trainer']['var_wo_ddp']``): depth, width,
+    vocabulary and classes read off the weights (heads: width / 64, as released); the training mask
+    ``attn_bias_for_masking`` (any shape in released files) is dropped and built per schedule."""
+    from .flexvar import FlexVARTransformer
+
+    p = local_path(path, "transformer_ckpt")
+    sd = _read_nested(p, "FlexVAR transformer", [("trainer", "var_wo_ddp")])
+    _expect_family(sd, "flexvar", p, "FlexVAR transformer")
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    for k in FlexVARTransformer.official_extra_keys(depth):
+        sd.pop(k, None)
+    C = sd["class_emb.weight"].shape[1]
+    cfg = dict(vocab_size=sd["head.weight"].shape[0], z_channels=sd["word_embed.weight"].shape[1],
+               num_classes=sd["class_emb.weight"].shape[0] - 1, depth=depth, embed_dim=C, num_heads=max(1, C // 64),
+               shared_aln="shared_ada_lin.1.weight" in sd)
+    return torch.nn.Module.to(_load_into(FlexVARTransformer, cfg, sd, p, "FlexVAR transformer"), dtype)

@@ -26,3 +26,5 @@ INFINITY_DEFAULTS = FamilyDefaults(guidance_scale=3.0, guidance_off=1.0, top_k=9
                                    temperature=0.5, patchify_temperature=1.0)
 # the reference's sample.py: cfg 4.5 on its ramp (0 = off); top_k 0 = its hard-coded rule (600 below scale 7, then 300)
 HART_DEFAULTS = FamilyDefaults(guidance_scale=4.5, guidance_off=0.0, top_k=0, top_p=0.0)
+# the evaluation script's VAR-ramp setting (README: cfg 2.5 at 256 px; top-k 900, top-p 0.95)
+FLEXVAR_DEFAULTS = FamilyDefaults(guidance_scale=2.5, guidance_off=0.0, top_k=900, top_p=0.95)

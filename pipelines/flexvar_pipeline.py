@@ -1,0 +1,172 @@
+"""FlexVARPipeline: class-conditional FlexVAR at any schedule and size, diffusers style.
+
+    pipe = FlexVARPipeline.from_single_file("FlexVARd24-epo349.pth", "FlexVAE.pth", dtype=torch.bfloat16).to("cuda")
+    out = pipe([207, 88], generator=torch.Generator("cuda").manual_seed(0))                 # 10 steps, 256 px
+    out = pipe([207], patch_nums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16))              # 13 steps
+
+The schedule is a call argument (square sides, the first 1; the last side × 16 is the image side);
+the defaults follow the evaluation script (VAR-ramp guidance 2.5, top-k 900, top-p 0.95).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from ..engine.contract import Policy
+from ..engine.schedule import ScaleSchedule
+from ..engine.state import GenerationStats
+from ..models.flexvar import FLEXVAR_PRESETS, MAX_PN, FlexVARAdapter, FlexVARConditioning, FlexVARTransformer
+from ..models.flexvar_vq import FlexVQ16
+from ..models.var import VAR_SCHEDULES, var_loop_flops
+from ._accelerated import AcceleratedPipelineMixin, _dtype_of
+from .defaults import FLEXVAR_DEFAULTS
+
+DEFAULT_SCHEDULE = VAR_SCHEDULES[256]          # the released models' training default: 10 steps, 256 px
+
+
+@dataclass
+class FlexVARPipelineOutput(BaseOutput):
+    """images: list of PIL images, (B, H, W, 3) array or (B, 3, H, W) tensor in [0, 1], or the last
+    scale's code vectors (B, 32, n, n) for ``output_type="latent"``; stats: one entry per call."""
+
+    images: Union[list, np.ndarray, torch.Tensor]
+    stats: list
+
+
+class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
+    """Class-conditional next-scale prediction at any schedule (FlexVAR) with pluggable acceleration.
+    Components: ``transformer`` (:class:`FlexVARTransformer`) and ``vqvae`` (:class:`FlexVQ16`)."""
+
+    PRESET_FAMILY = "flexvar"
+    DEFAULTS = FLEXVAR_DEFAULTS
+    _output_class = FlexVARPipelineOutput
+    model_cpu_offload_seq = "transformer->vqvae"
+    _callback_tensor_inputs = ["codes", "logits", "latent"]
+
+    def __init__(self, transformer: FlexVARTransformer, vqvae: FlexVQ16):
+        super().__init__()
+        self.register_modules(transformer=transformer, vqvae=vqvae)
+
+    @classmethod
+    def from_single_file(cls, transformer_ckpt, vae_ckpt, dtype: Union[torch.dtype, str] = torch.float32,
+                         vae_dtype: Union[torch.dtype, str] = torch.float32) -> "FlexVARPipeline":
+        """The official files: ``FlexVARd16-epo179.pth`` / ``d20-epo249`` / ``d24-epo349`` and ``FlexVAE.pth``."""
+        from ..models.loading import load_flexvar_transformer, load_flexvar_vq, resolve_dtype
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
+        return cls(transformer=load_flexvar_transformer(transformer_ckpt, dtype),
+                   vqvae=load_flexvar_vq(vae_ckpt, vae_dtype))
+
+    @classmethod
+    def from_random(cls, preset: str = "flexvar-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
+                    dtype: Union[torch.dtype, str] = torch.float32) -> "FlexVARPipeline":
+        """A model of a known size (``FLEXVAR_PRESETS``) with random weights; it draws noise."""
+        from accelerate import init_empty_weights
+
+        from ..models.loading import resolve_dtype
+        if preset not in FLEXVAR_PRESETS:
+            raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(FLEXVAR_PRESETS)}")
+        spec, dtype, dev = FLEXVAR_PRESETS[preset], resolve_dtype(dtype, "dtype"), torch.device(device)
+        with init_empty_weights():
+            transformer, vqvae = FlexVARTransformer(**spec["transformer"]), FlexVQ16(**spec["vqvae"])
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            transformer = transformer.to_empty(device=dev).init_random_weights()
+            vqvae = vqvae.to_empty(device=dev).init_random_weights()
+        return cls(transformer=torch.nn.Module.to(transformer, dtype).eval().requires_grad_(False),
+                   vqvae=vqvae.eval().requires_grad_(False))
+
+    def adapter(self) -> FlexVARAdapter:
+        a = self._adapter
+        if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
+            a = self._adapter = FlexVARAdapter(self.transformer, self.vqvae)
+        a.set_kernels(self._kernels)
+        return a
+
+    @property
+    def num_classes(self) -> int:
+        return self.transformer.config.num_classes
+
+    @staticmethod
+    def schedule(patch_nums: Optional[Sequence[int]] = None) -> ScaleSchedule:
+        """The square schedule of ``patch_nums`` (default: the 10-step 256-px one), checked: positive
+        increasing sides starting at 1."""
+        pn = tuple(DEFAULT_SCHEDULE if patch_nums is None else patch_nums)
+        if not pn or pn[0] != 1 or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) for p in pn) \
+                or any(b <= a for a, b in zip(pn, pn[1:])):
+            raise ValueError(f"patch_nums={patch_nums!r}: give increasing square sides starting at 1, e.g. "
+                             f"{DEFAULT_SCHEDULE} (the last side × 16 is the image side)")
+        return ScaleSchedule.square(pn)
+
+    def flop_speedup(self, stats: GenerationStats, patch_nums: Optional[Sequence[int]] = None) -> float:
+        """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
+        c = self.transformer.config
+        pn = tuple(h for h, _ in self.schedule(patch_nums).hw)
+        cfg = SimpleNamespace(embed_dim=c.embed_dim, vocab_size=c.vocab_size, depth=c.depth, mlp_ratio=c.mlp_ratio,
+                              patch_nums=pn)
+        rows = [s.rows for s in stats.scales]
+        dense = var_loop_flops(cfg, 1, [p * p for p in pn], rows_per_scale=[max(rows)] * len(rows))
+        return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales],
+                                      kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
+
+    def memory_needed(self, batch_size: int, patch_nums: Optional[Sequence[int]] = None) -> dict[str, int]:
+        """A lower bound of the bytes one call allocates: the KV cache ([cond; uncond] rows), the last
+        scale's float32 logits and the decoder's full-resolution activation with the output images."""
+        c, sch = self.transformer.config, self.schedule(patch_nums)
+        R, el = 2 * batch_size, _dtype_of(self.transformer).itemsize
+        last = sch.hw[-1][0] ** 2
+        side = sch.hw[-1][0] * self.vqvae.downsample_factor
+        return {"KV cache": c.depth * R * sch.total_tokens * (2 * c.embed_dim * el + 8),
+                "logits": R * last * c.vocab_size * 4,
+                "decoder": batch_size * side * side * (self.vqvae.config.ch * _dtype_of(self.vqvae).itemsize + 12)}
+
+    @torch.no_grad()
+    def __call__(self, class_labels: Union[int, Sequence[int]], patch_nums: Optional[Sequence[int]] = None,
+                 guidance_scale: float = FLEXVAR_DEFAULTS.guidance_scale, top_k: int = FLEXVAR_DEFAULTS.top_k,
+                 top_p: float = FLEXVAR_DEFAULTS.top_p, llamagen_cfg: bool = False, max_pn: int = MAX_PN,
+                 num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
+                 callback_on_step_end: Optional[Callable] = None,
+                 callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
+                 policies: Optional[Sequence[Policy]] = None, use_cuda_graphs: Optional[bool] = None):
+        """Generate images of ImageNet classes (or the model's classes).
+
+        Args:
+            class_labels: an id or a list of ids, 0 … num_classes − 1.
+            patch_nums: the schedule (default 1, 2, 3, 4, 5, 6, 8, 10, 13, 16: 10 steps, 256 px); any
+                increasing square sides from 1, e.g. the README's 13 steps or 512 px zero-shot up to 32.
+            guidance_scale: VAR's ramp t = cfg·k/min(K−1, 9) ((1+t)·cond − t·uncond; the full cfg above
+                ``max_pn``), or with ``llamagen_cfg`` uncond + cfg·(cond − uncond) at every scale (the
+                demo script's, cfg 4). 0 disables guidance.
+            top_k, top_p: per-token filters (sides the model was not trained on, and those above
+                ``max_pn``, are drawn greedily, as in the reference).
+            num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
+                callback_on_step_end_tensor_inputs, policies: as in VARPipeline.
+            use_cuda_graphs: FlexVAR runs eagerly in this version; True raises.
+        """
+        labels = [class_labels] if isinstance(class_labels, (int, np.integer)) and not isinstance(class_labels, bool) \
+            else list(class_labels) if isinstance(class_labels, (list, tuple)) else None
+        n = self.num_classes
+        if not labels or any(not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 0 <= c < n
+                             for c in labels):
+            raise ValueError(f"class_labels={class_labels!r}: give class ids 0..{n - 1} (an int or a list of ints)")
+        sched = self.schedule(patch_nums)
+        if use_cuda_graphs:
+            raise ValueError("use_cuda_graphs=True: FlexVAR scales run eagerly in this version; pass None or False")
+        if not isinstance(llamagen_cfg, bool):
+            raise TypeError(f"llamagen_cfg must be True or False, got {llamagen_cfg!r}")
+        B = self._check_call(len(labels), "class label", lambda b: self.memory_needed(b, patch_nums), guidance_scale,
+                             top_k, top_p, num_images_per_prompt, output_type, generator, callback_on_step_end,
+                             callback_on_step_end_tensor_inputs, policies)
+        stack = self._call_policies(policies)
+        ids = torch.tensor(labels).repeat_interleave(int(num_images_per_prompt))
+        cond = FlexVARConditioning(ids, tuple(h for h, _ in sched.hw), llamagen_cfg=llamagen_cfg, max_pn=int(max_pn))
+        return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,
+                              callback_on_step_end, callback_on_step_end_tensor_inputs, False, schedule=sched)
+
+
+__all__ = ["FlexVARPipeline", "FlexVARPipelineOutput", "DEFAULT_SCHEDULE"]

@@ -1,0 +1,81 @@
+"""FlexVARPipeline (issue #31): the official files (``FlexVAE.pth`` as ``{'model': sd}``, the
+transformer flat or as a training checkpoint) through the project's loaders, the reference's greedy
+picture at the default schedule, other schedules (13 steps, and a shorter one), policies, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsevar import FlexVARPipeline
+
+
+@pytest.fixture(scope="module")
+def files(flexvar_state_dicts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("flexvar_official")
+    torch.save({"model": flexvar_state_dicts["vae"]}, out / "FlexVAE.pth")
+    torch.save(flexvar_state_dicts["flexvar"], out / "FlexVARd2.pth")
+    torch.save({"trainer": {"var_wo_ddp": flexvar_state_dicts["flexvar"]}}, out / "FlexVARd2-trainer.pth")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipe(files):
+    p = FlexVARPipeline.from_single_file(files / "FlexVARd2.pth", files / "FlexVAE.pth")
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def test_official_files_draw_the_references_greedy_picture(pipe, files, flexvar_fixture_dir):
+    want = load_file(flexvar_fixture_dir / "flexvar_ar.safetensors")
+    spec = {r["name"]: r for r in json.loads((flexvar_fixture_dir / "config.json").read_text())["ar_runs"]}["r1"]
+    codes = []
+    out = pipe(spec["labels"], patch_nums=spec["patch_nums"], guidance_scale=spec["cfg"], top_k=1, top_p=0.0,
+               generator=torch.Generator().manual_seed(0), output_type="pt",
+               callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"]) or d)
+    assert all(torch.equal(c, want[f"r1.idx_s{k}"]) for k, c in enumerate(codes)) and len(codes) == 10
+    torch.testing.assert_close(out.images[:1] * 2 - 1, want["r1.img"].clamp(-1, 1), rtol=1e-4, atol=2e-4)
+    trainer = FlexVARPipeline.from_single_file(files / "FlexVARd2-trainer.pth", files / "FlexVAE.pth")
+    trainer.set_progress_bar_config(disable=True)
+    again = trainer(spec["labels"], guidance_scale=spec["cfg"], top_k=1, top_p=0.0,
+                    generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert torch.equal(again.images, out.images)
+
+
+def test_any_schedule_sets_the_size_and_policies_run(pipe):
+    out = pipe(3, patch_nums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16), generator=torch.Generator().manual_seed(0),
+               output_type="pt")
+    assert out.images.shape == (1, 3, 256, 256) and len(out.stats[0].scales) == 13
+    small = pipe(3, patch_nums=(1, 2, 4, 8), generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert small.images.shape == (1, 3, 128, 128)
+    dense = pipe([3, 7], generator=torch.Generator().manual_seed(1), output_type="pt")
+    pipe.enable_fastvar(ratios=(0.5, 0.75))
+    fast = pipe([3, 7], generator=torch.Generator().manual_seed(1), output_type="pt")
+    pipe.disable_fastvar()
+    assert sum(s.tokens_computed for s in fast.stats[0].scales) < sum(s.tokens_computed for s in dense.stats[0].scales)
+    assert pipe.flop_speedup(fast.stats[0]) > 1.0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(class_labels=10), r"class_labels=10: give class ids 0..9"),
+    (dict(class_labels=[1], patch_nums=(2, 4)), r"patch_nums=\(2, 4\): give increasing square sides starting at 1"),
+    (dict(class_labels=[1], patch_nums=(1, 4, 4)), "give increasing square sides"),
+    (dict(class_labels=[1], use_cuda_graphs=True), "FlexVAR scales run eagerly"),
+])
+def test_bad_calls_name_the_argument(pipe, kw, match):
+    with pytest.raises(ValueError, match=match):
+        pipe(**kw)
+
+
+def test_wrong_files_are_named(files):
+    with pytest.raises(ValueError, match=r"is a FlexVAR transformer \(FlexVARd\*.pth\), not FlexVAR's tokenizer"):
+        FlexVARPipeline.from_single_file(files / "FlexVARd2.pth", files / "FlexVARd2.pth")
+
+
+def test_random_presets_build():
+    p = FlexVARPipeline.from_random("flexvar-tiny", seed=0)
+    p.set_progress_bar_config(disable=True)
+    out = p([1, 2], generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert out.images.shape == (2, 3, 256, 256) and torch.isfinite(out.images).all()
