@@ -10,6 +10,7 @@ token map from the previous scale's codes, at any schedule. Only what differs fr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -77,6 +78,9 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
         for blk in self.blocks:
             nn.init.trunc_normal_(blk.attn.q_bias, std=std)
             nn.init.trunc_normal_(blk.attn.v_bias, std=std)
+            nn.init.constant_(blk.attn.scale_mul_1H11, math.log(4.0))     # (built on meta: not set otherwise)
+            if self.config.shared_aln:
+                nn.init.trunc_normal_(blk.ada_gss, std=std)
         return self
 
     # VAR's AdaLN and head, unchanged

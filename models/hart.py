@@ -405,6 +405,8 @@ class HARTTransformer(ModelMixin, ConfigMixin):
             elif isinstance(m, HARTAttention):
                 nn.init.zeros_(m.q_bias)
                 nn.init.zeros_(m.v_bias)
+                if m.l2_norm:                                  # (built on meta: not set otherwise)
+                    nn.init.constant_(m.scale_mul_1H11, math.log(4.0))
         return self
 
     def set_block_dtype(self, dtype: torch.dtype) -> "HARTTransformer":

@@ -18,6 +18,7 @@ the reference gets from autocast).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -281,6 +282,7 @@ class VARTransformer(ModelMixin, ConfigMixin):
         for blk in self.blocks:
             nn.init.trunc_normal_(blk.attn.q_bias, std=std)
             nn.init.trunc_normal_(blk.attn.v_bias, std=std)
+            nn.init.constant_(blk.attn.scale_mul_1H11, math.log(4.0))     # (built on meta: not set otherwise)
             if self.config.shared_aln:
                 nn.init.trunc_normal_(blk.ada_gss, std=std)
         return self
