@@ -10,7 +10,6 @@ token map from the previous scale's codes, at any schedule. Only what differs fr
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -69,21 +68,8 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
     def official_extra_keys(depth: int) -> set:
         return {"attn_bias_for_masking"} | {f"blocks.{i}.attn.zero_k_bias" for i in range(depth)}
 
-    def init_random_weights(self, std: float = 0.02) -> "FlexVARTransformer":
-        """Random weights for a model built by size (benchmarks, smoke tests); draws noise."""
-        from ._blocks import trunc_normal_init_
-        trunc_normal_init_(self, std)
-        for p in (self.pos_start, self.pos_1LC):
-            nn.init.trunc_normal_(p, std=std)
-        for blk in self.blocks:
-            nn.init.trunc_normal_(blk.attn.q_bias, std=std)
-            nn.init.trunc_normal_(blk.attn.v_bias, std=std)
-            nn.init.constant_(blk.attn.scale_mul_1H11, math.log(4.0))     # (built on meta: not set otherwise)
-            if self.config.shared_aln:
-                nn.init.trunc_normal_(blk.ada_gss, std=std)
-        return self
-
-    # VAR's AdaLN and head, unchanged
+    # VAR's AdaLN, head and random init (its parameters are VAR's, positions and blocks), unchanged
+    init_random_weights = VARTransformer.init_random_weights
     null_class = VARTransformer.null_class
     block_adaln = VARTransformer.block_adaln
     head_adaln = VARTransformer.head_adaln
@@ -102,7 +88,6 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
         patch_nums = tuple(patch_nums or self.config.patch_nums)
         if patch_nums[0] != 1:
             raise ValueError(f"patch_nums={patch_nums}: FlexVAR's first scale is 1×1 (the class token)")
-        B = label_B.shape[0]
         cond_BD = self.class_emb(label_B)
         sos_B1C = cond_BD.unsqueeze(1) + self.pos_start
         x_BLC = torch.cat((sos_B1C, self.word_embed(x_BLCv_wo_first_l.to(self.word_embed.weight.dtype))), dim=1)

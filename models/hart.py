@@ -221,8 +221,12 @@ class AdaLNBeforeHead(nn.Module):
         self.ln_wo_grad = RMSNorm(dim, eps)
         self.ada_lin = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
 
-    def forward(self, x_BLC: torch.Tensor, cond_B1C: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.ada_lin(cond_B1C).view(-1, 1, 2, x_BLC.shape[-1]).unbind(2)
+    def modulation(self, cond_B1C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift), each (B, 1, C), of the condition."""
+        return self.ada_lin(cond_B1C).view(-1, 1, 2, cond_B1C.shape[-1]).unbind(2)
+
+    def forward(self, x_BLC: torch.Tensor, mod: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        scale, shift = mod
         return self.ln_wo_grad(x_BLC) * (scale + 1) + shift
 
 
@@ -441,10 +445,13 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         m = mask_BT.to(cond_BTC.dtype)[..., None]
         return ((cond_BTC * m).sum(1) / m.sum(1).clamp(min=1))[:, None]
 
-    def logits(self, x_BLC: torch.Tensor, cond_BTC: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (B, L, V): AdaLN before the head from the max over the text embeddings."""
-        c = cond_BTC.float().max(1, keepdim=True).values
-        return self.head(self.head_nm(x_BLC.float(), c).float()).float()
+    def head_modulation(self, cond_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's AdaLN (scale, shift) from the max over the text embeddings (once per generation)."""
+        return self.head_nm.modulation(cond_BTC.float().max(1, keepdim=True).values)
+
+    def logits(self, x_BLC: torch.Tensor, head_mod: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Float32 logits (B, L, V) with the head's AdaLN ``head_mod`` (:meth:`head_modulation`)."""
+        return self.head(self.head_nm(x_BLC.float(), head_mod).float()).float()
 
     def image_rope(self, scales: Sequence[int], offset_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (B, n, d) of the image tokens of ``scales``, positions offset by each row's last
@@ -471,7 +478,7 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         cond = self.block_condition(cond_BTC, context_mask_BT)
         for block in self.blocks:
             x = block(x, cos, sin, block.modulation(cond), attn_mask=mask)
-        return self.logits(x[:, T - 1:], cond_BTC)
+        return self.logits(x[:, T - 1:], self.head_modulation(cond_BTC))
 
 
 # ---- the engine adapter -----------------------------------------------------------------------------
@@ -498,7 +505,8 @@ class HARTConditioning:
 
 
 class _HARTCall(LayerCall):
-    """Where a HART block runs: the layer's AdaLN modulation (or None) and the RoPE of the tokens."""
+    """Where a HART block runs: the layer's AdaLN modulation (or None) and the scale's constants
+    (the RoPE of its tokens, unit gate, zero shift)."""
 
     __slots__ = ("mod", "rope")
 
@@ -524,6 +532,8 @@ class _HARTWorkspace(Workspace):
         self.cos_RLd: Optional[torch.Tensor] = None
         self.sin_RLd: Optional[torch.Tensor] = None
         self.mods: list = []
+        self.head_mod: Optional[tuple] = None
+        self.levels_SC: Optional[torch.Tensor] = None
         self.last_hidden: Optional[torch.Tensor] = None
 
 
@@ -584,6 +594,8 @@ class HARTAdapter(ModelAdapter):
         ws.cos_RLd, ws.sin_RLd = torch.cat((cos_t, cos_i), 1), torch.cat((sin_t, sin_i), 1)
         pooled = m.block_condition(ws.cond_RTC, mask_BT)
         ws.mods = [blk.modulation(pooled.to(self.dtype)) if pooled is not None else None for blk in m.blocks]
+        ws.head_mod = m.head_modulation(ws.cond_RTC)
+        ws.levels_SC = m.level_embedding(torch.arange(self.schedule.num_scales, device=dev)).float()
         ws.f_hat.zero_()
         ws.kv.reset()
         if not run.cfg_active:
@@ -595,7 +607,7 @@ class HARTAdapter(ModelAdapter):
         """(R, l, C) float32: the text embeddings at scale 0, else the word embedding of the next-scale
         input; plus the level embedding."""
         ws, R, B, m = run.workspace, run.rows, run.batch_size, self.transformer
-        lvl = m.level_embedding(torch.tensor([si], device=self.device)).float()           # (1, C)
+        lvl = ws.levels_SC[si]                                                          # (C,)
         if si == 0:
             return ws.cond_RTC[:R] + lvl
         start, end = run.schedule.offsets[si], run.schedule.offsets[si + 1]
@@ -609,7 +621,11 @@ class HARTAdapter(ModelAdapter):
         return False
 
     def scale_constants(self, si: int, run: RunState, pos: torch.Tensor):
-        return None
+        """What every layer of the scale shares: the RoPE of its tokens (R, l, d), and the unit
+        gate / zero shift of blocks without AdaLN."""
+        x = run.workspace.cond_RTC
+        ones = x.new_ones(run.rows, 1, x.shape[-1])
+        return self._rope(run, pos), ones, torch.zeros_like(ones)
 
     def _rope(self, run: RunState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (R, l, d) of positions (l,) shared by the rows or (R, n) per row."""
@@ -624,14 +640,13 @@ class HARTAdapter(ModelAdapter):
         mod = ws.mods[i]
         if mod is not None:
             mod = tuple(t[:run.rows] for t in mod)
-        return _HARTCall(ws.kv, si, i, run, self.ops, pos, valid_Rn, record, mod, None)
+        return _HARTCall(ws.kv, si, i, run, self.ops, pos, valid_Rn, record, mod, shared)
 
     def layer(self, i: int, x_RlC: torch.Tensor, call: _HARTCall) -> torch.Tensor:
         blk, run = self.blocks[i], call.run
         R, l, C = x_RlC.shape
         wdtype = self.dtype
-        ones = x_RlC.new_ones(R, 1, C)
-        zeros = x_RlC.new_zeros(R, 1, C)
+        rope_l, ones, zeros = call.rope
         if call.mod is not None:
             g1, g2, s1, s2, b1, b2 = (t.float() for t in call.mod)
             m1, m2 = s1 + 1, s2 + 1
@@ -645,7 +660,7 @@ class HARTAdapter(ModelAdapter):
         def attn_branch(y_RnC, idx_Rn=None):
             n = y_RnC.shape[1]
             pos, valid = call.positions(idx_Rn)
-            cos, sin = self._rope(run, pos)
+            cos, sin = rope_l if idx_Rn is None else self._rope(run, pos)      # a subset: its own rows
             q, k, v = blk.attn.qkv(y_RnC, cos, sin)
             q = q * blk.attn.scale                          # the temperature folded into q: attention at scale 1
             k_dst, v_dst = call.reserve(n, idx_Rn, pos, valid)
@@ -680,7 +695,8 @@ class HARTAdapter(ModelAdapter):
             x_RLC = x_RLC[:, -1:]
         elif si == run.schedule.num_scales - 1:
             ws.last_hidden = x_RLC
-        return self.transformer.logits(x_RLC, ws.cond_RTC[:run.rows])
+        R = run.rows
+        return self.transformer.logits(x_RLC, (ws.head_mod[0][:R], ws.head_mod[1][:R]))
 
     @staticmethod
     def ratio(si: int, run: RunState) -> float:

@@ -157,6 +157,9 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         sched = self.schedule(patch_nums)
         if use_cuda_graphs:
             raise ValueError("use_cuda_graphs=True: FlexVAR scales run eagerly in this version; pass None or False")
+        if not isinstance(max_pn, (int, np.integer)) or isinstance(max_pn, bool) or max_pn < 1:
+            raise ValueError(f"max_pn={max_pn!r}: give the largest side drawn with top-k / top-p and the ramp, an int "
+                             f">= 1 (the reference's {MAX_PN})")
         if not isinstance(llamagen_cfg, bool):
             raise TypeError(f"llamagen_cfg must be True or False, got {llamagen_cfg!r}")
         B = self._check_call(len(labels), "class label", lambda b: self.memory_needed(b, patch_nums), guidance_scale,

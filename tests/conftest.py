@@ -80,6 +80,17 @@ def flexvar_state_dicts(flexvar_fixture_dir) -> dict[str, dict[str, torch.Tensor
     return {name: materialize(flexvar_fixture_dir / f"{name}.weights_manifest.json") for name in ("vae", "flexvar")}
 
 
+@pytest.fixture(scope="session")
+def flexvar_official_files(flexvar_state_dicts, tmp_path_factory) -> Path:
+    """A folder with the fixture in the release's containers: FlexVAE.pth ({'model': sd}), FlexVARd2.pth
+    (flat) and FlexVARd2-trainer.pth (['trainer']['var_wo_ddp'])."""
+    out = tmp_path_factory.mktemp("flexvar_official")
+    torch.save({"model": flexvar_state_dicts["vae"]}, out / "FlexVAE.pth")
+    torch.save(flexvar_state_dicts["flexvar"], out / "FlexVARd2.pth")
+    torch.save({"trainer": {"var_wo_ddp": flexvar_state_dicts["flexvar"]}}, out / "FlexVARd2-trainer.pth")
+    return out
+
+
 # ---- HART ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def hart_fixture_dir() -> Path:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparsevar.models.flexvar_vq import FlexVQ16
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +18,9 @@ def flexvar_dir(flexvar_fixture_dir):
 
 
 @pytest.fixture(scope="module")
-def vq(flexvar_dir, flexvar_state_dicts):
-    cfg = json.loads((flexvar_dir / "config.json").read_text())
-    sd = dict(flexvar_state_dicts["vae"])
-    for k in FlexVQ16.official_extra_keys():
-        sd.pop(k)
-    m = FlexVQ16(vocab_size=cfg["vae_kwargs"]["codebook_size"], embed_dim=cfg["vae_kwargs"]["codebook_embed_dim"],
-                 ch=cfg["vae_ch"])
-    m.load_state_dict(sd, strict=True)
-    return m.eval()
+def vq(flexvar_official_files):
+    from sparsevar.models.loading import load_flexvar_vq
+    return load_flexvar_vq(flexvar_official_files / "FlexVAE.pth")
 
 
 def test_tokenizer_encodes_quantises_and_decodes_like_the_reference(flexvar_dir, vq):
@@ -54,18 +47,9 @@ def test_tokenizer_encodes_quantises_and_decodes_like_the_reference(flexvar_dir,
 
 
 @pytest.fixture(scope="module")
-def transformer(flexvar_dir, flexvar_state_dicts):
-    from sparsevar.models.flexvar import FlexVARTransformer
-    cfg = json.loads((flexvar_dir / "config.json").read_text())
-    k = cfg["flexvar_kwargs"]
-    sd = dict(flexvar_state_dicts["flexvar"])
-    for key in FlexVARTransformer.official_extra_keys(k["depth"]):
-        sd.pop(key)
-    m = FlexVARTransformer(vocab_size=cfg["vae_kwargs"]["codebook_size"], z_channels=32, num_classes=k["num_classes"],
-                           depth=k["depth"], embed_dim=k["embed_dim"], num_heads=k["num_heads"],
-                           norm_eps=k["norm_eps"], shared_aln=k["shared_aln"], patch_nums=k["patch_nums"])
-    m.load_state_dict(sd, strict=True)
-    return m.eval()
+def transformer(flexvar_official_files):
+    from sparsevar.models.loading import load_flexvar_transformer
+    return load_flexvar_transformer(flexvar_official_files / "FlexVARd2.pth")
 
 
 def test_teacher_forced_logits_match_the_reference_at_two_schedules(flexvar_dir, vq, transformer):

@@ -13,12 +13,8 @@ from sparsevar import FlexVARPipeline
 
 
 @pytest.fixture(scope="module")
-def files(flexvar_state_dicts, tmp_path_factory):
-    out = tmp_path_factory.mktemp("flexvar_official")
-    torch.save({"model": flexvar_state_dicts["vae"]}, out / "FlexVAE.pth")
-    torch.save(flexvar_state_dicts["flexvar"], out / "FlexVARd2.pth")
-    torch.save({"trainer": {"var_wo_ddp": flexvar_state_dicts["flexvar"]}}, out / "FlexVARd2-trainer.pth")
-    return out
+def files(flexvar_official_files):
+    return flexvar_official_files
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +59,7 @@ def test_any_schedule_sets_the_size_and_policies_run(pipe):
     (dict(class_labels=[1], patch_nums=(2, 4)), r"patch_nums=\(2, 4\): give increasing square sides starting at 1"),
     (dict(class_labels=[1], patch_nums=(1, 4, 4)), "give increasing square sides"),
     (dict(class_labels=[1], use_cuda_graphs=True), "FlexVAR scales run eagerly"),
+    (dict(class_labels=[1], max_pn=0), r"max_pn=0: give the largest side .* an int >= 1"),
 ])
 def test_bad_calls_name_the_argument(pipe, kw, match):
     with pytest.raises(ValueError, match=match):

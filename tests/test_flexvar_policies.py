@@ -3,8 +3,6 @@ reproduces dense generation bit for bit; active settings run, change the picture
 tokens (or read fewer keys)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -12,8 +10,7 @@ from sparsevar.engine.contract import PolicyStack
 from sparsevar.engine.sampler import generate
 from sparsevar.engine.schedule import ScaleSchedule
 from sparsevar.engine.state import SamplingSettings
-from sparsevar.models.flexvar import FlexVARAdapter, FlexVARConditioning, FlexVARTransformer
-from sparsevar.models.flexvar_vq import FlexVQ16
+from sparsevar.models.flexvar import FlexVARAdapter, FlexVARConditioning
 from sparsevar.policies import FastVARConfig, ScaleSkipConfig, SparseVARConfig, SparVARConfig
 from sparsevar.policies.fastvar import FastVARPolicy
 from sparsevar.policies.scale_skip import ScaleSkipPolicy
@@ -22,20 +19,10 @@ from sparsevar.policies.sparvar import SparVARPolicy
 
 
 @pytest.fixture(scope="module")
-def adapter(flexvar_fixture_dir, flexvar_state_dicts):
-    cfg = json.loads((flexvar_fixture_dir / "config.json").read_text())
-    k, v = cfg["flexvar_kwargs"], cfg["vae_kwargs"]
-    vae_sd = dict(flexvar_state_dicts["vae"])
-    vae_sd.pop("quantize.codebook_used")
-    vq = FlexVQ16(vocab_size=v["codebook_size"], embed_dim=v["codebook_embed_dim"], ch=cfg["vae_ch"])
-    vq.load_state_dict(vae_sd, strict=True)
-    sd = dict(flexvar_state_dicts["flexvar"])
-    for key in FlexVARTransformer.official_extra_keys(k["depth"]):
-        sd.pop(key)
-    tr = FlexVARTransformer(vocab_size=v["codebook_size"], num_classes=k["num_classes"], depth=k["depth"],
-                            embed_dim=k["embed_dim"], num_heads=k["num_heads"], patch_nums=k["patch_nums"])
-    tr.load_state_dict(sd, strict=True)
-    return FlexVARAdapter(tr.eval(), vq.eval())
+def adapter(flexvar_official_files):
+    from sparsevar.models.loading import load_flexvar_transformer, load_flexvar_vq
+    return FlexVARAdapter(load_flexvar_transformer(flexvar_official_files / "FlexVARd2.pth"),
+                          load_flexvar_vq(flexvar_official_files / "FlexVAE.pth"))
 
 
 def _run(adapter, *policies):

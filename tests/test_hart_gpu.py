@@ -12,29 +12,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")]
 
 
-def test_fixture_greedy_generation_on_cuda_float32(hart_state_dicts, hart_fixture_dir):
+def test_fixture_greedy_generation_on_cuda_float32(hart_official_files, hart_fixture_dir):
     """float32 on the GPU (TF32 off) draws the fixture's greedy codes of every scale."""
-    import json
-
     from sparsevar.engine.sampler import generate
     from sparsevar.engine.state import SamplingSettings
-    from sparsevar.models.hart import HARTAdapter, HARTConditioning, HARTTransformer
-    from sparsevar.models.vqvae import MultiScaleVQVAE
-    m = json.loads((hart_fixture_dir / "manifest.json").read_text())
-    c, t = m["transformer_config"], m["tokenizer_config"]
-    sd = dict(hart_state_dicts["transformer"])
-    for k in HARTTransformer.official_extra_keys(c["depth"]):
-        sd.pop(k)
-    tr = HARTTransformer(vocab_size=t["vocab_size"], z_channels=t["z_channels"], context_token=c["context_token"],
-                         context_dim=c["context_dim"], depth=c["depth"], embed_dim=c["embed_dim"],
-                         num_heads=c["num_heads"], diff_width=c["diff_width"], diff_depth=c["diff_depth"],
-                         patch_nums=c["patch_nums"])
-    tr.load_state_dict(sd, strict=True)
-    vsd = {k.removeprefix("vae."): v for k, v in hart_state_dicts["tokenizer"].items()}
-    vsd.pop("quantize.ema_vocab_hit_SV")
-    vq = MultiScaleVQVAE(**MultiScaleVQVAE.config_from_state_dict(vsd, patch_nums=t["v_patch_nums"]), phi_on_last=False)
-    vq.load_state_dict(vsd, strict=True)
-    adapter = HARTAdapter(tr.cuda().eval(), vq.cuda().eval())
+    from sparsevar.models.hart import HARTAdapter, HARTConditioning
+    from sparsevar.models.loading import load_hart_tokenizer, load_hart_transformer
+    adapter = HARTAdapter(load_hart_transformer(hart_official_files["llm"]).cuda().eval(),
+                          load_hart_tokenizer(hart_official_files["tokenizer"]).cuda().eval())
     inputs = load_file(hart_fixture_dir / "inputs.safetensors")
     want = load_file(hart_fixture_dir / "infer_cfg4.5.safetensors")
     noise = (want["diff_noise_init"].cuda(), [s.cuda() for s in want["diff_noise_steps"]])

@@ -11,7 +11,6 @@ from sparsevar.engine.contract import PolicyStack
 from sparsevar.engine.sampler import generate
 from sparsevar.engine.state import SamplingSettings
 from sparsevar.models.hart import HARTAdapter, HARTConditioning, HARTTransformer
-from sparsevar.models.vqvae import MultiScaleVQVAE
 from sparsevar.policies import FastVARConfig, ScaleSkipConfig, SparseVARConfig, SparVARConfig
 from sparsevar.policies.fastvar import FastVARPolicy
 from sparsevar.policies.scale_skip import ScaleSkipPolicy
@@ -20,23 +19,10 @@ from sparsevar.policies.sparvar import SparVARPolicy
 
 
 @pytest.fixture(scope="module")
-def adapter(hart_state_dicts, hart_fixture_dir):
-    import json
-    m = json.loads((hart_fixture_dir / "manifest.json").read_text())
-    c, t = m["transformer_config"], m["tokenizer_config"]
-    sd = dict(hart_state_dicts["transformer"])
-    for k in HARTTransformer.official_extra_keys(c["depth"]):
-        sd.pop(k)
-    tr = HARTTransformer(vocab_size=t["vocab_size"], z_channels=t["z_channels"], context_token=c["context_token"],
-                         context_dim=c["context_dim"], depth=c["depth"], embed_dim=c["embed_dim"],
-                         num_heads=c["num_heads"], diff_width=c["diff_width"], diff_depth=c["diff_depth"],
-                         patch_nums=c["patch_nums"])
-    tr.load_state_dict(sd, strict=True)
-    vsd = {k.removeprefix("vae."): v for k, v in hart_state_dicts["tokenizer"].items()}
-    vsd.pop("quantize.ema_vocab_hit_SV")
-    vq = MultiScaleVQVAE(**MultiScaleVQVAE.config_from_state_dict(vsd, patch_nums=t["v_patch_nums"]), phi_on_last=False)
-    vq.load_state_dict(vsd, strict=True)
-    return HARTAdapter(tr.eval(), vq.eval())
+def adapter(hart_official_files):
+    from sparsevar.models.loading import load_hart_tokenizer, load_hart_transformer
+    return HARTAdapter(load_hart_transformer(hart_official_files["llm"]),
+                       load_hart_tokenizer(hart_official_files["tokenizer"]))
 
 
 @pytest.fixture(scope="module")
