@@ -763,11 +763,15 @@ def cmd_bench(args) -> int:
                 resolve_resolution(args.resolution, args.resolution)
             except ValueError as e:
                 raise CLIError(f"--resolution {args.resolution}: {e}") from None
+        from .models.flexvar import FLEXVAR_PRESETS, PATCH
         from .models.hart import HART_PRESETS
-        unknown = [m for m in args.models if m not in VAR_PRESETS and m not in INFINITY_PRESETS and m not in HART_PRESETS]
+        known = sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS) + sorted(HART_PRESETS) + sorted(FLEXVAR_PRESETS)
+        unknown = [m for m in args.models if m not in known]
         if unknown:
-            raise CLIError(f"--models {' '.join(unknown)}: unknown; choose from "
-                           f"{', '.join(sorted(VAR_PRESETS) + sorted(INFINITY_PRESETS) + sorted(HART_PRESETS))}")
+            raise CLIError(f"--models {' '.join(unknown)}: unknown; choose from {', '.join(known)}")
+        if args.resolution is not None and args.resolution % PATCH and any(m in FLEXVAR_PRESETS for m in args.models):
+            raise CLIError(f"--resolution {args.resolution}: FlexVAR draws sides that are multiples of {PATCH} px "
+                           f"(256 its default, 512 zero-shot)")
         methods = args.methods
         if methods == ["all"]:
             methods = list(METHODS)
@@ -960,8 +964,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
     b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"],
                    help="VAR_PRESETS (var-tiny, var-d16 … var-d36), INFINITY_PRESETS (infinity-tiny, infinity-2b, "
-                        "infinity-8b) or HART_PRESETS (hart-tiny, hart-0.7b); random weights at real size")
-    b.add_argument("--resolution", type=int, help="Infinity models: square image side (default 1024; VAR models keep their own)")
+                        "infinity-8b), HART_PRESETS (hart-tiny, hart-0.7b) or FLEXVAR_PRESETS (flexvar-tiny, "
+                        "flexvar-d16/d20/d24; --resolution 256 or 512); random weights at real size")
+    b.add_argument("--resolution", type=int, help="Infinity models: square image side (default 1024); FlexVAR: 256 "
+                   "(default) or any multiple of 16, e.g. 512 zero-shot; VAR and HART keep their own")
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)

@@ -197,17 +197,34 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
     if name.startswith("hart"):
         from ..pipelines.hart_pipeline import HARTPipeline
 
-        pipe = HARTPipeline.from_random(name, device=device, dtype=dtype)
+        pipe = HARTPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
         prompt = "w3 w4 w5 w6"
 
         def call(gen, kw, batch):
-            kw = {k: v for k, v in kw.items() if k != "use_cuda_graphs"}     # HART runs eagerly
             out = pipe([prompt] * batch, generator=gen, output_type="pt", **kw)
             return out, pipe.flop_speedup
 
         cfg = pipe.transformer.config
         return pipe, cfg.patch_nums[-1] * pipe.vqvae.downsample_factor, call, \
             lambda batch, wbytes, gpu, stats=None: hart_floor_ms(cfg, batch, wbytes, gpu, stats)
+    if name.startswith("flexvar"):
+        from types import SimpleNamespace
+
+        from ..pipelines.flexvar_pipeline import FlexVARPipeline
+
+        pipe = FlexVARPipeline.from_random(name, device=device, dtype=dtype)
+        res = resolution or 256
+        pn = pipe.resolve_schedule(res, res)
+        c = pipe.transformer.config
+        cfg = SimpleNamespace(embed_dim=c.embed_dim, vocab_size=c.vocab_size, depth=c.depth, mlp_ratio=c.mlp_ratio,
+                              patch_nums=pn)
+
+        def call(gen, kw, batch):
+            out = pipe([i % c.num_classes for i in range(batch)], patch_nums=pn, generator=gen, output_type="pt",
+                       **kw)
+            return out, lambda st: pipe.flop_speedup(st, pn)
+
+        return pipe, res, call, lambda batch, wbytes, gpu, stats=None: var_floor_ms(cfg, batch, wbytes, gpu, stats)
     if name.startswith("infinity"):
         from ..models.infinity import resolve_resolution
         from ..pipelines.infinity_pipeline import InfinityPipeline

@@ -10,9 +10,11 @@ token map from the previous scale's codes, at any schedule. Only what differs fr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +30,53 @@ from .var import VAR_SCHEDULES, VARAdapter, VARBlock, VARTransformer
 
 TRAINED_SIDES = frozenset((1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 23, 24, 32))   # sampled with top-k; others greedy
 MAX_PN = 16                          # above this side: greedy, and the full guidance (the reference's max_pn)
+
+PATCH = 16                           # pixels per token side (the VQ-16's downsampling)
+# The reference's schedules (README / eval_c2i.py), by (last side, steps): what flexvar_schedule returns for them.
+REFERENCE_SCHEDULES = {
+    (16, 10): (1, 2, 3, 4, 5, 6, 8, 10, 13, 16),                         # the training default, 256 px
+    (16, 9): (1, 2, 3, 4, 5, 7, 10, 13, 16),
+    (16, 13): (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16),
+    (32, 15): (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 23, 32),      # 512 px zero-shot
+}
+DEFAULT_STEPS = {16: 10, 32: 15}     # steps when none are asked for, where the reference has a schedule
+
+
+def flexvar_schedule(side: int, steps: Optional[int] = None) -> tuple[int, ...]:
+    """Square sides (tokens) of a FlexVAR schedule ending at ``side`` (the picture is 16·side px),
+    in ``steps`` steps.
+
+    The reference's schedules where it has one (256 px: 10 steps by default, 9 or 13; 512 px: its
+    15-step zero-shot schedule). Otherwise, without ``steps``: the default 10-step sides below
+    ``side`` (up to 16 px·16), then above 16 the 13-step schedule followed by steps of at most √2
+    in side up to ``side`` (so 384 px: …, 14, 16, 20, 24). With ``steps``: sides spaced
+    geometrically from 1 to ``side``, each at least one more than the last. Raises ValueError for
+    a side below 1 or more steps than sides."""
+    if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side < 1:
+        raise ValueError(f"side={side!r}: give the last scale's side in tokens, an int >= 1")
+    if steps is None:
+        steps = DEFAULT_STEPS.get(int(side))
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= side or \
+                (steps == 1) != (side == 1):
+            raise ValueError(f"steps={steps!r}: a schedule ending at side {side} ({side * PATCH} px) takes 2 to {side} "
+                             f"steps (increasing sides from 1)" if side > 1 else
+                             f"steps={steps!r}: a {PATCH}-px picture is one step")
+        known = REFERENCE_SCHEDULES.get((int(side), int(steps)))
+        if known is not None:
+            return known
+        sides = [1]
+        for k in range(1, steps):
+            room = side - (steps - 1 - k)                   # leave one side for every step still to come
+            sides.append(min(max(round(side ** (k / (steps - 1))), sides[-1] + 1), room))
+        return tuple(sides)
+    if side <= 16:
+        return tuple(p for p in REFERENCE_SCHEDULES[(16, 10)] if p < side) + (side,)
+    sides = list(REFERENCE_SCHEDULES[(16, 13)])
+    n = math.ceil(math.log(side / 16) / math.log(math.sqrt(2)) - 1e-9)
+    sides += [round(16 * (side / 16) ** (k / n)) for k in range(1, n + 1)]
+    return tuple(sides)
+
 
 POS_GRID = 32                        # the position grid's side (fixed by the released models)
 # Sizes for models built with random weights (FlexVARPipeline.from_random): the releases and a tiny
@@ -140,7 +189,6 @@ class FlexVARAdapter(VARAdapter):
     after skipped scales, from the last computed codes upsampled to the last scale's size)."""
 
     family = "flexvar"
-    supports_cuda_graphs = False
     supports_scale_graphs = False
 
     def __init__(self, transformer: FlexVARTransformer, vqvae, schedule: Optional[ScaleSchedule] = None):
@@ -163,7 +211,8 @@ class FlexVARAdapter(VARAdapter):
         m, B, sch = self.transformer, run.batch_size, run.schedule
         if tuple(h for h, _ in sch.hw) != tuple(cond.patch_nums):
             raise ValueError(f"the run's schedule {sch} is not the conditioning's {cond.patch_nums}")
-        ws = self.workspace((B, sch.hw, self.device, self.dtype),
+        # captured graphs hold the weights' addresses: a model moved away and back has new storage
+        ws = self.workspace((B, sch.hw, self.device, self.dtype, tuple(p.data_ptr() for p in m.parameters())),
                             lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype))
         labels_B = cond.class_labels.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))     # (2B, D)
@@ -211,15 +260,23 @@ class FlexVARAdapter(VARAdapter):
         return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
-        """Normalised code vectors (B, l, Cvae)."""
-        return F.embedding(codes_Bl, self.vqvae.codebook())
+        """What the scale changes, (B, l, Cvae): the normalised code vectors minus the scale's input
+        (the previous scale's vectors, upsampled). FlexVAR predicts whole maps, not residuals, so a
+        token whose change a policy zeroes keeps the interpolated previous prediction — SparseVAR on
+        FlexVAR as the paper's appendix A runs it."""
+        vec_BlC = F.embedding(codes_Bl, self.vqvae.codebook())
+        if si == 0:
+            return vec_BlC
+        sch = run.schedule
+        return vec_BlC - run.workspace.next_BLC[:, sch.offsets[si]:sch.offsets[si + 1]]
 
     @torch.no_grad()
     def accumulate(self, si: int, residual_BlC: torch.Tensor, run: RunState) -> None:
         ws, sch = run.workspace, run.schedule
         B, l, c = residual_BlC.shape
         pn = sch.hw[si][0]
-        q_BChw = residual_BlC.transpose(1, 2).reshape(B, c, pn, pn)                   # (B, l, c) → (B, c, pn, pn)
+        q_BlC = residual_BlC if si == 0 else residual_BlC + ws.next_BLC[:, sch.offsets[si]:sch.offsets[si + 1]]
+        q_BChw = q_BlC.transpose(1, 2).reshape(B, c, pn, pn)                          # (B, l, c) → (B, c, pn, pn)
         ws.last_codes = q_BChw
         if si + 1 < sch.num_scales:
             nxt = sch.hw[si + 1][0]

@@ -33,6 +33,7 @@ from diffusers.configuration_utils import register_to_config
 from ..engine.adapter import ModelAdapter
 from ._blocks import trunc_normal_init_
 from ..engine.contract import SubLayer, SubLayerContext
+from ..engine.graphs import persistent_copy
 from ..engine.kv_cache import KVCache
 from ..engine.layers import LayerCall
 from ..engine.sampling import sample_codes_per_image
@@ -332,14 +333,16 @@ def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch
     x = noise_init_NC.float()
     C = x.shape[1]
     dev = x.device
+    dt = net.input_proj.weight.dtype                   # the net in its weights' dtype; the sampler in float32
+    z_NC = (torch.cat((z_cond_NC, z_uncond_NC)) if z_uncond_NC is not None else z_cond_NC).to(dt)
     for i in reversed(range(len(schedule.timesteps))):
         t_N = torch.full((x.shape[0],), schedule.timesteps[i], device=dev, dtype=torch.int64)
         if z_uncond_NC is not None:
-            out = net(torch.cat((x, x)), t_N.repeat(2), torch.cat((z_cond_NC, z_uncond_NC)))
+            out = net(torch.cat((x, x)).to(dt), t_N.repeat(2), z_NC).float()
             eps_c, eps_u = out[:, :C].chunk(2)
             eps, v = eps_c * (1 + guidance) - guidance * eps_u, out[:x.shape[0], C:]
         else:
-            out = net(x, t_N, z_cond_NC)
+            out = net(x.to(dt), t_N, z_NC).float()
             eps, v = out[:, :C], out[:, C:]
         x0 = (schedule.at(schedule.sqrt_recip, i, dev) * x - schedule.at(schedule.sqrt_recipm1, i, dev) * eps).clamp(-1, 1)
         mean = schedule.at(schedule.coef1, i, dev) * x0 + schedule.at(schedule.coef2, i, dev) * x
@@ -414,10 +417,12 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         return self
 
     def set_block_dtype(self, dtype: torch.dtype) -> "HARTTransformer":
-        """The blocks in ``dtype`` (bf16 on GPUs, as the reference runs them under autocast); the
-        embeddings, the head, ``decoder_norm`` and the diffusion head stay float32."""
+        """The blocks and the diffusion head's net in ``dtype`` (bf16 on GPUs; the reference runs
+        everything under fp16 autocast); the embeddings, the head, ``decoder_norm`` and the diffusion
+        sampler's arithmetic stay float32."""
         torch.nn.Module.to(self, torch.float32)
         torch.nn.Module.to(self.blocks, dtype)
+        torch.nn.Module.to(self.diffloss, dtype)
         return self
 
     @staticmethod
@@ -534,7 +539,13 @@ class _HARTWorkspace(Workspace):
         self.mods: list = []
         self.head_mod: Optional[tuple] = None
         self.levels_SC: Optional[torch.Tensor] = None
-        self.last_hidden: Optional[torch.Tensor] = None
+        self.held: dict = {}           # (name, shape) → the buffer the fields above point into (graphs read them)
+        self.last_hidden: dict = {}    # rows → the last scale's hidden states (the diffusion head's condition)
+
+    def hold(self, name, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied into this workspace's buffer for (``name``, its shape): the same address in
+        every generation, as a captured scale's compute reads it."""
+        return persistent_copy(self.held, (name, tuple(t.shape), t.dtype), t)
 
 
 class HARTAdapter(ModelAdapter):
@@ -547,7 +558,6 @@ class HARTAdapter(ModelAdapter):
     ``top_k`` 0 samples with the reference's rule (600 below scale 7, then 300)."""
 
     family = "hart"
-    supports_cuda_graphs = False
 
     def __init__(self, transformer: HARTTransformer, vqvae):
         cfg = transformer.config
@@ -578,7 +588,9 @@ class HARTAdapter(ModelAdapter):
         T = m.config.context_token
         if tuple(cond.context_BTD.shape[:2]) != (B, T):
             raise ValueError(f"context of shape {tuple(cond.context_BTD.shape)}: need ({B}, {T}, D) for {B} images")
-        ws = self.workspace((B, dev, self.dtype), lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype))
+        # captured graphs hold the weights' addresses: a model moved away and back has new storage
+        key = (B, dev, self.dtype, tuple(p.data_ptr() for p in m.parameters()))
+        ws = self.workspace(key, lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype))
         run.cfg_active = float(run.settings.guidance_scale) != 0.0
         ctx = cond.context_BTD.to(dev, torch.float32)
         pos_BT = cond.position_ids_BT.to(dev)
@@ -588,14 +600,18 @@ class HARTAdapter(ModelAdapter):
             unc_mask[:, 0] = True
             ctx, pos_BT = torch.cat((ctx, torch.zeros_like(ctx))), torch.cat((pos_BT, torch.zeros_like(pos_BT)))
             mask_BT = torch.cat((mask_BT, unc_mask))
-        ws.cond_RTC = m.text_condition(ctx.to(m.context_embed.weight.dtype)).float()
+        # everything a scale's compute reads goes into the workspace's held buffers (fixed addresses)
+        ws.cond_RTC = ws.hold("cond", m.text_condition(ctx.to(m.context_embed.weight.dtype)).float())
         cos_t, sin_t = rope_1d(pos_BT, m.head_dim)
         cos_i, sin_i = m.image_rope(range(1, self.image_schedule.num_scales), pos_BT[:, -1].float())
-        ws.cos_RLd, ws.sin_RLd = torch.cat((cos_t, cos_i), 1), torch.cat((sin_t, sin_i), 1)
+        ws.cos_RLd = ws.hold("cos", torch.cat((cos_t, cos_i), 1))
+        ws.sin_RLd = ws.hold("sin", torch.cat((sin_t, sin_i), 1))
         pooled = m.block_condition(ws.cond_RTC, mask_BT)
-        ws.mods = [blk.modulation(pooled.to(self.dtype)) if pooled is not None else None for blk in m.blocks]
-        ws.head_mod = m.head_modulation(ws.cond_RTC)
-        ws.levels_SC = m.level_embedding(torch.arange(self.schedule.num_scales, device=dev)).float()
+        ws.mods = [None if pooled is None else
+                   tuple(ws.hold(("mod", i, j), t) for j, t in enumerate(blk.modulation(pooled.to(self.dtype))))
+                   for i, blk in enumerate(m.blocks)]
+        ws.head_mod = tuple(ws.hold(("head", j), t) for j, t in enumerate(m.head_modulation(ws.cond_RTC)))
+        ws.levels_SC = ws.hold("levels", m.level_embedding(torch.arange(self.schedule.num_scales, device=dev)).float())
         ws.f_hat.zero_()
         ws.kv.reset()
         if not run.cfg_active:
@@ -693,8 +709,8 @@ class HARTAdapter(ModelAdapter):
         si, ws = run.si, run.workspace
         if si == 0:
             x_RLC = x_RLC[:, -1:]
-        elif si == run.schedule.num_scales - 1:
-            ws.last_hidden = x_RLC
+        elif si == run.schedule.num_scales - 1:           # copied, so that a replayed graph refreshes it
+            persistent_copy(ws.last_hidden, run.rows, x_RLC)
         R = run.rows
         return self.transformer.logits(x_RLC, (ws.head_mod[0][:R], ws.head_mod[1][:R]))
 
@@ -766,14 +782,13 @@ class HARTAdapter(ModelAdapter):
         # the last scale: the diffusion head samples the continuous residual of every token
         R = run.rows
         hard_BlC = run.model_state["hard_BlC"] if run.model_state["smooth"] else residual_BlC
-        z_RlC = m.decoder_norm(ws.last_hidden.float() + m.word_embed(hard_BlC.float()).repeat(R // B, 1, 1))
+        z_RlC = m.decoder_norm(ws.last_hidden[R].float() + m.word_embed(hard_BlC.float()).repeat(R // B, 1, 1))
         init, steps = self._diffusion_noise(run, B * l, Cv)
         z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
         r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),
                                init, steps)
         tokens_BlC = residual_BlC + r_NC.view(B, l, Cv)
         ws.f_hat.add_(tokens_BlC.transpose(1, 2).reshape(B, Cv, p, p))
-        ws.last_hidden = None
 
     def latent(self, run: RunState) -> torch.Tensor:
         return run.workspace.f_hat

@@ -2,7 +2,9 @@
 
     pipe = FlexVARPipeline.from_single_file("FlexVARd24-epo349.pth", "FlexVAE.pth", dtype=torch.bfloat16).to("cuda")
     out = pipe([207, 88], generator=torch.Generator("cuda").manual_seed(0))                 # 10 steps, 256 px
-    out = pipe([207], patch_nums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16))              # 13 steps
+    out = pipe([207], num_scales=13)                                                       # 13 steps
+    out = pipe([207], height=512, width=512)                          # zero-shot 512 px, the reference's 15 steps
+    out = pipe([207], patch_nums=(1, 2, 4, 6, 8, 12, 16, 20, 24))                         # any schedule: 384 px
 
 The schedule is a call argument (square sides, the first 1; the last side × 16 is the image side);
 the defaults follow the evaluation script (VAR-ramp guidance 2.5, top-k 900, top-p 0.95).
@@ -21,7 +23,8 @@ from diffusers.utils import BaseOutput
 from ..engine.contract import Policy
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import GenerationStats
-from ..models.flexvar import FLEXVAR_PRESETS, MAX_PN, FlexVARAdapter, FlexVARConditioning, FlexVARTransformer
+from ..models.flexvar import (FLEXVAR_PRESETS, MAX_PN, PATCH, FlexVARAdapter, FlexVARConditioning, FlexVARTransformer,
+                              flexvar_schedule)
 from ..models.flexvar_vq import FlexVQ16
 from ..models.var import VAR_SCHEDULES, var_loop_flops
 from ._accelerated import AcceleratedPipelineMixin, _dtype_of
@@ -103,6 +106,39 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                              f"{DEFAULT_SCHEDULE} (the last side × 16 is the image side)")
         return ScaleSchedule.square(pn)
 
+    @classmethod
+    def resolve_schedule(cls, height: Optional[int] = None, width: Optional[int] = None,
+                         num_scales: Optional[int] = None,
+                         patch_nums: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+        """The schedule of a call: ``patch_nums`` as given, or the one :func:`flexvar_schedule` derives
+        for a ``height`` × ``width`` picture (square, a multiple of 16 px; default 256) in
+        ``num_scales`` steps (default: the reference's where it has one). ValueError names the
+        argument and the valid choices."""
+        if patch_nums is not None:
+            sides = tuple(h for h, _ in cls.schedule(patch_nums).hw)
+            for name, v in (("height", height), ("width", width)):
+                if v is not None and v != sides[-1] * PATCH:
+                    raise ValueError(f"{name}={v!r} disagrees with patch_nums={tuple(patch_nums)} (a "
+                                     f"{sides[-1] * PATCH}-px picture); pass one of them")
+            if num_scales is not None and num_scales != len(sides):
+                raise ValueError(f"num_scales={num_scales!r} disagrees with patch_nums={tuple(patch_nums)} "
+                                 f"({len(sides)} steps); pass one of them")
+            return sides
+        for name, v in (("height", height), ("width", width)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < PATCH
+                                  or v % PATCH):
+                raise ValueError(f"{name}={v!r}: FlexVAR draws pictures whose sides are multiples of {PATCH} px "
+                                 f"(e.g. 256, 384, 512)")
+        height = height or width or DEFAULT_SCHEDULE[-1] * PATCH
+        width = width or height
+        if height != width:
+            raise ValueError(f"height={height}, width={width}: the released FlexVAR models draw square pictures "
+                             f"(their position grid is square); pass equal sides")
+        try:
+            return flexvar_schedule(height // PATCH, num_scales)
+        except ValueError as e:
+            raise ValueError(f"num_scales={num_scales!r}: " + str(e).split(": ", 1)[1]) from None
+
     def flop_speedup(self, stats: GenerationStats, patch_nums: Optional[Sequence[int]] = None) -> float:
         """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
         c = self.transformer.config
@@ -126,7 +162,9 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 "decoder": batch_size * side * side * (self.vqvae.config.ch * _dtype_of(self.vqvae).itemsize + 12)}
 
     @torch.no_grad()
-    def __call__(self, class_labels: Union[int, Sequence[int]], patch_nums: Optional[Sequence[int]] = None,
+    def __call__(self, class_labels: Union[int, Sequence[int]], height: Optional[int] = None,
+                 width: Optional[int] = None, num_scales: Optional[int] = None,
+                 patch_nums: Optional[Sequence[int]] = None,
                  guidance_scale: float = FLEXVAR_DEFAULTS.guidance_scale, top_k: int = FLEXVAR_DEFAULTS.top_k,
                  top_p: float = FLEXVAR_DEFAULTS.top_p, llamagen_cfg: bool = False, max_pn: int = MAX_PN,
                  num_images_per_prompt: int = 1, generator=None, output_type: str = "pil", return_dict: bool = True,
@@ -137,7 +175,11 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
         Args:
             class_labels: an id or a list of ids, 0 … num_classes − 1.
-            patch_nums: the schedule (default 1, 2, 3, 4, 5, 6, 8, 10, 13, 16: 10 steps, 256 px); any
+            height, width: the picture's size in pixels (square, a multiple of 16; default 256): the
+                schedule is derived (:meth:`resolve_schedule`; 512 is the reference's zero-shot size).
+            num_scales: steps of the derived schedule (default: the reference's, 10 at 256 px, 15 at
+                512 px; 13 is its README variant).
+            patch_nums: the schedule itself instead (default 1, 2, 3, 4, 5, 6, 8, 10, 13, 16); any
                 increasing square sides from 1, e.g. the README's 13 steps or 512 px zero-shot up to 32.
             guidance_scale: VAR's ramp t = cfg·k/min(K−1, 9) ((1+t)·cond − t·uncond; the full cfg above
                 ``max_pn``), or with ``llamagen_cfg`` uncond + cfg·(cond − uncond) at every scale (the
@@ -146,7 +188,8 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 ``max_pn``, are drawn greedily, as in the reference).
             num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
                 callback_on_step_end_tensor_inputs, policies: as in VARPipeline.
-            use_cuda_graphs: FlexVAR runs eagerly in this version; True raises.
+            use_cuda_graphs: replay each scale's compute from a CUDA graph (default: on for CUDA models;
+                one set of graphs per schedule).
         """
         labels = [class_labels] if isinstance(class_labels, (int, np.integer)) and not isinstance(class_labels, bool) \
             else list(class_labels) if isinstance(class_labels, (list, tuple)) else None
@@ -154,9 +197,8 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if not labels or any(not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 0 <= c < n
                              for c in labels):
             raise ValueError(f"class_labels={class_labels!r}: give class ids 0..{n - 1} (an int or a list of ints)")
+        patch_nums = self.resolve_schedule(height, width, num_scales, patch_nums)
         sched = self.schedule(patch_nums)
-        if use_cuda_graphs:
-            raise ValueError("use_cuda_graphs=True: FlexVAR scales run eagerly in this version; pass None or False")
         if not isinstance(max_pn, (int, np.integer)) or isinstance(max_pn, bool) or max_pn < 1:
             raise ValueError(f"max_pn={max_pn!r}: give the largest side drawn with top-k / top-p and the ramp, an int "
                              f">= 1 (the reference's {MAX_PN})")
@@ -169,7 +211,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         ids = torch.tensor(labels).repeat_interleave(int(num_images_per_prompt))
         cond = FlexVARConditioning(ids, tuple(h for h, _ in sched.hw), llamagen_cfg=llamagen_cfg, max_pn=int(max_pn))
         return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,
-                              callback_on_step_end, callback_on_step_end_tensor_inputs, False, schedule=sched)
+                              callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs, schedule=sched)
 
 
 __all__ = ["FlexVARPipeline", "FlexVARPipelineOutput", "DEFAULT_SCHEDULE"]

@@ -102,16 +102,17 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     @classmethod
     def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
-                    dtype: Union[torch.dtype, str] = torch.float32) -> "HARTPipeline":
+                    dtype: Union[torch.dtype, str] = torch.float32,
+                    vae_dtype: Union[torch.dtype, str] = torch.float32) -> "HARTPipeline":
         """A model of a known size with random weights (benchmarks, smoke tests; it draws noise):
         ``HART_PRESETS`` (hart-tiny, hart-0.7b, the release's best-estimate size), with a one-layer random
-        Qwen2 of the preset's text width and a word-level tokenizer."""
+        Qwen2 of the preset's text width and a word-level tokenizer; ``vae_dtype``: the tokenizer's."""
         from accelerate import init_empty_weights
 
         from ..models.loading import resolve_dtype
         if preset not in HART_PRESETS:
             raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(HART_PRESETS)}")
-        dtype = resolve_dtype(dtype, "dtype")
+        dtype, vae_dtype = resolve_dtype(dtype, "dtype"), resolve_dtype(vae_dtype, "vae_dtype")
         spec = HART_PRESETS[preset]
         with init_empty_weights():
             transformer = HARTTransformer(**spec["transformer"])
@@ -123,7 +124,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             vqvae = vqvae.to_empty(device=dev).init_random_weights()
         tokenizer, qwen = random_qwen2(transformer.config.context_dim, seed=seed)
         return cls(transformer=transformer.set_block_dtype(dtype).eval().requires_grad_(False),
-                   vqvae=vqvae.eval().requires_grad_(False), text_encoder=qwen.to(dev), tokenizer=tokenizer)
+                   vqvae=torch.nn.Module.to(vqvae, vae_dtype).eval().requires_grad_(False), text_encoder=qwen.to(dev),
+                   tokenizer=tokenizer)
 
     # ---- text ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -194,7 +196,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
                 callback_on_step_end_tensor_inputs, policies: as in the other pipelines. Every random
                 draw, the diffusion head's noise included, comes from ``generator``.
-            use_cuda_graphs: HART runs eagerly (not captured yet); True raises.
+            use_cuda_graphs: replay each scale's compute (text, layers, head) from a CUDA graph (default:
+                on for CUDA models); guidance, sampling and the diffusion head run eagerly.
         Returns:
             :class:`HARTPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
@@ -203,8 +206,6 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         prompts = self._prompt_list(prompt, "prompt")
         if not isinstance(smooth, bool):
             raise TypeError(f"smooth must be True or False, got {smooth!r}")
-        if use_cuda_graphs:
-            raise ValueError("use_cuda_graphs=True: HART scales run eagerly in this version; pass None or False")
         B = self._check_call(len(prompts), "prompt", self.memory_needed, guidance_scale, top_k, top_p,
                              num_images_per_prompt, output_type, generator, callback_on_step_end,
                              callback_on_step_end_tensor_inputs, policies)
@@ -214,7 +215,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         context, mask, pos = (t.repeat_interleave(k, dim=0) for t in (context, mask, pos))
         cond = HARTConditioning(context, pos, mask, smooth=smooth)
         return self._generate(cond, B, stack, guidance_scale, top_k, top_p, generator, output_type, return_dict,
-                              callback_on_step_end, callback_on_step_end_tensor_inputs, False)
+                              callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs)
 
 
 __all__ = ["HARTPipeline", "HARTPipelineOutput"]

@@ -80,6 +80,7 @@ FASTVAR_PRESETS: dict[str, FastVARConfig] = {
     # VAR: no published schedule; accel.md §9.4's starting point (cache 10×10, prune 13×13 at 50 %
     # and 16×16 at 75 % at 256 px) — the same positions from the end at every resolution.
     "var": FastVARConfig(ratios=(0.5, 0.75)),
+    "flexvar": FastVARConfig(ratios=(0.5, 0.75)),                 # VAR's blocks: VAR's
 }
 
 

@@ -133,6 +133,9 @@ SPARSEVAR_PRESETS: dict[str, SparseVARConfig] = {
     # and lands further from the dense picture than one that adds nothing, even where the
     # distributions are alike (benchmarks/results/README.md, Session 20).
     "var": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=1.0),
+    # FlexVAR (VAR's blocks; the paper's appendix A gives no setting): VAR's. Excluded tokens keep the
+    # interpolated previous prediction (FlexVARAdapter.residual).
+    "flexvar": SparseVARConfig(tau=0.6, start_scale=-2, block=None, granularity="layer", alpha=4, beta=1.0),
 }
 
 

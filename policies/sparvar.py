@@ -135,6 +135,7 @@ SPARVAR_PRESETS: dict[str, SparVARConfig] = {
     "hart": SparVARConfig(decision_scale=-4),
     # VAR (class-conditional; no published setting): the paper's rule at 256 px, unmeasured.
     "var": SparVARConfig(),
+    "flexvar": SparVARConfig(),                                  # VAR's blocks: VAR's
 }
 
 

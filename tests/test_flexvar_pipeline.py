@@ -58,7 +58,6 @@ def test_any_schedule_sets_the_size_and_policies_run(pipe):
     (dict(class_labels=10), r"class_labels=10: give class ids 0..9"),
     (dict(class_labels=[1], patch_nums=(2, 4)), r"patch_nums=\(2, 4\): give increasing square sides starting at 1"),
     (dict(class_labels=[1], patch_nums=(1, 4, 4)), "give increasing square sides"),
-    (dict(class_labels=[1], use_cuda_graphs=True), "FlexVAR scales run eagerly"),
     (dict(class_labels=[1], max_pn=0), r"max_pn=0: give the largest side .* an int >= 1"),
 ])
 def test_bad_calls_name_the_argument(pipe, kw, match):
@@ -76,3 +75,36 @@ def test_random_presets_build():
     p.set_progress_bar_config(disable=True)
     out = p([1, 2], generator=torch.Generator().manual_seed(0), output_type="pt")
     assert out.images.shape == (2, 3, 256, 256) and torch.isfinite(out.images).all()
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)),
+    (dict(num_scales=13), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16)),
+    (dict(height=256, width=256, num_scales=9), (1, 2, 3, 4, 5, 7, 10, 13, 16)),
+    (dict(height=512), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 23, 32)),
+    (dict(width=384), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24)),
+    (dict(height=128, width=128), (1, 2, 3, 4, 5, 6, 8)),
+    (dict(height=256, num_scales=5), (1, 2, 4, 8, 16)),
+    (dict(patch_nums=(1, 3, 7), height=112), (1, 3, 7)),
+])
+def test_size_and_steps_derive_the_references_schedules(kw, want):
+    """The reference's schedules (README / eval script) where it has one; sizes in between by the rule."""
+    assert FlexVARPipeline.resolve_schedule(**kw) == want
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(height=250), r"height=250: FlexVAR draws pictures whose sides are multiples of 16 px"),
+    (dict(height=256, width=512), r"height=256, width=512: the released FlexVAR models draw square pictures"),
+    (dict(height=128, num_scales=12), r"num_scales=12: a schedule ending at side 8 \(128 px\) takes 2 to 8 steps"),
+    (dict(patch_nums=(1, 2, 4), height=256), r"height=256 disagrees with patch_nums=\(1, 2, 4\)"),
+    (dict(patch_nums=(1, 2, 4), num_scales=4), r"num_scales=4 disagrees"),
+])
+def test_impossible_sizes_and_steps_are_refused_with_the_choices(kw, match):
+    with pytest.raises(ValueError, match=match):
+        FlexVARPipeline.resolve_schedule(**kw)
+
+
+def test_height_and_steps_reach_the_picture(pipe):
+    out = pipe(3, height=128, num_scales=4, generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert out.images.shape == (1, 3, 128, 128)
+    assert [s.h for s in out.stats[0].scales] == [1, 2, 4, 8]

@@ -71,3 +71,32 @@ def test_active_settings_act(adapter, dense, policy):
         assert all(s.keys_read is not None for s in stats[-3:])
     else:
         assert sum(s.tokens_computed for s in stats) < sum(s.tokens_computed for s in want.stats.scales)
+
+
+def test_sparsevar_excluded_tokens_keep_the_interpolated_previous_prediction(adapter):
+    """FlexVAR predicts whole maps: a token SparseVAR excludes keeps the previous scale's vectors
+    upsampled bicubically (the paper's appendix A), not a zero vector; the tokens it computes hold
+    their own code vectors."""
+    import torch.nn.functional as F
+    from sparsevar.policies.sparsevar import TOKEN_EXCLUDED
+    pn = tuple(adapter.transformer.config.patch_nums)
+    latents, codes = [], []
+    out = generate(adapter, FlexVARConditioning(torch.tensor([1, 8]), pn), 2,
+                   settings=SamplingSettings(guidance_scale=4.0, top_k=1, top_p=0.0),
+                   generator=torch.Generator().manual_seed(0),
+                   policies=PolicyStack([SparseVARPolicy(SparseVARConfig(keep_ratio=0.3, block=1))]),
+                   schedule=ScaleSchedule.square(pn),
+                   callback=lambda si, d: (latents.append(d["latent"].clone()), codes.append(d["codes"])))
+    book = adapter.vqvae.codebook()
+    checked = 0
+    for si, roles in out.stats.token_maps.items():
+        excluded_BL = (roles == TOKEN_EXCLUDED).flatten(1)
+        assert excluded_BL.any(), si
+        prev = F.interpolate(latents[si - 1], size=(pn[si], pn[si]), mode="bicubic").flatten(2).transpose(1, 2)
+        got = latents[si].flatten(2).transpose(1, 2)                                    # (B, c, h, w) → (B, hw, c)
+        torch.testing.assert_close(got[excluded_BL], prev[excluded_BL], rtol=0, atol=1e-6)
+        own = F.embedding(codes[si], book)
+        torch.testing.assert_close(got[~excluded_BL], own[~excluded_BL], rtol=0, atol=1e-6)
+        assert (got[excluded_BL].norm(dim=-1) > 0.1).all()                       # not a hole in the map
+        checked += 1
+    assert checked >= 2

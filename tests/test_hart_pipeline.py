@@ -79,7 +79,6 @@ def test_policies_run_on_the_pipeline(pipe):
     (dict(prompt=["a", 3]), "prompt must be a string or a non-empty list"),
     (dict(prompt="a", smooth="yes"), "smooth must be True or False"),
     (dict(prompt="a", guidance_scale=-1), "guidance_scale must be a number in"),
-    (dict(prompt="a", use_cuda_graphs=True), "HART scales run eagerly"),
 ])
 def test_bad_calls_name_the_argument(pipe, kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
