@@ -22,7 +22,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
-from ..engine.sampling import sample_codes_per_image
+from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
@@ -177,7 +177,9 @@ class _FlexVARWorkspace(Workspace):
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
         self.next_BLC = torch.zeros(batch, L, cfg.z_channels, device=device, dtype=torch.float32)
-        self.last_codes: Optional[torch.Tensor] = None
+        # every scale's code vectors (B, c, pn, pn), written in place (a replayed scale refreshes them)
+        self.codes = [torch.zeros(batch, cfg.z_channels, h, w, device=device, dtype=torch.float32)
+                      for h, w in schedule.hw]
 
 
 class FlexVARAdapter(VARAdapter):
@@ -189,7 +191,6 @@ class FlexVARAdapter(VARAdapter):
     after skipped scales, from the last computed codes upsampled to the last scale's size)."""
 
     family = "flexvar"
-    supports_scale_graphs = False
 
     def __init__(self, transformer: FlexVARTransformer, vqvae, schedule: Optional[ScaleSchedule] = None):
         if transformer.config.vocab_size != vqvae.config.vocab_size or \
@@ -224,7 +225,6 @@ class FlexVARAdapter(VARAdapter):
             ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
         ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.kv.reset()
-        ws.last_codes = None
         run.model_state.update(llamagen_cfg=cond.llamagen_cfg, max_pn=int(cond.max_pn))
         run.workspace = ws
 
@@ -252,12 +252,19 @@ class FlexVARAdapter(VARAdapter):
         return (1 + t) * cond - t * uncond
 
     def sample_noise_shape(self, si: int, run: RunState):
-        return None
+        """(B·h·w, V) of the schedule of this call (see VARAdapter.sample_noise_shape)."""
+        if not takes_drawn_noise(run.generator, self.device):
+            return None
+        h, w = run.schedule.hw[si]
+        return run.batch_size * h * w, self.transformer.config.vocab_size
 
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState, noise_NV=None) -> torch.Tensor:
+        """Top-k / top-p draws; greedy (top-k 1, the noise still drawn) at sides the model was not
+        trained on and above ``max_pn``, as the reference."""
         s, pn = run.settings, run.schedule.hw[si][0]
         greedy = pn > run.model_state["max_pn"] or pn not in TRAINED_SIDES
-        return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator)
+        return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator,
+                                      fused=self.ops.kind == "triton", noise_NV=noise_NV)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         """What the scale changes, (B, l, Cvae): the normalised code vectors minus the scale's input
@@ -277,21 +284,24 @@ class FlexVARAdapter(VARAdapter):
         pn = sch.hw[si][0]
         q_BlC = residual_BlC if si == 0 else residual_BlC + ws.next_BLC[:, sch.offsets[si]:sch.offsets[si + 1]]
         q_BChw = q_BlC.transpose(1, 2).reshape(B, c, pn, pn)                          # (B, l, c) → (B, c, pn, pn)
-        ws.last_codes = q_BChw
+        ws.codes[si].copy_(q_BChw)
         if si + 1 < sch.num_scales:
             nxt = sch.hw[si + 1][0]
             up = F.interpolate(q_BChw, size=(nxt, nxt), mode="bicubic")
             ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))
 
     def latent(self, run: RunState) -> torch.Tensor:
-        return run.workspace.last_codes
+        """The code vectors (B, c, pn, pn) of the last scale computed so far (FlexVAR decodes the
+        last map alone)."""
+        done = [s.si for s in run.stats.scales if not s.skipped]
+        return run.workspace.codes[done[-1] if done else 0]
 
     @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
         """The last computed scale's code vectors through the decoder; when later scales were skipped,
         bicubic-upsampled to the last scale's size first (as the model's own next input would be),
         so the picture keeps the schedule's size."""
-        q = run.workspace.last_codes
+        q = self.latent(run)
         side = run.schedule.hw[-1][0]
         if q.shape[-1] != side:
             q = F.interpolate(q, size=(side, side), mode="bicubic")
