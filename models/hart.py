@@ -42,6 +42,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention
+from ..sparse_ops.kernels import rms_norm, rope_rotate_half
 
 HART_SCHEDULE_1024 = (1, 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)
 # Sizes for models built with random weights (HARTPipeline.from_random): the release's best estimate
@@ -56,12 +57,6 @@ HART_PRESETS = {
 }
 ROPE_BASE = 10000.0
 VAE_SCALE = 0.6                      # the diffusion head samples residual / 0.6
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · x / √(mean(x²) + eps)``: the mean of squares in float32, cast back to x's dtype."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -129,13 +124,6 @@ def rope_2d(pos_Bn2: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.T
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x_BHLd: torch.Tensor, cos_BLd: torch.Tensor, sin_BLd: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] (halves of the head dim)."""
-    cos, sin = cos_BLd[:, None].to(x_BHLd.dtype), sin_BLd[:, None].to(x_BHLd.dtype)
-    x1, x2 = x_BHLd.chunk(2, dim=-1)
-    return x_BHLd * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 # ---- blocks -------------------------------------------------------------------------------------------
 class HARTAttention(nn.Module):
     """Keys ``qkv_proj.weight`` (3C, C, no bias), ``q_bias``, ``v_bias``, ``proj``; with l2-norm
@@ -157,13 +145,20 @@ class HARTAttention(nn.Module):
         """q, k (RoPE applied; cosine-normalised under l2-norm attention, q times its temperature)
         and v, each (B, H, L, d)."""
         B, L, C = h_BLC.shape
-        bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
-        qkv = F.linear(h_BLC, self.qkv_proj.weight, bias).view(B, L, 3, self.num_heads, self.head_dim)
+        qkv = F.linear(h_BLC, self.qkv_proj.weight, self.qkv_bias()).view(B, L, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                  # (B, L, 3, H, d) → 3 × (B, H, L, d)
         if self.l2_norm:
-            mult = self.scale_mul_1H11.clamp_max(math.log(100.0)).exp()
-            q, k = F.normalize(q, dim=-1) * mult, F.normalize(k, dim=-1)
-        return apply_rope(q, cos_BLd, sin_BLd), apply_rope(k, cos_BLd, sin_BLd), v
+            q, k = self.cosine(q, k)
+        return rope_rotate_half(q, cos_BLd, sin_BLd), rope_rotate_half(k, cos_BLd, sin_BLd), v
+
+    def qkv_bias(self) -> torch.Tensor:
+        """(3C,) the projection's bias: [q_bias, 0, v_bias]."""
+        return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+
+    def cosine(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """L2-normalised q (times its temperature, at most 100) and k (l2-norm attention)."""
+        mult = self.scale_mul_1H11.clamp_max(math.log(100.0)).exp()
+        return F.normalize(q, dim=-1) * mult, F.normalize(k, dim=-1)
 
 
 class SwiGLU(nn.Module):
@@ -539,6 +534,7 @@ class _HARTWorkspace(Workspace):
         self.mods: list = []
         self.head_mod: Optional[tuple] = None
         self.levels_SC: Optional[torch.Tensor] = None
+        self.qkv_bias: list = []       # per layer, [q_bias, 0, v_bias] (held)
         self.held: dict = {}           # (name, shape) → the buffer the fields above point into (graphs read them)
         self.last_hidden: dict = {}    # rows → the last scale's hidden states (the diffusion head's condition)
 
@@ -611,6 +607,7 @@ class HARTAdapter(ModelAdapter):
                    tuple(ws.hold(("mod", i, j), t) for j, t in enumerate(blk.modulation(pooled.to(self.dtype))))
                    for i, blk in enumerate(m.blocks)]
         ws.head_mod = tuple(ws.hold(("head", j), t) for j, t in enumerate(m.head_modulation(ws.cond_RTC)))
+        ws.qkv_bias = [ws.hold(("qkv_bias", i), blk.attn.qkv_bias()) for i, blk in enumerate(m.blocks)]
         ws.levels_SC = ws.hold("levels", m.level_embedding(torch.arange(self.schedule.num_scales, device=dev)).float())
         ws.f_hat.zero_()
         ws.kv.reset()
@@ -670,15 +667,20 @@ class HARTAdapter(ModelAdapter):
             g1 = g2 = m1 = m2 = ones
             b1 = b2 = zeros
 
+        ops, attn, norm = self.ops, blk.attn, blk.ln_wo_grad
+
         def modulate(x, mul, shift):
-            return (blk.ln_wo_grad(x).float() * mul + shift).to(wdtype)
+            return ops.rms_modulate(x, norm.weight, mul, shift, norm.eps, wdtype)
 
         def attn_branch(y_RnC, idx_Rn=None):
             n = y_RnC.shape[1]
             pos, valid = call.positions(idx_Rn)
             cos, sin = rope_l if idx_Rn is None else self._rope(run, pos)      # a subset: its own rows
-            q, k, v = blk.attn.qkv(y_RnC, cos, sin)
-            q = q * blk.attn.scale                          # the temperature folded into q: attention at scale 1
+            qkv = ops.linear(y_RnC, attn.qkv_proj.weight, run.workspace.qkv_bias[i])
+            q, k, v = qkv.view(R, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # → 3 × (R, H, n, d)
+            if attn.l2_norm:
+                q, k = attn.cosine(q, k)
+            q, k = ops.rope_qk(q, k, cos, sin, attn.scale)  # the temperature folded into q: attention at scale 1
             k_dst, v_dst = call.reserve(n, idx_Rn, pos, valid)
             k_dst.copy_(k)
             v_dst.copy_(v)
@@ -688,10 +690,13 @@ class HARTAdapter(ModelAdapter):
                 out = run.policies.attention(SubLayerContext(call.si, call.layer, "self_attn"), q, K, V, run)
             if out is None:
                 out = dense_attention(q, K, V, scale=1.0, attn_mask=call.kv.key_mask(call.layer))
-            return blk.attn.proj(out.transpose(1, 2).reshape(R, n, C).to(wdtype))   # (R, H, n, d) → (R, n, C)
+            return ops.linear(out.transpose(1, 2).reshape(R, n, C).to(wdtype), attn.proj.weight,
+                              attn.proj.bias)                                   # (R, H, n, d) → (R, n, C)
 
         def ffn_branch(y_RnC, idx_Rn=None):
-            return blk.ffn(y_RnC)
+            f = blk.ffn
+            return ops.linear(ops.silu_mul(ops.linear(y_RnC, f.gate_proj.weight), ops.linear(y_RnC, f.up_proj.weight)),
+                              f.down_proj.weight)
 
         add = self.ops.gated_residual
         if run.hooks.wraps(i):

@@ -70,6 +70,37 @@ def _qk_rope(qk_Rl2Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Te
     return q, rope_pairs(qk[:, :, 1].contiguous(), cos_Rl1P, sin_Rl1P)
 
 
+# ---- HART's steps (llama blocks: RMSNorm, rotate-half RoPE, SwiGLU) in plain torch ----------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · x / √(mean(x²) + eps)``: the mean of squares in float32, cast back to x's dtype."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_rotate_half(x_BHLd: torch.Tensor, cos_BLd: torch.Tensor, sin_BLd: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] (halves of the head dim)."""
+    cos, sin = cos_BLd[:, None].to(x_BHLd.dtype), sin_BLd[:, None].to(x_BHLd.dtype)
+    x1, x2 = x_BHLd.chunk(2, dim=-1)
+    return x_BHLd * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rms_modulate(x_RlC: torch.Tensor, weight_C: torch.Tensor, mul_R1C: torch.Tensor, shift_R1C: torch.Tensor,
+                 eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm(x)·mul + shift in float32, returned in ``out_dtype`` (``mul`` = 1 + scale)."""
+    return (rms_norm(x_RlC, weight_C, eps).float() * mul_R1C + shift_R1C).to(out_dtype)
+
+
+def rope_qk(q_RHld: torch.Tensor, k_RHld: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor,
+            q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q and k, q then times ``q_scale`` (the attention temperature)."""
+    return rope_rotate_half(q_RHld, cos_Rld, sin_Rld) * q_scale, rope_rotate_half(k_RHld, cos_Rld, sin_Rld)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up (SwiGLU's middle)."""
+    return F.silu(gate) * up
+
+
 KERNEL_KINDS = ("torch", "triton", "compile")
 
 
@@ -84,8 +115,9 @@ class Kernels:
     VAR's q/k norm, cache write and unmasked attention in one launch, None under the other kinds;
     VAR's guidance (``cfg_guide``), scale input (``stage_embed``) and latent update
     (``phi_accumulate``) and the cross-attention softmax in one launch each; torch.compile for the
-    gated residual); ``"compile"`` (each plain-torch step compiled by torch.compile at its first
-    call, with dynamic token counts so every scale shares a kernel).
+    gated residual and HART's steps, ``rms_modulate``, ``rope_qk`` and ``silu_mul``); ``"compile"``
+    (each plain-torch step compiled by torch.compile at its first call, with dynamic token counts so
+    every scale shares a kernel).
 
     ``linear(x, weight, bias=None, gelu=False)`` is the layers' matrix product: cuBLAS, except under
     ``"triton"`` at few rows. Under ``"triton"`` with ``row_padding`` (default) a cuBLAS product runs
@@ -116,7 +148,8 @@ class Kernels:
         self.stage_embed = sparse_ref.stage_embed  # VAR's input map of a scale
         self.phi_accumulate = sparse_ref.phi_accumulate  # VAR's latent update f_hat += φ(h)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
-                   residual_modulate=residual_modulate)
+                   residual_modulate=residual_modulate, rms_modulate=rms_modulate, rope_qk=rope_qk,
+                   silu_mul=silu_mul)
         for name, fn in fns.items():
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled else fn)
         if kind == "triton":

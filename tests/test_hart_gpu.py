@@ -58,7 +58,7 @@ def _codes(pipe, prompts, graphs, seed=3):
 
 @pytest.mark.parametrize("setup", [
     lambda p: p,
-    lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3),
+    lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=1),      # the tiny model has 2 layers
     lambda p: p.enable_fastvar(),
     lambda p: p.enable_scale_skip(skip_last=1),
 ], ids=["dense", "sparsevar-keep", "fastvar", "skip"])
@@ -82,3 +82,24 @@ def test_graphs_replay_eager_codes_exactly(setup):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert torch.equal(img_e, img_c) and torch.equal(img_e, img_a)
     assert not torch.equal(torch.cat([c.flatten(1) for c in replayed], 1), torch.cat([c.flatten(1) for c in again], 1))
+
+
+def test_compiled_steps_track_the_plain_torch_steps():
+    """HART's per-layer steps under the "triton" kernels (torch.compile of the plain functions) against
+    the plain torch functions, on the shapes of a small and a large scale, bf16 in, as the layer calls them."""
+    from sparsevar.sparse_ops.kernels import Kernels, rms_modulate, rope_qk, silu_mul
+    fused = Kernels("triton")
+    g = torch.Generator("cuda").manual_seed(0)
+    for n in (4, 1296):
+        x = torch.randn(2, n, 1536, device="cuda", generator=g) * 3
+        w = (torch.rand(1536, device="cuda", generator=g) + 0.5).bfloat16()
+        mul, shift = torch.randn(2, 1, 1536, device="cuda", generator=g), torch.randn(2, 1, 1536, device="cuda", generator=g)
+        want = rms_modulate(x, w, mul, shift, 1e-6, torch.bfloat16)
+        torch.testing.assert_close(fused.rms_modulate(x, w, mul, shift, 1e-6, torch.bfloat16).float(), want.float(),
+                                   rtol=1.6e-2, atol=1e-2)
+        q, k = (torch.randn(2, 24, n, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+        ang = torch.rand(2, n, 64, device="cuda", generator=g) * 6
+        for got, ref in zip(fused.rope_qk(q, k, ang.cos(), ang.sin(), 0.03125), rope_qk(q, k, ang.cos(), ang.sin(), 0.03125)):
+            torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+        a, b = (torch.randn(2, n, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
+        torch.testing.assert_close(fused.silu_mul(a, b).float(), silu_mul(a, b).float(), rtol=1.6e-2, atol=1e-2)
