@@ -62,31 +62,13 @@ class ChannelNorm(nn.Module):
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
-    def forward(self, x_BChw: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """``F.layer_norm`` over the channels of a channels-last view (then SiLU when ``silu``); the
-        result keeps that memory layout (the next convolution takes it as it is, faster than
-        normalising channels-first by hand)."""
+    def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
+        """``F.layer_norm`` over the channels of a channels-last view; the result keeps that memory
+        layout (the next convolution takes it as it is, faster than normalising channels-first by
+        hand)."""
         x_BhwC = x_BChw.permute(0, 2, 3, 1)  # (B, C, h, w) -> (B, h, w, C), a view
         y_BhwC = F.layer_norm(x_BhwC, (x_BhwC.shape[-1],), self.weight, self.bias, self.eps)
-        y_BChw = y_BhwC.permute(0, 3, 1, 2)  # (B, h, w, C) -> (B, C, h, w), channels-last memory
-        return F.silu(y_BChw) if silu else y_BChw
-
-
-class GroupNormSiLU(nn.GroupNorm):
-    """``nn.GroupNorm`` (the same parameters and keys) whose forward also applies SiLU when asked.
-    Channels-last CUDA input that autograd does not track (the half-precision decode, see
-    :meth:`MultiScaleVQVAE.fhat_to_img`) takes the fused kernel of ``sparse_ops.group_norm_silu``
-    and stays channels-last; anything else runs PyTorch's GroupNorm, then SiLU."""
-
-    def forward(self, x_BChw: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        grad = torch.is_grad_enabled() and (x_BChw.requires_grad or self.weight.requires_grad)   # no backward
-        if x_BChw.is_cuda and x_BChw.dim() == 4 and x_BChw.is_contiguous(memory_format=torch.channels_last) \
-                and x_BChw.shape[1] > 1 and not grad:
-            from ..sparse_ops import ops as sparse_ops
-
-            return sparse_ops.group_norm_silu(x_BChw, self.weight, self.bias, self.num_groups, self.eps, silu)
-        y_BChw = super().forward(x_BChw)
-        return F.silu(y_BChw) if silu else y_BChw
+        return y_BhwC.permute(0, 3, 1, 2)  # (B, h, w, C) -> (B, C, h, w), channels-last memory
 
 
 def _conv3x3(in_channels: int, out_channels: int, padding: str = "zeros") -> nn.Conv2d:
@@ -100,7 +82,7 @@ def _group_norm(channels: int, norm: str = "group") -> nn.Module:
     :class:`ChannelNorm` (``norm="channel"``)."""
     if norm == "channel":
         return ChannelNorm(channels)
-    return GroupNormSiLU(num_groups=_GN_GROUPS, num_channels=channels, eps=_GN_EPS, affine=True)
+    return nn.GroupNorm(num_groups=_GN_GROUPS, num_channels=channels, eps=_GN_EPS, affine=True)
 
 
 def _phi_index(si: int, num_scales: int, num_phi: int) -> int:
@@ -165,8 +147,8 @@ class ResnetBlock(nn.Module):
             self.nin_shortcut = nn.Identity()
 
     def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
-        h_BChw = self.conv1(self.norm1(x_BChw, silu=True))
-        h_BChw = self.conv2(self.norm2(h_BChw, silu=True))
+        h_BChw = self.conv1(F.silu(self.norm1(x_BChw)))
+        h_BChw = self.conv2(F.silu(self.norm2(h_BChw)))
         return self.nin_shortcut(x_BChw) + h_BChw
 
 
@@ -285,7 +267,7 @@ class Encoder(nn.Module):
             if i_level != len(self.down) - 1:
                 h_BChw = level.downsample(h_BChw)
         h_BChw = self.mid(h_BChw)
-        return self.conv_out(self.norm_out(h_BChw, silu=True))
+        return self.conv_out(F.silu(self.norm_out(h_BChw)))
 
 
 class Decoder(nn.Module):
@@ -324,7 +306,7 @@ class Decoder(nn.Module):
             h_BChw = level.run_blocks(h_BChw)
             if i_level != 0:
                 h_BChw = level.upsample(h_BChw)
-        return self.conv_out(self.norm_out(h_BChw, silu=True))
+        return self.conv_out(F.silu(self.norm_out(h_BChw)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -768,13 +750,8 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
         """``decoder(post_quant_conv(f_hat))`` clamped to [-1, 1] (new tensor; input untouched)."""
         if f_hat_BChw.ndim != 4 or f_hat_BChw.shape[1] != self.z_channels:
             raise ValueError(f"f_hat_BChw must be B x {self.z_channels} x h x w, got {tuple(f_hat_BChw.shape)}")
-        wdtype = self.post_quant_conv.weight.dtype
-        f_BChw = f_hat_BChw.to(wdtype)
-        if f_BChw.is_cuda and wdtype in (torch.bfloat16, torch.float16):
-            # half precision on CUDA runs channels-last (cuDNN's layout for half convolutions), with
-            # the fused GroupNorm + SiLU kernel (GroupNormSiLU); float32 runs channels-first
-            f_BChw = f_BChw.contiguous(memory_format=torch.channels_last)
-        return self.decoder(self.post_quant_conv(f_BChw)).clamp(-1.0, 1.0).contiguous()
+        z_BChw = self.post_quant_conv(f_hat_BChw.to(self.post_quant_conv.weight.dtype))
+        return self.decoder(z_BChw).clamp(-1.0, 1.0)
 
     def idx_to_img(self, idx_list: Sequence[torch.Tensor], schedule: Schedule | None = None) -> torch.Tensor:
         """Codes of all scales -> image in [-1, 1] (B, 3, 16h, 16w for the official model)."""

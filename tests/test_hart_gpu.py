@@ -109,18 +109,3 @@ def test_compiled_steps_track_the_plain_torch_steps():
         a, b = (torch.randn(2, n, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
         torch.testing.assert_close(fused.silu_mul(a, b).float(), silu_mul(a, b).float(), rtol=1.6e-2, atol=1e-2)
 
-
-def test_half_precision_decode_runs_channels_last_with_the_fused_group_norm():
-    """The tokenizer's bf16 decode (channels-last, fused GroupNorm + SiLU) errs against float32 no more
-    than PyTorch's channels-first bf16 GroupNorm path does, at HART's 1024² size."""
-    pipe = HARTPipeline.from_random("hart-0.7b", device="cuda", dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
-    vq = pipe.vqvae
-    f_hat = torch.randn(1, vq.z_channels, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    with torch.no_grad():
-        fast = vq.fhat_to_img(f_hat).float()
-        plain = vq.decoder(vq.post_quant_conv(f_hat.bfloat16())).float().clamp(-1, 1)     # channels-first input
-        torch.nn.Module.to(vq, torch.float32)
-        ref = vq.fhat_to_img(f_hat)
-    assert fast.shape == ref.shape == (1, 3, 1024, 1024) and fast.is_contiguous()
-    err_fast, err_plain = (fast - ref).abs().mean().item(), (plain - ref).abs().mean().item()
-    assert err_fast <= 1.5 * err_plain + 1e-4, (err_fast, err_plain)
