@@ -197,12 +197,26 @@ def _check_generate_args(args, text: bool) -> None:
     if text and args.class_labels is not None:
         raise CLIError("--class is for class-conditional VAR models and --prompt for text-to-image (Infinity): "
                        "give one of them")
+    flexvar = not text and _is_flexvar(args)
     if not text:
         extra = [f for f, v in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
-                                ("--height", args.height), ("--width", args.width),
                                 ("--temperature", args.temperature)) if v is not None]
+        if not flexvar:
+            extra += [f for f, v in (("--height", args.height), ("--width", args.width)) if v is not None]
         if extra:
-            raise CLIError(f"{' / '.join(extra)} {'is' if len(extra) == 1 else 'are'} for text-to-image: add --prompt")
+            raise CLIError(f"{' / '.join(extra)} {'is' if len(extra) == 1 else 'are'} for text-to-image: add --prompt"
+                           + ("" if flexvar else " (FlexVAR models take --height / --width)"))
+    if args.steps is not None and not flexvar:
+        raise CLIError(f"--steps {args.steps}: only FlexVAR takes a number of scales (--var-ckpt FlexVARd*.pth "
+                       f"--vae-ckpt FlexVAE.pth, or a converted FlexVAR folder); drop --steps")
+    if flexvar:
+        from .pipelines.flexvar_pipeline import FlexVARPipeline
+        try:
+            FlexVARPipeline.resolve_schedule(args.height, args.width, args.steps)
+        except ValueError as e:
+            flag = {"height": "--height", "width": "--width", "num_scales": "--steps"}
+            name, _, rest = str(e).partition("=")
+            raise CLIError(f"{flag.get(name.split(', ')[0], name)} {rest}".replace("num_scales", "--steps")) from None
     _no_empty_paths(args, ("--model", "model"), ("--var-ckpt", "var_ckpt"), ("--vae-ckpt", "vae_ckpt"),
                     ("--text-encoder", "text_encoder"), ("--save-token-maps", "save_token_maps"))
     if not 0 <= args.seed <= SEED_MAX:
@@ -371,6 +385,36 @@ def _is_hart(model) -> bool:
     return hart_folders(model) is not None
 
 
+def _is_flexvar(args) -> bool:
+    """A converted FlexVARPipeline folder (--model) or an official FlexVAR transformer (--var-ckpt)."""
+    from .models.loading import checkpoint_family
+    if args.model:
+        index = Path(args.model) / "model_index.json"
+        try:
+            return index.is_file() and json.loads(index.read_text()).get("_class_name") == "FlexVARPipeline"
+        except (OSError, ValueError, AttributeError):
+            return False
+    if args.var_ckpt and Path(args.var_ckpt).exists():
+        try:
+            return checkpoint_family(args.var_ckpt) == "flexvar"
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+def _load_flexvar(args, device, dtype, say):
+    from .pipelines.flexvar_pipeline import FlexVARPipeline
+
+    if args.model and (args.var_ckpt or args.vae_ckpt):
+        raise CLIError("give either --model FOLDER or --var-ckpt/--vae-ckpt, not both")
+    if args.model:
+        return FlexVARPipeline.from_pretrained(args.model, dtype=dtype).to(device)
+    if not args.vae_ckpt:
+        raise CLIError(f"--var-ckpt {args.var_ckpt} is a FlexVAR transformer: also pass --vae-ckpt FlexVAE.pth, its "
+                       f"tokenizer")
+    return FlexVARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype).to(device)
+
+
 def _check_hart_args(args) -> None:
     """HART takes no VAE file (its tokenizer folder sits beside llm/), one size and no temperature
     or negative prompt (the reference has neither)."""
@@ -480,14 +524,18 @@ def cmd_generate(args) -> int:
         _check_hart_args(args)
     elif text:
         from .pipelines.infinity_pipeline import InfinityPipeline as family
+    elif _is_flexvar(args):
+        from .pipelines.flexvar_pipeline import FlexVARPipeline as family
     else:
         from .pipelines.var_pipeline import VARPipeline as family
+    flexvar = family.__name__ == "FlexVARPipeline"
     from .pipelines._accelerated import check_memory
     configs = _policy_configs(args, family.PRESET_FAMILY)
     if args.quiet and text:                           # transformers' "Loading weights" bar for the T5
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()
-    pipe = (_load_hart if hart else _load_infinity if text else _load_pipeline)(args, device, dtype, say)
+    pipe = (_load_hart if hart else _load_infinity if text else _load_flexvar if flexvar else _load_pipeline)(
+        args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
     _apply_acceleration(pipe, args, configs)
     gen = torch.Generator(device).manual_seed(args.seed)
@@ -505,8 +553,12 @@ def cmd_generate(args) -> int:
     else:
         ids = _class_ids(pipe, args.class_labels or ["0"], args)
         n = len(ids)
-        needed = pipe.memory_needed(n * args.num)
         call = dict(class_labels=ids)
+        if flexvar:
+            call["patch_nums"] = pipe.resolve_schedule(args.height, args.width, args.steps)
+            needed = pipe.memory_needed(n * args.num, call["patch_nums"])
+        else:
+            needed = pipe.memory_needed(n * args.num)
         what = f"{n} class(es)"
     call.update((k, v) for k, v in (("guidance_scale", args.cfg), ("top_k", args.top_k), ("top_p", args.top_p),
                                     ("temperature", args.temperature)) if v is not None)   # else the family's defaults
@@ -573,7 +625,7 @@ def cmd_convert(args) -> int:
         usage = f"HARTPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --prompt \"...\"`"
     elif not args.vae_ckpt:
         raise CLIError(f"--ckpt {args.ckpt}: also pass --vae-ckpt, its VAE file (vae_ch160v4096z32.pth for VAR, "
-                       f"infinity_vae_d32reg.pth for Infinity)")
+                       f"FlexVAE.pth for FlexVAR, infinity_vae_d32reg.pth for Infinity)")
     elif family == "var":
         from .pipelines.var_pipeline import VARPipeline
         if args.text_encoder:
@@ -582,6 +634,16 @@ def cmd_convert(args) -> int:
         cfg = pipe.transformer.config
         what = f"VAR depth {cfg.depth}, {16 * cfg.patch_nums[-1]} px, {dtype_name}"
         usage = f"VARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --class 0`"
+    elif family == "flexvar":
+        from .pipelines.flexvar_pipeline import FlexVARPipeline
+        if args.text_encoder:
+            raise CLIError(f"--text-encoder is for Infinity and HART; {args.ckpt} is a class-conditional FlexVAR "
+                           f"transformer")
+        pipe = FlexVARPipeline.from_single_file(args.ckpt, args.vae_ckpt, dtype=dtype)
+        cfg = pipe.transformer.config
+        what = f"FlexVAR depth {cfg.depth}, any schedule, {dtype_name}"
+        usage = (f"FlexVARPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --class 0 "
+                 f"--height 256`")
     elif family == "infinity":
         from .pipelines.infinity_pipeline import InfinityPipeline
         if not args.text_encoder:
@@ -595,6 +657,7 @@ def cmd_convert(args) -> int:
                  f"`sparsevar generate --model {out} --prompt \"...\"`")
     else:
         hint = {"var-vqvae": "the VAR VQVAE: pass it as --vae-ckpt, and var_d*.pth as --ckpt",
+                "flexvar-vq": "FlexVAR's tokenizer: pass it as --vae-ckpt, and FlexVARd*.pth as --ckpt",
                 "infinity-vae": "the Infinity VAE: pass it as --vae-ckpt, and infinity_2b_reg.pth as --ckpt"}.get(
             family, "neither a VAR nor an Infinity transformer checkpoint (var_d*.pth, infinity_2b_reg.pth or the "
                     "8B shard folder)")
@@ -838,8 +901,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="a folder written by `sparsevar convert` / save_pretrained; with --prompt also an "
                                     "Infinity .pth file or 8B shard folder, or HART's release folder (llm/ + "
                                     "tokenizer/) or its llm/ (default: the built-in demo model)")
-    g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth")
-    g.add_argument("--vae-ckpt", help="official VAE file: vae_ch160v4096z32.pth (VAR) or infinity_vae_d32reg.pth")
+    g.add_argument("--var-ckpt", help="official transformer file, e.g. var_d16.pth or FlexVARd24-epo349.pth")
+    g.add_argument("--vae-ckpt", help="official VAE file: vae_ch160v4096z32.pth (VAR), FlexVAE.pth (FlexVAR) or "
+                                      "infinity_vae_d32reg.pth")
     g.add_argument("--class", dest="class_labels", nargs="+", action="extend",
                    help="class ids or names (the model's labels: ImageNet names, or the demo's 'tree', 'car', …; "
                         "default 0; a repeated --class adds more)")
@@ -851,7 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "local Qwen2 folder (mit-han-lab/Qwen2-VL-1.5B-Instruct)")
     g.add_argument("--height", type=int, help="Infinity: image height (default 1024); an official size, e.g. 256, 512, "
                                               "768 or 1024 for 1:1 (another size lists those of its aspect ratio)")
-    g.add_argument("--width", type=int, help="Infinity: image width (default 1024)")
+    g.add_argument("--width", type=int, help="Infinity: image width (default 1024); FlexVAR: height and width, square, "
+                                             "multiples of 16 (default 256; 512 zero-shot)")
+    g.add_argument("--steps", type=int, help="FlexVAR: number of scales (default the reference's: 10 at 256 px, 15 "
+                                             "at 512 px; e.g. 13)")
     i = INFINITY_DEFAULTS
     said = lambda key: f"VAR default {getattr(VAR_DEFAULTS, key):g}, Infinity {getattr(i, key):g}"  # noqa: E731
     g.add_argument("--temperature", type=float, help=f"Infinity: sampling temperature (default {i.temperature:g}, "

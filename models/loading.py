@@ -415,8 +415,8 @@ def _describe_pipeline_folder(p: Path) -> dict:
     if pipeline in _PIPELINE_USE:                    # the checks a load makes: every component present and agreeing
         check_pipeline_folder(p, pipeline, pipeline_components(pipeline), "")
     info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
-            "family": {"VARPipeline": "var", "InfinityPipeline": "infinity", "HARTPipeline": "hart"}.get(pipeline,
-                                                                                                    "unknown"),
+            "family": {"VARPipeline": "var", "InfinityPipeline": "infinity", "HARTPipeline": "hart",
+                       "FlexVARPipeline": "flexvar"}.get(pipeline, "unknown"),
             "parameters": 0}
     for sub in ("transformer", "vqvae", "vae"):
         if not (p / sub).is_dir():
@@ -663,8 +663,8 @@ def _describe_infinity(p: Path, sd: dict) -> dict:
 
 
 def checkpoint_family(path) -> str:
-    """The family of an official checkpoint from its key names alone: 'var', 'var-vqvae', 'infinity',
-    'infinity-vae' or 'unknown'. Reads no tensor data where the format allows it (a shard folder's
+    """The family of an official checkpoint from its key names alone: 'var', 'var-vqvae', 'flexvar',
+    'flexvar-vq', 'infinity', 'infinity-vae' or 'unknown'. Reads no tensor data where the format allows it (a shard folder's
     index, safetensors headers, memory-mapped ``.pth`` zip files), so a multi-gigabyte file costs
     little to recognise before it is loaded."""
     p = Path(path)
@@ -679,7 +679,7 @@ def checkpoint_family(path) -> str:
         keys = list(safetensors_shapes(p, "checkpoint"))
     else:
         keys = list(_read_nested(p, "checkpoint", [("vae",), ("trainer", "gpt_fsdp"), ("gpt_fsdp",), ("model",),
-                                                   ("state_dict",)]))
+                                                   ("trainer", "var_wo_ddp"), ("state_dict",)]))
     if keys and all(k.startswith("module.") for k in keys):
         keys = [k[len("module."):] for k in keys]
     names = dict.fromkeys(keys)
@@ -696,6 +696,7 @@ _PIPELINE_USE = {
     "VARPipeline": "VARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
     "InfinityPipeline": "InfinityPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
     "HARTPipeline": "HARTPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --prompt TEXT)",
+    "FlexVARPipeline": "FlexVARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
 }
 RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
 
@@ -997,9 +998,12 @@ def _refuse_t5_differences(cfg_path: Path, weights, config: dict, implied: dict,
 
 
 def pipeline_components(pipeline: str) -> dict:
-    """The component map :func:`check_pipeline_folder` takes for ``pipeline`` (``"VARPipeline"`` or
-    ``"InfinityPipeline"``): subfolder → module class, ``"text_encoder"`` or None."""
+    """The component map :func:`check_pipeline_folder` takes for ``pipeline`` (``"VARPipeline"``,
+    ``"InfinityPipeline"``, ``"HARTPipeline"`` or ``"FlexVARPipeline"``): subfolder → module class,
+    ``"text_encoder"`` or None."""
     from .bsq_vae import BSQVAE
+    from .flexvar import FlexVARTransformer
+    from .flexvar_vq import FlexVQ16
     from .hart import HARTTransformer
     from .infinity import InfinityTransformer
     from .var import VARTransformer
@@ -1007,7 +1011,8 @@ def pipeline_components(pipeline: str) -> dict:
             "InfinityPipeline": {"transformer": InfinityTransformer, "vae": BSQVAE, "text_encoder": "text_encoder",
                                  "tokenizer": None},
             "HARTPipeline": {"transformer": HARTTransformer, "vqvae": MultiScaleVQVAE,
-                             "text_encoder": "qwen2_text_encoder", "tokenizer": None}}[pipeline]
+                             "text_encoder": "qwen2_text_encoder", "tokenizer": None},
+            "FlexVARPipeline": {"transformer": FlexVARTransformer, "vqvae": FlexVQ16}}[pipeline]
 
 
 def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
@@ -1068,6 +1073,16 @@ def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:
                 raise ValueError(f"{path}: the transformer and the VQVAE do not match: transformer/config.json has "
                                  f"{field} = {t}, vqvae/config.json {field} = {v}; put the VQVAE the transformer was "
                                  f"trained with in vqvae/, or {RECONVERT}")
+    if pipeline == "FlexVARPipeline" and {"transformer", "vqvae"} <= set(configs):
+        from .flexvar import FlexVARTransformer
+        from .flexvar_vq import FlexVQ16
+        for t_field, v_field in (("vocab_size", "vocab_size"), ("z_channels", "embed_dim")):
+            t = configs["transformer"].get(t_field, _default(FlexVARTransformer, t_field))
+            v = configs["vqvae"].get(v_field, _default(FlexVQ16, v_field))
+            if t != v:
+                raise ValueError(f"{path}: the transformer and the VQ-16 do not match: transformer/config.json has "
+                                 f"{t_field} = {t}, vqvae/config.json {v_field} = {v}; put the tokenizer the "
+                                 f"transformer was trained with (FlexVAE.pth) in vqvae/, or {RECONVERT}")
     if pipeline == "InfinityPipeline" and {"transformer", "text_encoder"} <= set(configs):
         from .infinity import InfinityTransformer
         t = configs["transformer"].get("text_channels", _default(InfinityTransformer, "text_channels"))

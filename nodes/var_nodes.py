@@ -16,6 +16,7 @@ import torch
 from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
 from ..pipelines.defaults import VAR_DEFAULTS       # the sampler's widgets serve both families: VAR's
+from ..pipelines.flexvar_pipeline import FlexVARPipeline
 from ..pipelines.infinity_pipeline import InfinityPipeline
 from ..pipelines.hart_pipeline import HARTPipeline
 from ..pipelines.var_pipeline import VARPipeline
@@ -383,15 +384,16 @@ class SparseVARSampler(io.ComfyNode):
     """One ProgressBar tick per scale, without a preview image: a VAR preview needs a full VQVAE
     decode of the latent, as expensive as the final one, so it is not "cheap" at any scale.
 
-    Class-conditional VAR models read ``class_label``; text-to-image Infinity models read
-    ``prompt``, ``negative_prompt``, ``height`` and ``width``. Each family ignores the other's inputs."""
+    Class-conditional VAR models read ``class_label``; FlexVAR reads ``class_label``, ``height``,
+    ``width`` and ``steps``; text-to-image Infinity models read ``prompt``, ``negative_prompt``,
+    ``height`` and ``width``, HART ``prompt``. Each family ignores the others' inputs."""
 
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="SparseVAR_Sampler", display_name="SparseVAR Sampler", category=CATEGORY,
-            description="Generates images with a VAR model (class label) or an Infinity or HART model (text "
-                        "prompt), scale by scale, with optional acceleration.",
+            description="Generates images with a VAR or FlexVAR model (class label) or an Infinity or HART model "
+                        "(text prompt), scale by scale, with optional acceleration.",
             inputs=[
                 SparseVARModel.Input("model"),
                 io.String.Input("class_label", default="207",
@@ -418,15 +420,19 @@ class SparseVARSampler(io.ComfyNode):
                 io.Int.Input("height", default=1024, min=16, max=4096, step=16,
                              tooltip="Infinity: image height. Only the official sizes exist (1024×1024 and the "
                                      "256–1024 px sizes of 15 aspect ratios, e.g. 768×1024); another size gives an "
-                                     "error listing the valid ones. VAR models draw at their own size"),
+                                     "error listing the valid ones. FlexVAR: any square multiple of 16 (256 its "
+                                     "training size, 512 zero-shot). VAR models draw at their own size"),
                 io.Int.Input("width", default=1024, min=16, max=4096, step=16,
-                             tooltip="Infinity: image width (see height). VAR models draw at their own size, HART at "
-                                     "1024×1024"),
+                             tooltip="Infinity, FlexVAR: image width (see height). VAR models draw at their own size, "
+                                     "HART at 1024×1024"),
                 SparseVARSettings.Input("sparsevar", optional=True),
                 AnchorSettings.Input("anchors", optional=True),
                 ScaleSkipSettings.Input("scale_skip", optional=True),
                 FastVARSettings.Input("fastvar", optional=True),
                 SparVARSettings.Input("sparvar", optional=True),
+                io.Int.Input("steps", default=0, min=0, max=64, optional=True,
+                             tooltip="FlexVAR: number of scales; 0 = the reference's for the size (10 at 256 px, 15 "
+                                     "at 512 px; 13 is its README variant). Other models ignore it"),
             ],
             outputs=[io.Image.Output(display_name="images"), io.String.Output(display_name="stats"),
                      GenerationStatsType.Output(display_name="token_maps")],
@@ -435,10 +441,11 @@ class SparseVARSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, prompt="", negative_prompt="",
                 height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
-                fastvar=None, sparvar=None) -> io.NodeOutput:
+                fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
         pipe = model.pipe
         infinity = isinstance(pipe, InfinityPipeline)
         hart = isinstance(pipe, HARTPipeline)
+        flexvar = isinstance(pipe, FlexVARPipeline)
         if fastvar is not None and (sparsevar is not None or anchors is not None):
             raise ValueError("SparseVAR Sampler: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the "
                              "two methods cannot be combined (both choose the tokens each scale computes): "
@@ -455,6 +462,13 @@ class SparseVARSampler(io.ComfyNode):
                 raise ValueError("SparseVAR Sampler: HART has no negative prompt (its unconditional branch is an empty "
                                  "text); clear 'negative_prompt'")
             total = pipe.adapter().schedule.num_scales
+        elif flexvar:
+            labels = _class_ids(pipe, class_label)
+            try:
+                schedule = pipe.resolve_schedule(height, width, steps or None)
+            except ValueError as e:
+                raise ValueError(f"SparseVAR Sampler: {str(e).replace('num_scales=', 'steps=')}") from None
+            total = len(schedule)
         else:
             labels = _class_ids(pipe, class_label)
             total = pipe.num_timesteps
@@ -477,12 +491,15 @@ class SparseVARSampler(io.ComfyNode):
             out = pipe(prompt, negative_prompt=negative_prompt or None, height=height, width=width, **common)
         elif hart:
             out = pipe(prompt, **common)
+        elif flexvar:
+            out = pipe(labels, patch_nums=schedule, **common)
         else:
             out = pipe(labels, **common)
         if done[0] < total:
             bar.update_absolute(total, total)           # skipped scales end the bar too
         stats: GenerationStats = out.stats[0]
-        speedup = pipe.flop_speedup(stats, height, width) if infinity else pipe.flop_speedup(stats)
+        speedup = pipe.flop_speedup(stats, height, width) if infinity else \
+            pipe.flop_speedup(stats, schedule) if flexvar else pipe.flop_speedup(stats)
         images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
         text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x\n{stats.table()}")
         return io.NodeOutput(images, text, stats)

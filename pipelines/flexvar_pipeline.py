@@ -28,6 +28,7 @@ from ..models.flexvar import (FLEXVAR_PRESETS, MAX_PN, PATCH, FlexVARAdapter, Fl
 from ..models.flexvar_vq import FlexVQ16
 from ..models.var import VAR_SCHEDULES, var_loop_flops
 from ._accelerated import AcceleratedPipelineMixin, _dtype_of
+from .var_pipeline import VARPipeline, _imagenet_classes
 from .defaults import FLEXVAR_DEFAULTS
 
 DEFAULT_SCHEDULE = VAR_SCHEDULES[256]          # the released models' training default: 10 steps, 256 px
@@ -66,6 +67,22 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                    vqvae=load_flexvar_vq(vae_ckpt, vae_dtype))
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, dtype: Union[torch.dtype, str, None] = None,
+                        vae_dtype: Union[torch.dtype, str] = torch.float32,
+                        torch_dtype: Union[torch.dtype, str, None] = None, **kwargs) -> "FlexVARPipeline":
+        """Load a folder written by :meth:`save_pretrained` or ``sparsevar convert`` (``transformer/``,
+        ``vqvae/``), checked before any weight is read; nothing is downloaded. dtype (or
+        ``torch_dtype``): the transformer's (default: as saved); vae_dtype: the VQ-16's."""
+        from ..models.loading import load_pretrained_component
+        path, _, dtype, vae_dtype = cls._pretrained_arguments(
+            pretrained_model_name_or_path, "load the official files with FlexVARPipeline.from_single_file("
+            "'FlexVARd24-epo349.pth', 'FlexVAE.pth') (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
+            "`sparsevar convert`", kwargs, dtype, torch_dtype, vae_dtype=vae_dtype)
+        transformer = load_pretrained_component(FlexVARTransformer, path, "transformer", dtype)
+        vqvae = load_pretrained_component(FlexVQ16, path, "vqvae", vae_dtype)
+        return cls(transformer=transformer.eval().requires_grad_(False), vqvae=vqvae.eval().requires_grad_(False))
+
+    @classmethod
     def from_random(cls, preset: str = "flexvar-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",
                     dtype: Union[torch.dtype, str] = torch.float32) -> "FlexVARPipeline":
         """A model of a known size (``FLEXVAR_PRESETS``) with random weights; it draws noise."""
@@ -94,6 +111,15 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
+
+    @property
+    def labels(self) -> dict[int, str]:
+        """Class id → name: the ImageNet names for a 1000-class model, else {}."""
+        return dict(enumerate(_imagenet_classes())) if self.num_classes == 1000 else {}
+
+    # ids or names → class ids, as VARPipeline (names, synonyms, suggestions)
+    get_label_ids = VARPipeline.get_label_ids
+    _label_id = VARPipeline._label_id
 
     @staticmethod
     def schedule(patch_nums: Optional[Sequence[int]] = None) -> ScaleSchedule:

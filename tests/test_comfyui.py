@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsevar import InfinityPipeline, VARPipeline
+from sparsevar import FlexVARPipeline, InfinityPipeline, VARPipeline
 from sparsevar.cli import main as cli_main
 
 pytestmark = pytest.mark.comfyui
@@ -86,6 +86,17 @@ def comfy(tmp_path_factory, tiny_infinity_files, hart_official_files, tiny_hart_
     ch_mult = json.loads((release / "tokenizer" / "config.json").read_text())["ch_mult"]
     hart_shape = {"scales": len(patch_nums), "side": patch_nums[-1] * 2 ** (len(ch_mult) - 1)}
     shutil.copytree(hart["text_encoder"], base / "models" / "text_encoders" / "Qwen2-VL-1.5B-Instruct")
+    # FlexVAR: a 2-layer model of the fixture's size with 1000 classes (the workflows' ImageNet labels), in the
+    # release's files and names
+    from sparsevar.models.flexvar import FlexVARTransformer
+    from sparsevar.models.flexvar_vq import FlexVQ16
+    (base / "models" / "flexvar").mkdir()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        flex = FlexVARTransformer(vocab_size=96, num_classes=1000, depth=2, embed_dim=128, num_heads=2)
+        torch.save(flex.init_random_weights().state_dict(), base / "models" / "flexvar" / "FlexVARd24-epo349.pth")
+        torch.save({"model": FlexVQ16(vocab_size=96, ch=32).init_random_weights().state_dict()},
+                   base / "models" / "flexvar" / "FlexVAE.pth")
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(server["pythonpath"]), PYTHONDONTWRITEBYTECODE="1")
@@ -144,6 +155,10 @@ def _is_infinity(prompt: dict, sampler: dict) -> bool:
 
 def _is_hart(prompt: dict, sampler: dict) -> bool:
     return prompt[sampler["inputs"]["model"][0]]["class_type"] == "SparseVAR_HARTModelLoader"
+
+
+def _is_flexvar(prompt: dict, sampler: dict) -> bool:
+    return prompt[sampler["inputs"]["model"][0]]["class_type"] == "SparseVAR_FlexVARModelLoader"
 
 
 def _stats(text: str) -> dict:
@@ -259,9 +274,15 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     rep = _run(comfy, prompt, tmp_path)
     assert rep["status"] == "success", rep
     samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
-    n_scales = {nid: InfinityPipeline.resolution(INFINITY_SIZE, INFINITY_SIZE).schedule.num_scales
-                if _is_infinity(prompt, prompt[nid]) else comfy["hart"]["scales"] if _is_hart(prompt, prompt[nid]) else 10
-                for nid in samplers}
+    def scales(nid):
+        node = prompt[nid]
+        if _is_infinity(prompt, node):
+            return InfinityPipeline.resolution(INFINITY_SIZE, INFINITY_SIZE).schedule.num_scales
+        if _is_flexvar(prompt, node):
+            return len(FlexVARPipeline.resolve_schedule(node["inputs"]["height"], node["inputs"]["width"],
+                                                        node["inputs"].get("steps") or None))
+        return comfy["hart"]["scales"] if _is_hart(prompt, node) else 10
+    n_scales = {nid: scales(nid) for nid in samplers}
     for nid in samplers:                 # one progress message per computed scale; skipped last scales end the bar
         values = [v for node, v, m in rep["progress"] if node == nid]
         assert values[-1] == n_scales[nid] and values[:-1] == list(range(1, len(values))), rep["progress"]
@@ -273,7 +294,8 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         w, h = img.size
         src = prompt[nid]["inputs"]["images"][0]
         if prompt[src]["class_type"] == "SparseVAR_Sampler":
-            side = comfy["hart"]["side"] if _is_hart(prompt, prompt[src]) else 256
+            side = comfy["hart"]["side"] if _is_hart(prompt, prompt[src]) else \
+                prompt[src]["inputs"]["height"] if _is_flexvar(prompt, prompt[src]) else 256
             assert (w, h) == (side, side) and img.mode == "RGB"
             import numpy as np
             assert np.asarray(img).std() > 1                 # a picture, not a constant fill
@@ -301,6 +323,16 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
             # map is flat (90 % of tokens within 8 % of the largest change), so tau 0.6 keeps every token —
             # pruning on HART is asserted with keep_ratio in test_hart_policies
             assert st["scales_run"] == S and st["computed"] <= st["tokens"]
+    flexvar = sorted((nid for nid in samplers if _is_flexvar(prompt, prompt[nid])), key=int)
+    if flexvar:                                            # dense, then SparseVAR keeping half of the last 3 scales
+        assert path.name == "flexvar_dense_vs_sparsevar.json" and len(flexvar) == 2 == len(stats)
+        dense, sparse = stats[flexvar[0]], stats[flexvar[1]]
+        S = n_scales[flexvar[0]]
+        assert dense["scales"] == dense["scales_run"] == sparse["scales_run"] == S == 15
+        assert dense["computed"] == dense["tokens"] == 2534
+        sides = FlexVARPipeline.resolve_schedule(512, 512)
+        kept = sum(-(-p * p // 2) for p in sides[-3:])       # half of each of the last three scales, rounded up
+        assert sparse["computed"] == pytest.approx(2534 - sum(p * p for p in sides[-3:]) + kept, abs=1)
     infinity = [nid for nid in samplers if _is_infinity(prompt, prompt[nid])]
     if not infinity:
         return
