@@ -200,7 +200,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """Generate images of ImageNet classes (or the model's classes).
 
         Args:
-            class_labels: an id or a list of ids, 0 … num_classes − 1.
+            class_labels: a class id or name, or a list of them (ImageNet names for 1000-class models).
             height, width: the picture's size in pixels (square, a multiple of 16; default 256): the
                 schedule is derived (:meth:`resolve_schedule`; 512 is the reference's zero-shot size).
             num_scales: steps of the derived schedule (default: the reference's, 10 at 256 px, 15 at
@@ -217,12 +217,10 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             use_cuda_graphs: replay each scale's compute from a CUDA graph (default: on for CUDA models;
                 one set of graphs per schedule).
         """
-        labels = [class_labels] if isinstance(class_labels, (int, np.integer)) and not isinstance(class_labels, bool) \
-            else list(class_labels) if isinstance(class_labels, (list, tuple)) else None
-        n = self.num_classes
-        if not labels or any(not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 0 <= c < n
-                             for c in labels):
-            raise ValueError(f"class_labels={class_labels!r}: give class ids 0..{n - 1} (an int or a list of ints)")
+        if class_labels is None or (isinstance(class_labels, (list, tuple)) and not class_labels):
+            raise ValueError(f"class_labels={class_labels!r}: give a class id 0..{self.num_classes - 1} or a class "
+                             f"name, or a list of them")
+        labels = self.get_label_ids(class_labels)          # ids or names; a bad one is named
         patch_nums = self.resolve_schedule(height, width, num_scales, patch_nums)
         sched = self.schedule(patch_nums)
         if not isinstance(max_pn, (int, np.integer)) or isinstance(max_pn, bool) or max_pn < 1:

@@ -55,7 +55,9 @@ def test_any_schedule_sets_the_size_and_policies_run(pipe):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(class_labels=10), r"class_labels=10: give class ids 0..9"),
+    (dict(class_labels=10), r"class label 10 is out of range: this model has classes 0..9"),
+    (dict(class_labels=[]), r"class_labels=\[\]: give a class id 0..9 or a class name"),
+    (dict(class_labels="dog"), r"class name 'dog' given, but this model has no class names"),
     (dict(class_labels=[1], patch_nums=(2, 4)), r"patch_nums=\(2, 4\): give increasing square sides starting at 1"),
     (dict(class_labels=[1], patch_nums=(1, 4, 4)), "give increasing square sides"),
     (dict(class_labels=[1], max_pn=0), r"max_pn=0: give the largest side .* an int >= 1"),
