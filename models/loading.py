@@ -1064,25 +1064,21 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
 
 
 def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:
-    if pipeline == "VARPipeline" and {"transformer", "vqvae"} <= set(configs):
-        from .var import VARTransformer
-        for field in ("vocab_size", "z_channels"):
-            t = configs["transformer"].get(field, _default(VARTransformer, field))
-            v = configs["vqvae"].get(field, _default(MultiScaleVQVAE, field))
-            if t != v:
-                raise ValueError(f"{path}: the transformer and the VQVAE do not match: transformer/config.json has "
-                                 f"{field} = {t}, vqvae/config.json {field} = {v}; put the VQVAE the transformer was "
-                                 f"trained with in vqvae/, or {RECONVERT}")
-    if pipeline == "FlexVARPipeline" and {"transformer", "vqvae"} <= set(configs):
+    if pipeline in ("VARPipeline", "FlexVARPipeline") and {"transformer", "vqvae"} <= set(configs):
         from .flexvar import FlexVARTransformer
         from .flexvar_vq import FlexVQ16
-        for t_field, v_field in (("vocab_size", "vocab_size"), ("z_channels", "embed_dim")):
-            t = configs["transformer"].get(t_field, _default(FlexVARTransformer, t_field))
-            v = configs["vqvae"].get(v_field, _default(FlexVQ16, v_field))
+        from .var import VARTransformer
+        flex = pipeline == "FlexVARPipeline"
+        t_cls, v_cls = (FlexVARTransformer, FlexVQ16) if flex else (VARTransformer, MultiScaleVQVAE)
+        tokenizer = "the tokenizer the transformer was trained with (FlexVAE.pth)" if flex else \
+            "the VQVAE the transformer was trained with"
+        for t_field, v_field in (("vocab_size", "vocab_size"), ("z_channels", "embed_dim" if flex else "z_channels")):
+            t = configs["transformer"].get(t_field, _default(t_cls, t_field))
+            v = configs["vqvae"].get(v_field, _default(v_cls, v_field))
             if t != v:
-                raise ValueError(f"{path}: the transformer and the VQ-16 do not match: transformer/config.json has "
-                                 f"{t_field} = {t}, vqvae/config.json {v_field} = {v}; put the tokenizer the "
-                                 f"transformer was trained with (FlexVAE.pth) in vqvae/, or {RECONVERT}")
+                raise ValueError(f"{path}: the transformer and the {'VQ-16' if flex else 'VQVAE'} do not match: "
+                                 f"transformer/config.json has {t_field} = {t}, vqvae/config.json {v_field} = {v}; put "
+                                 f"{tokenizer} in vqvae/, or {RECONVERT}")
     if pipeline == "InfinityPipeline" and {"transformer", "text_encoder"} <= set(configs):
         from .infinity import InfinityTransformer
         t = configs["transformer"].get("text_channels", _default(InfinityTransformer, "text_channels"))

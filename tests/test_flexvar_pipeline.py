@@ -110,3 +110,21 @@ def test_height_and_steps_reach_the_picture(pipe):
     out = pipe(3, height=128, num_scales=4, generator=torch.Generator().manual_seed(0), output_type="pt")
     assert out.images.shape == (1, 3, 128, 128)
     assert [s.h for s in out.stats[0].scales] == [1, 2, 4, 8]
+
+
+def test_converted_folder_round_trips_and_a_mismatched_one_is_refused(pipe, tmp_path):
+    folder = tmp_path / "flexvar"
+    pipe.save_pretrained(folder)
+    again = FlexVARPipeline.from_pretrained(folder)
+    again.set_progress_bar_config(disable=True)
+    a = pipe(3, height=128, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    b = again(3, height=128, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert torch.equal(a, b)
+    import shutil
+
+    from sparsevar.models.flexvar_vq import FlexVQ16
+    shutil.rmtree(folder / "vqvae")                          # another model's tokenizer, whole and consistent
+    FlexVQ16(vocab_size=64, ch=32).save_pretrained(folder / "vqvae")
+    with pytest.raises(ValueError, match=r"the transformer and the VQ-16 do not match: transformer/config.json has "
+                                         r"vocab_size = 96, vqvae/config.json vocab_size = 64"):
+        FlexVARPipeline.from_pretrained(folder)
