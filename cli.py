@@ -247,6 +247,16 @@ def _check_generate_args(args, text: bool) -> None:
         raise CLIError(f"--sparvar and {other} cannot be combined (SparVAR selects keys among every token of the "
                        f"cache; {other} computes a subset of the tokens): give one of them")
     count = (len(args.prompt) if text else len(args.class_labels or ["0"])) * args.num
+    _at_least(args.batch_size, 1, "--batch-size", "give the number of images per pipeline call, 1 or more")
+    if _folder_out(args.out):
+        if args.save_token_maps:
+            raise CLIError("--save-token-maps writes one generation's maps; with a folder --out, generate the images "
+                           "you want maps of with a file --out")
+        _check_writable(Path(args.out), "--out", folder=True)
+        return
+    if args.batch_size is not None:
+        raise CLIError(f"--batch-size {args.batch_size}: only for a folder --out (a name ending in /); one file "
+                       f"--out generates its images in one call")
     _check_image_out(args.out, count)
     if args.save_token_maps:
         _check_writable(args.save_token_maps, "--save-token-maps", folder=True)
@@ -506,13 +516,102 @@ def _is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+def _folder_out(out) -> bool:
+    """``--out`` names a folder: it ends in a path separator or is an existing folder."""
+    return str(out).endswith(("/", os.sep)) or Path(out).is_dir()
+
+
+def _read_prompts(path) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise CLIError(f"--prompts {path}: {e.strerror or e}; give a text file with one prompt per line") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"--prompts {path}: not UTF-8 text; give a text file with one prompt per line") from None
+    prompts = [ln.strip() for ln in lines if ln.strip()]
+    if not prompts:
+        raise CLIError(f"--prompts {path}: no prompt in it; give a text file with one prompt per line")
+    return prompts
+
+
+def _batch_size(pipe, args, device, needed_for) -> int:
+    """--batch-size, or the largest of 16, 8, 4, 2, 1 whose memory estimate fits (4 on the CPU)."""
+    from .pipelines._accelerated import check_memory
+    if args.batch_size is not None:
+        try:
+            check_memory(pipe, needed_for(args.batch_size), args.batch_size, f"--batch-size {args.batch_size}",
+                         "lower --batch-size")
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        return args.batch_size
+    if device.type != "cuda":
+        return 4
+    for b in (16, 8, 4, 2, 1):
+        try:
+            check_memory(pipe, needed_for(b), b, "", "")
+            return b
+        except ValueError:
+            continue
+    return 1
+
+
+def _generate_folder(args, pipe, device, items, call_for, needed_for, say) -> int:
+    """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .pipelines.batch import MANIFEST, FolderRun, image_seed
+    key = "prompt" if args.prompt is not None else "class"
+    settings = {"model": str(args.model or args.var_ckpt or "demo"), {"class": "classes"}.get(key, key + "s"): list(items),
+                "seed": args.seed,
+                **{k: getattr(args, k) for k in ("cfg", "top_k", "top_p", "temperature", "height", "width", "steps",
+                                                 "negative_prompt", "sparsevar", "tau", "keep_ratio", "start_scale",
+                                                 "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
+                                                 "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
+    out = Path(args.out)
+    try:
+        run = FolderRun(out, settings)
+    except ValueError as e:
+        raise CLIError(f"--out {out}: {e}") from None
+    order = [(j, n) for j in range(args.num) for n in range(len(items))]   # copy-major: a larger --num appends
+    todo = run.todo(order)
+    if not todo:
+        print(f"nothing to do: the {len(order)} image(s) are in {out} ({MANIFEST} lists them)")
+        return 0
+    batch = _batch_size(pipe, args, device, needed_for)
+    run.start()
+    bar = tqdm(total=len(todo), unit="image", disable=args.quiet, desc="images")
+    t0 = time.perf_counter()
+    for start in range(0, len(todo), batch):
+        part = todo[start:start + batch]
+        idx = [i for i, _ in part]
+        chosen = [items[n] for _, (j, n) in part]
+        seeds = [image_seed(args.seed, i) for i in idx]
+        gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+        res = pipe(**call_for(chosen), num_images_per_prompt=1, generator=gens)
+        st = res.stats[0]
+        stats = {"batch_size": len(part), "scale_loop_ms": round(st.transformer_ms, 3),
+                 "decode_ms": round(st.decode_ms, 3), "tokens_computed": st.tokens_computed, "tokens": st.tokens}
+        rows = [{key: item, "seed": s, "process_index": 0, "batch": stats} for item, s in zip(chosen, seeds)]
+        run.save(idx, res.images, rows, "PNG")
+        bar.update(len(part))
+    bar.close()
+    dt = time.perf_counter() - t0
+    print(f"{len(todo)} image(s) → {out} ({len(order) - len(todo)} already there) | {dt / len(todo) * 1e3:.0f} ms "
+          f"per image, batch {batch} | {out / MANIFEST}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    if args.prompts:
+        args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
+    folder = _folder_out(args.out)
     args.out = Path(args.out)
-    fmt = IMAGE_FORMATS[args.out.suffix.lower()]
+    fmt = None if folder else IMAGE_FORMATS[args.out.suffix.lower()]
     device = _device(args.device)
     if args.compile and device.type != "cuda":
         raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
@@ -540,28 +639,32 @@ def cmd_generate(args) -> int:
     _apply_acceleration(pipe, args, configs)
     gen = torch.Generator(device).manual_seed(args.seed)
     if hart:
-        n = len(args.prompt)
-        needed = pipe.memory_needed(n * args.num)
+        n, items, cond = len(args.prompt), list(args.prompt), "prompt"
+        need = pipe.memory_needed
         call = dict(prompt=args.prompt)
         what = f"{n} prompt(s)"
     elif text:
         height, width = args.height or 1024, args.width or 1024
-        n = len(args.prompt)
-        needed = pipe.memory_needed(n * args.num, height=height, width=width)
+        n, items, cond = len(args.prompt), list(args.prompt), "prompt"
+        need = lambda b: pipe.memory_needed(b, height=height, width=width)        # noqa: E731
         call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width)
         what = f"{n} prompt(s)"
     else:
         ids = _class_ids(pipe, args.class_labels or ["0"], args)
-        n = len(ids)
+        n, items, cond = len(ids), ids, "class_labels"
         call = dict(class_labels=ids)
         if flexvar:
             call["patch_nums"] = pipe.resolve_schedule(args.height, args.width, args.steps)
-            needed = pipe.memory_needed(n * args.num, call["patch_nums"])
+            need = lambda b: pipe.memory_needed(b, call["patch_nums"])           # noqa: E731
         else:
-            needed = pipe.memory_needed(n * args.num)
+            need = pipe.memory_needed
         what = f"{n} class(es)"
     call.update((k, v) for k, v in (("guidance_scale", args.cfg), ("top_k", args.top_k), ("top_p", args.top_p),
                                     ("temperature", args.temperature)) if v is not None)   # else the family's defaults
+    if folder:
+        pipe.set_progress_bar_config(disable=True)                     # one bar over the images instead
+        return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need, say)
+    needed = need(n * args.num)
     B = n * args.num
     try:
         check_memory(pipe, needed, B, f"--num {args.num} × {what} = {B} images in one run",
@@ -928,7 +1031,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, help=f"codes kept per token ({said('top_k')}; 0: all, 1: greedy)")
     g.add_argument("--top-p", type=float, help=f"nucleus sampling in [0, 1] ({said('top_p')}; 0: off)")
     g.add_argument("--num", type=int, default=1, help="images per class (per prompt)")
-    g.add_argument("--out", default="out.png", help="image path; several images get _0, _1, …")
+    g.add_argument("--out", default="out.png", help="image path; several images get _0, _1, …. A folder (a name "
+                                                    "ending in /, or an existing folder) gets numbered images, run.json "
+                                                    "and manifest.jsonl, and a rerun finishes what is missing")
+    g.add_argument("--prompts", help="a text file of prompts, one per line (added to --prompt)")
+    g.add_argument("--batch-size", type=int, help="folder output: images per pipeline call (default: as many as fit, "
+                                                   "at most 16; 4 on the CPU)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quiet", action="store_true")

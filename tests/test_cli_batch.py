@@ -1,0 +1,94 @@
+"""Many images into a folder (issue #33): numbered files, run.json and manifest.jsonl, per-image seeds
+that do not depend on the batch size, and resuming — a rerun finishes what is missing and writes
+nothing else."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from sparsevar.cli import main
+from sparsevar.pipelines.batch import image_seed
+
+
+def _pixels(path):
+    return np.asarray(PIL.Image.open(path)).astype(np.int16)
+
+
+def _rows(folder):
+    return [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+
+
+def test_folder_run_writes_numbered_images_and_resumes(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["generate", "--class", "tree", "car", "--num", "2", "--out", f"{out}/", "--quiet",
+                 "--batch-size", "3"]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["00000.png", "00001.png", "00002.png", "00003.png", "manifest.jsonl", "run.json"]
+    rows = _rows(out)
+    assert [r["index"] for r in rows] == [0, 1, 2, 3]
+    assert [r["class"] for r in rows] == [8, 10, 8, 10]                   # copy-major: tree, car, tree, car
+    assert [r["seed"] for r in rows] == [image_seed(0, i) for i in range(4)]
+    assert [r["batch"]["batch_size"] for r in rows] == [3, 3, 3, 1] and {r["process_index"] for r in rows} == {0}
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["generate", "--class", "tree", "car", "--num", "2", "--out", f"{out}/", "--quiet"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps        # nothing written
+    # an interrupted run: image 1 lost, image 2's manifest row lost → both redone, the same pictures
+    before = {i: _pixels(out / f"0000{i}.png") for i in (1, 2)}
+    (out / "00001.png").unlink()
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["index"] != 2))
+    assert main(["generate", "--class", "tree", "car", "--num", "3", "--out", str(out), "--quiet"]) == 0
+    assert sorted(r["index"] for r in _rows(out)) == [0, 1, 2, 3, 4, 5]           # and --num 3 added 4, 5
+    for i in (1, 2):
+        assert np.abs(_pixels(out / f"0000{i}.png") - before[i]).max() <= 1
+    assert (out / "00000.png").stat().st_mtime_ns == stamps["00000.png"]
+
+
+def test_images_do_not_depend_on_the_batch_size(tmp_path):
+    """Each image draws from its own seed (base seed, index): batch 1 and batch 4 give the same
+    pictures (to one level of 255: batched and single products round differently)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, bs in ((a, "4"), (b, "1")):
+        assert main(["generate", "--class", "star", "fish", "--num", "2", "--seed", "7", "--out", f"{folder}/",
+                     "--quiet", "--batch-size", bs]) == 0
+    for i in range(4):
+        assert np.abs(_pixels(a / f"0000{i}.png") - _pixels(b / f"0000{i}.png")).max() <= 1
+    assert np.abs(_pixels(a / "00000.png") - _pixels(a / "00002.png")).mean() > 1      # two draws of one class differ
+
+
+def test_prompts_file_into_a_folder(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w4\n\n  w5 w6 w7  \n")
+    out = tmp_path / "t"
+    assert main(["generate", "--prompts", str(prompts), "--height", "256", "--width", "256", "--out", f"{out}/",
+                 "--quiet"]) == 0
+    assert [r["prompt"] for r in _rows(out)] == ["w3 w4", "w5 w6 w7"]
+    assert json.loads((out / "run.json").read_text())["prompts"] == ["w3 w4", "w5 w6 w7"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--class", "tree", "--out", "{tmp}/x.png", "--batch-size", "2"], "--batch-size 2: only for a folder --out"),
+    (["--class", "tree", "--out", "{tmp}/f/", "--batch-size", "0"], "--batch-size 0: give the number of images"),
+    (["--prompts", "{tmp}/missing.txt", "--out", "{tmp}/f/"], "--prompts {tmp}/missing.txt: No such file"),
+    (["--class", "tree", "--out", "{tmp}/f/", "--sparsevar", "--save-token-maps", "{tmp}/m"],
+     "--save-token-maps writes one generation's maps"),
+])
+def test_folder_mode_errors_are_one_line(tmp_path, capsys, args, message):
+    assert main(["generate", *[a.format(tmp=tmp_path) for a in args], "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(tmp=tmp_path) in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_folder_of_another_run_is_refused_naming_the_setting(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["generate", "--class", "tree", "--out", f"{out}/", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--class", "tree", "--cfg", "2", "--out", f"{out}/", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with cfg=None, this one has cfg=2.0" in err
+    assert len(list(out.glob("*.png"))) == 1
