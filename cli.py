@@ -248,6 +248,10 @@ def _check_generate_args(args, text: bool) -> None:
                        f"cache; {other} computes a subset of the tokens): give one of them")
     count = (len(args.prompt) if text else len(args.class_labels or ["0"])) * args.num
     _at_least(args.batch_size, 1, "--batch-size", "give the number of images per pipeline call, 1 or more")
+    _at_least(args.num_processes, 1, "--num-processes", "give the number of processes, 1 or more")
+    if args.num_processes is not None and not _folder_out(args.out):
+        raise CLIError(f"--num-processes {args.num_processes}: only for a folder --out (a name ending in /), which "
+                       f"the processes share")
     if _folder_out(args.out):
         if args.save_token_maps:
             raise CLIError("--save-token-maps writes one generation's maps; with a folder --out, generate the images "
@@ -555,8 +559,22 @@ def _batch_size(pipe, args, device, needed_for) -> int:
     return 1
 
 
+def _process_state(device):
+    """accelerate's state of this process (one process unless started by ``accelerate launch`` or
+    ``--num-processes``)."""
+    from accelerate import PartialState
+    return PartialState(cpu=device.type != "cuda")
+
+
+def _generate_in_process(args) -> None:
+    """One of ``--num-processes`` processes (accelerate's launcher): the same command, its share."""
+    args.num_processes = None
+    cmd_generate(args)
+
+
 def _generate_folder(args, pipe, device, items, call_for, needed_for, say) -> int:
-    """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py)."""
+    """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
+    several processes each takes every n-th image left, the main one prepares the folder first."""
     import torch
     from tqdm.auto import tqdm
 
@@ -574,13 +592,19 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for, say) -> in
     except ValueError as e:
         raise CLIError(f"--out {out}: {e}") from None
     order = [(j, n) for j in range(args.num) for n in range(len(items))]   # copy-major: a larger --num appends
+    state = _process_state(device)
     todo = run.todo(order)
     if not todo:
-        print(f"nothing to do: the {len(order)} image(s) are in {out} ({MANIFEST} lists them)")
+        if state.is_main_process:
+            print(f"nothing to do: the {len(order)} image(s) are in {out} ({MANIFEST} lists them)")
         return 0
     batch = _batch_size(pipe, args, device, needed_for)
-    run.start()
-    bar = tqdm(total=len(todo), unit="image", disable=args.quiet, desc="images")
+    if state.is_main_process:
+        run.start()
+    state.wait_for_everyone()                          # the folder is ready before anyone writes into it
+    left = len(todo)
+    todo = todo[state.process_index::state.num_processes]
+    bar = tqdm(total=len(todo), unit="image", disable=args.quiet or not state.is_main_process, desc="images")
     t0 = time.perf_counter()
     for start in range(0, len(todo), batch):
         part = todo[start:start + batch]
@@ -592,13 +616,17 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for, say) -> in
         st = res.stats[0]
         stats = {"batch_size": len(part), "scale_loop_ms": round(st.transformer_ms, 3),
                  "decode_ms": round(st.decode_ms, 3), "tokens_computed": st.tokens_computed, "tokens": st.tokens}
-        rows = [{key: item, "seed": s, "process_index": 0, "batch": stats} for item, s in zip(chosen, seeds)]
+        rows = [{key: item, "seed": s, "process_index": state.process_index, "batch": stats}
+                for item, s in zip(chosen, seeds)]
         run.save(idx, res.images, rows, "PNG")
         bar.update(len(part))
     bar.close()
     dt = time.perf_counter() - t0
-    print(f"{len(todo)} image(s) → {out} ({len(order) - len(todo)} already there) | {dt / len(todo) * 1e3:.0f} ms "
-          f"per image, batch {batch} | {out / MANIFEST}")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        procs = f", {state.num_processes} processes" if state.num_processes > 1 else ""
+        print(f"{left} image(s) → {out} ({len(order) - left} already there) | {dt / max(len(todo), 1) * 1e3:.0f} ms "
+              f"per image and process, batch {batch}{procs} | {out / MANIFEST}")
     return 0
 
 
@@ -609,10 +637,16 @@ def cmd_generate(args) -> int:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
+    if args.num_processes is not None and args.num_processes > 1:
+        from accelerate import notebook_launcher                # forks: before any model or CUDA context
+        notebook_launcher(_generate_in_process, (args,), num_processes=args.num_processes)
+        return 0
     folder = _folder_out(args.out)
     args.out = Path(args.out)
     fmt = None if folder else IMAGE_FORMATS[args.out.suffix.lower()]
     device = _device(args.device)
+    if folder and device.type == "cuda" and _process_state(device).num_processes > 1:
+        device = _process_state(device).device                 # each process its own GPU
     if args.compile and device.type != "cuda":
         raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
                        f"--device cuda")
@@ -1037,6 +1071,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts", help="a text file of prompts, one per line (added to --prompt)")
     g.add_argument("--batch-size", type=int, help="folder output: images per pipeline call (default: as many as fit, "
                                                    "at most 16; 4 on the CPU)")
+    g.add_argument("--num-processes", type=int, help="folder output: split the images over N processes (one GPU "
+                                                      "each; on the CPU, N processes) with accelerate; "
+                                                      "`accelerate launch -m sparsevar generate …` does the same "
+                                                      "with an accelerate config")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quiet", action="store_true")

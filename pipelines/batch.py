@@ -14,7 +14,8 @@
 Image ``i`` of a run is drawn from its own generator seeded by :func:`image_seed` (base seed, i), so
 what lands in ``{i:05d}.png`` does not depend on the batch size or on which process drew it (a
 batch draws each image's codes from that image's generator; pictures agree to float rounding).
-A folder holds one run: ``run.json`` records its settings and a rerun with other settings is refused
+Several processes (``accelerate launch``, or ``--num-processes``) each take every n-th image of
+what is left and append to the same manifest. A folder holds one run: ``run.json`` records its settings and a rerun with other settings is refused
 naming the first that differs; ``manifest.jsonl`` gets one row per image (its item, seed, file,
 the process that wrote it and the stats of its batch), appended after the image is on disk, so an
 image counts as done when both its file and its row are there. Rerunning the same command skips
@@ -55,7 +56,7 @@ class FolderRun:
 
     def __init__(self, folder, settings: dict, ext: str = "png"):
         self.folder, self.settings, self.ext = Path(folder), dict(settings), ext
-        self._stale: set = set()                  # manifest rows without their image (found by todo)
+        self._stale: set = set()                  # manifest rows without their image (found by todo, dropped by start)
         run_file = self.folder / RUN_FILE
         if run_file.is_file():
             saved = json.loads(run_file.read_text())
@@ -91,13 +92,23 @@ class FolderRun:
         return [(i, item) for i, item in enumerate(items) if i not in done]
 
     def start(self) -> None:
-        """Make the folder and write ``run.json`` (once)."""
+        """Make the folder, write ``run.json`` (once) and drop the manifest rows whose image was lost
+        (found by :meth:`todo`; those images are drawn again). With several processes only the main
+        one calls this, before the others write: from then on the manifest is only appended to."""
         self.folder.mkdir(parents=True, exist_ok=True)
         run_file = self.folder / RUN_FILE
         if not run_file.is_file():
             tmp = run_file.with_name(f".{RUN_FILE}.tmp")
             tmp.write_text(json.dumps(self.settings, indent=1) + "\n")
             os.replace(tmp, run_file)
+        manifest = self.folder / MANIFEST
+        if self._stale and manifest.is_file():
+            kept = [ln for ln in manifest.read_text().splitlines(keepends=True)
+                    if ln.strip() and _index_of(ln) not in self._stale]
+            tmp = manifest.with_name(f".{MANIFEST}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, manifest)
+            self._stale = set()
 
     def save(self, indices: Sequence[int], images: Sequence, rows: Iterable[dict], fmt: str) -> None:
         """Write the images (each under a temporary name, then renamed), then append their manifest
@@ -115,16 +126,7 @@ class FolderRun:
                 tmp.unlink(missing_ok=True)
             raise
         lines = [json.dumps({"index": int(i), "file": self.path(i).name, **row}) + "\n" for i, row in zip(indices, rows)]
-        manifest = self.folder / MANIFEST
-        redone = self._stale & set(int(i) for i in indices)
-        if redone:                                                # one row per image: drop the old ones first
-            kept = [ln for ln in manifest.read_text().splitlines(keepends=True)
-                    if not ln.strip() or _index_of(ln) not in redone]
-            tmp = manifest.with_name(f".{MANIFEST}.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, manifest)
-            self._stale -= redone
-        with open(manifest, "a") as f:
+        with open(self.folder / MANIFEST, "a") as f:             # one write: appends of several processes stay whole
             f.write("".join(lines))
             f.flush()
             os.fsync(f.fileno())

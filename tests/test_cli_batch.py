@@ -76,6 +76,7 @@ def test_prompts_file_into_a_folder(tmp_path):
     (["--prompts", "{tmp}/missing.txt", "--out", "{tmp}/f/"], "--prompts {tmp}/missing.txt: No such file"),
     (["--class", "tree", "--out", "{tmp}/f/", "--sparsevar", "--save-token-maps", "{tmp}/m"],
      "--save-token-maps writes one generation's maps"),
+    (["--class", "tree", "--out", "{tmp}/x.png", "--num-processes", "2"], "--num-processes 2: only for a folder"),
 ])
 def test_folder_mode_errors_are_one_line(tmp_path, capsys, args, message):
     assert main(["generate", *[a.format(tmp=tmp_path) for a in args], "--quiet"]) == 2
@@ -92,3 +93,21 @@ def test_a_folder_of_another_run_is_refused_naming_the_setting(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "holds a run with cfg=None, this one has cfg=2.0" in err
     assert len(list(out.glob("*.png"))) == 1
+
+
+def test_two_processes_share_the_folder_and_draw_the_same_images(tmp_path):
+    """--num-processes 2 on the CPU really starts two processes through accelerate (both write rows)
+    and gives the files a single process writes."""
+    import subprocess
+    import sys
+    two, one = tmp_path / "two", tmp_path / "one"
+    base = [sys.executable, "-m", "sparsevar", "generate", "--class", "tree", "car", "--num", "2", "--quiet"]
+    res = subprocess.run(base + ["--out", f"{two}/", "--num-processes", "2"], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "2 processes" in res.stdout
+    assert main(["generate", "--class", "tree", "car", "--num", "2", "--quiet", "--out", f"{one}/"]) == 0
+    rows = _rows(two)
+    assert sorted(r["index"] for r in rows) == [0, 1, 2, 3] and {r["process_index"] for r in rows} == {0, 1}
+    for i in range(4):
+        assert np.abs(_pixels(two / f"0000{i}.png") - _pixels(one / f"0000{i}.png")).max() <= 1
