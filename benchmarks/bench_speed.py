@@ -6,7 +6,7 @@
 
 For each model × batch × method it times whole generations after warm-up and writes one CSV row:
 median / min of the scale loop (sum of per-scale CUDA-event times), end-to-end wall time with
-decode, per-scale medians, peak memory, and the hardware floor of the scale loop
+decode (and per image: ms and images per second), per-scale medians, peak memory, and the hardware floor of the scale loop
 (research/kernels.md §6: per scale, max(FLOPs / peak, bytes of weights + KV cache / bandwidth)),
 so every number says how far it is from the roof. Each method's speed-up over the dense row of the
 same run sits beside two ideals: the ratio of FLOPs (``ideal_speedup``) and the ratio of floors
@@ -326,6 +326,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
                            e2e_ms_median=round(statistics.median(e2e_ms), 3),
                            decode_ms_median=round(statistics.median(decode_ms), 3),
+                           e2e_ms_per_image=round(statistics.median(e2e_ms) / batch, 3),
+                           images_per_s=round(1e3 * batch / statistics.median(e2e_ms), 3),
                            speedup_vs_dense=round(speedup, 3), ideal_speedup=round(ideal, 3),
                            roofline_ideal_speedup=round(roof_ideal, 3),
                            kept_tokens=round(sum(tok_mean), 1),
@@ -337,7 +339,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 log(f"{name:>9} {res}px b{batch:<2} {method:<18} loop {row['ms_median']:8.2f} ms "
                     f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x FLOPs, {roof_ideal:4.2f}x roofline) "
                     f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
-                    f"decode {row['decode_ms_median']:.1f} ms peak {row['peak_mem_gb']:.2f} GB")
+                    f"decode {row['decode_ms_median']:.1f} ms ({row['e2e_ms_per_image']:.1f} ms / "
+                    f"{row['images_per_s']:.1f} images per s) peak {row['peak_mem_gb']:.2f} GB")
         del pipe
         if device == "cuda":
             torch.cuda.empty_cache()

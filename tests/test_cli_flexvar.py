@@ -69,3 +69,6 @@ def test_bench_speed_runs_flexvar_on_cpu(tmp_path):
     assert [(r["model"], r["resolution"], r["method"]) for r in rows] == [
         ("flexvar-tiny", "128", "dense"), ("flexvar-tiny", "128", "sparsevar-keep0.5")]
     assert float(rows[1]["ideal_speedup"]) > 1.0
+    for r in rows:                                   # per image: the end-to-end time over the batch, and its inverse
+        assert float(r["e2e_ms_per_image"]) == pytest.approx(float(r["e2e_ms_median"]), rel=1e-3)
+        assert float(r["images_per_s"]) == pytest.approx(1e3 / float(r["e2e_ms_median"]), rel=1e-3)
