@@ -521,8 +521,14 @@ def _is_out_of_memory(e: BaseException) -> bool:
 
 
 def _folder_out(out) -> bool:
-    """``--out`` names a folder: it ends in a path separator or is an existing folder."""
-    return str(out).endswith(("/", os.sep)) or Path(out).is_dir()
+    """``--out`` names a folder: it ends in a path separator, or is an existing folder whose name is
+    not an image file name (``out.png`` as a folder is more likely a mistake: refused as before)."""
+    if str(out).endswith(("/", os.sep)):
+        return True
+    try:
+        return Path(out).is_dir() and Path(out).suffix.lower() not in IMAGE_FORMATS
+    except OSError:                                  # e.g. a name too long to look up: the file checks say so
+        return False
 
 
 def _read_prompts(path) -> list[str]:

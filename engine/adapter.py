@@ -168,6 +168,13 @@ class ModelAdapter:
         """The latent accumulated so far (what decode would turn into images)."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
+        """Set the latent after scale ``si`` to ``latent`` (the shape of :meth:`latent`), in place, and
+        remake what the next scale reads from it (a callback's edit). Here: the latent alone, for a
+        family whose next input is made from it when that scale starts."""
+        self.latent(run).copy_(latent)
+
     def decode(self, run: RunState) -> torch.Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from the accumulated latent."""
         raise NotImplementedError

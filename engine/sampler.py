@@ -23,7 +23,9 @@ from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, Sc
 
 # callback(si, tensors) with tensors = {"codes": (B, l), "logits": guided (B, l, V), "latent": ...}: the
 # engine's own buffers (graph outputs, the workspace latent), valid during the call; clone to keep
-ScaleCallback = Callable[[int, dict], None]
+# called after each computed scale with (si, {"codes", "logits", "latent"}); it may return {"latent": edited}:
+# the adapter's replace_latent writes it and remakes the next scale's input from it
+ScaleCallback = Callable[[int, dict], Optional[dict]]
 
 
 @dataclass
@@ -167,7 +169,15 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
             run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1,
                                                keys_read=run.keys_read))
             if callback is not None:
-                callback(si, {"codes": codes, "logits": guided, "latent": adapter.latent(run)})
+                latent = adapter.latent(run)
+                ret = callback(si, {"codes": codes, "logits": guided, "latent": latent})
+                if isinstance(ret, dict) and ret.get("latent") is not None:     # an edit: later scales build on it
+                    new = ret["latent"]
+                    if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(latent.shape):
+                        raise ValueError(f"the callback returned a latent of shape "
+                                         f"{tuple(getattr(new, 'shape', ()))}; it must keep the latent's shape "
+                                         f"{tuple(latent.shape)}")
+                    adapter.replace_latent(si, new.to(latent.device, latent.dtype), run)
             if stop is not None and stop():
                 skipping = True
         scale_ms = timer.ms()                          # one host sync for every scale's time

@@ -297,6 +297,15 @@ class FlexVARAdapter(VARAdapter):
         return run.workspace.codes[done[-1] if done else 0]
 
     @torch.no_grad()
+    def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
+        ws, sch = run.workspace, run.schedule
+        ws.codes[si].copy_(latent)
+        if si + 1 < sch.num_scales:
+            nxt = sch.hw[si + 1][0]
+            up = F.interpolate(ws.codes[si], size=(nxt, nxt), mode="bicubic")
+            ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))
+
+    @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
         """The last computed scale's code vectors through the decoder; when later scales were skipped,
         bicubic-upsampled to the last scale's size first (as the model's own next input would be),

@@ -799,6 +799,15 @@ class HARTAdapter(ModelAdapter):
         return run.workspace.f_hat
 
     @torch.no_grad()
+    def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
+        ws, sch = run.workspace, run.schedule
+        ws.f_hat.copy_(latent)
+        if si < sch.num_scales - 1:
+            nxt_BChw = F.interpolate(ws.f_hat, size=self.image_schedule.hw[si + 1], mode="area")
+            start, end = sch.offsets[si + 1], sch.offsets[si + 2]
+            ws.next_BLC[:, start:end].copy_(nxt_BChw.flatten(2).transpose(1, 2))      # (B, Cv, h, w) → (B, h·w, Cv)
+
+    @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
         return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5
 

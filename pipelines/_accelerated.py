@@ -29,6 +29,10 @@ LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
+# callback_on_step_end_tensor_inputs names → the engine's: diffusers' "latents"; "latent" is this
+# package's older name, kept as an alias
+_CALLBACK_NAMES = {"latents": "latent"}
+
 def _gb(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if n >= size:
@@ -354,12 +358,19 @@ class AcceleratedPipelineMixin:
         settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
         wanted = tuple(callback_on_step_end_tensor_inputs or ())
         with self.progress_bar(total=(schedule or adapter.schedule).num_scales) as pbar:
-            def on_scale(si: int, tensors: dict) -> None:
+            def on_scale(si: int, tensors: dict) -> Optional[dict]:
                 self._current_scale = si
+                edit = None
                 if callback_on_step_end is not None:
                     # copies: the tensors live in buffers that later scales and calls overwrite
-                    callback_on_step_end(self, si, si, {k: tensors[k].clone() for k in wanted})
+                    given = {k: tensors[_CALLBACK_NAMES.get(k, k)].clone() for k in wanted}
+                    back = callback_on_step_end(self, si, si, given)
+                    if isinstance(back, dict):             # as diffusers: the returned latents are used from here on
+                        new = back.get("latents", back.get("latent"))
+                        if new is not None:
+                            edit = {"latent": new}
                 pbar.update()
+                return edit
 
             result = generate(adapter, conditioning, batch_size, settings=settings, generator=generator,
                               policies=policies, callback=on_scale, cuda_graphs=graphs,

@@ -51,7 +51,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     DEFAULTS = FLEXVAR_DEFAULTS
     _output_class = FlexVARPipelineOutput
     model_cpu_offload_seq = "transformer->vqvae"
-    _callback_tensor_inputs = ["codes", "logits", "latent"]
+    _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: FlexVARTransformer, vqvae: FlexVQ16):
         super().__init__()

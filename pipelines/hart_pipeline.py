@@ -51,7 +51,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     DEFAULTS = HART_DEFAULTS
     _output_class = HARTPipelineOutput
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
-    _callback_tensor_inputs = ["codes", "logits", "latent"]
+    _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: HARTTransformer, vqvae: MultiScaleVQVAE, text_encoder, tokenizer):
         super().__init__()

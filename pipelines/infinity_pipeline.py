@@ -59,7 +59,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     DEFAULTS = INFINITY_DEFAULTS
     _output_class = InfinityPipelineOutput
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    _callback_tensor_inputs = ["codes", "logits", "latent"]
+    _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: InfinityTransformer, vae: BSQVAE, text_encoder, tokenizer):
         super().__init__()
@@ -312,9 +312,11 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             generator: a ``torch.Generator`` or one per image; every random draw comes from it.
             output_type: "pil", "np" ((B, H, W, 3) in [0, 1]), "pt" ((B, 3, H, W) in [0, 1]) or
                 "latent" (summed codes).
-            callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs)`` after every scale,
-                with copies of "codes" (bits, (B, h·w, d)), "logits" (guided, (B, h·w, 2d)), "latent".
-                Set ``pipe._interrupt = True`` to stop early: the codes so far are decoded.
+            callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs) -> dict`` after every
+                scale, with copies of "codes" (bits, (B, h·w, d)), "logits" (guided, (B, h·w, 2d)),
+                "latents" (the summed codes; "latent" is its older name). A returned "latents" (same
+                shape) replaces the sum: the next scale's input is made from it and it is decoded, as
+                in VARPipeline. Set ``pipe._interrupt = True`` to stop early: the codes so far are decoded.
             policies: acceleration policies for this call only, instead of the enabled ones.
             prompt_features, negative_prompt_features: precomputed packed T5 features instead of
                 strings (:meth:`encode_prompt`).

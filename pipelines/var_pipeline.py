@@ -83,7 +83,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     DEFAULTS = VAR_DEFAULTS
     _output_class = VARPipelineOutput
     model_cpu_offload_seq = "transformer->vqvae"
-    _callback_tensor_inputs = ["codes", "logits", "latent"]
+    _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: VARTransformer, vqvae: MultiScaleVQVAE, id2label: Optional[dict] = None):
         super().__init__()
@@ -332,10 +332,12 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             generator: a ``torch.Generator`` or one per image; every random draw comes from it.
             output_type: "pil", "np" ((B, H, W, 3) in [0, 1]), "pt" ((B, 3, H, W) in [0, 1]) or "latent".
             callback_on_step_end: ``fn(pipe, scale_index, scale_index, callback_kwargs) -> dict`` after
-                every scale, with the tensors named in ``callback_on_step_end_tensor_inputs``
-                ("codes", "logits" = guided logits, "latent"; copies, safe to keep). The returned
-                dict is not read back: generation state cannot be edited from a callback. Set
-                ``pipe._interrupt = True`` to stop early: the latent accumulated so far is decoded.
+                every computed scale, with the tensors named in ``callback_on_step_end_tensor_inputs``
+                ("codes", "logits" = guided logits, "latents" = the latent so far; "latent" is its
+                older name; copies, safe to keep). As in diffusers, a returned dict's "latents" (same
+                shape) replace the latent: the next scales build on it and it is what gets decoded;
+                nothing else can be changed from a callback (this scale's codes are already in it).
+                Set ``pipe._interrupt = True`` to stop early: the latent so far is decoded.
             use_cuda_graphs: replay dense scales from CUDA graphs (default: on for CUDA models).
             policies: acceleration policies for this call only, instead of the enabled ones (the
                 pipeline is left unchanged — what ComfyUI nodes need, whose outputs are shared).

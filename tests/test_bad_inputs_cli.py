@@ -36,7 +36,7 @@ def _fails(argv, capsys, command: str, *messages: str, rc: int = 2) -> str:
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--out", "{tmp}/folder.png"], "--out {tmp}/folder.png: that is a folder; give a file name"),
     (["generate", "--out", "{tmp}/a_file/x.png"], "{tmp}/a_file is a file, so nothing can be written under it"),
-    (["generate", "--out", "{tmp}/new/"], "that names a folder; give a file name"),
+    (["generate", "--out", "{tmp}/a_file/"], "--out {tmp}/a_file: that is a file; give a folder name"),
     (["generate", "--out", "{tmp}/x.gif"], "--out {tmp}/x.gif: use a .png, .jpg or .webp file name"),
     # /proc takes no new files, not even from root, whom no permission bit stops: the real probe does
     (["generate", "--out", "/proc/sparsevar-test.png"], "cannot write in /proc (no permission, or a read-only"),

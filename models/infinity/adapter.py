@@ -347,6 +347,14 @@ class InfinityAdapter(ModelAdapter):
         return run.workspace.summed_BdHW
 
     @torch.no_grad()
+    def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
+        ws, sch = run.workspace, run.schedule
+        ws.summed_BdHW.copy_(latent)
+        if si < sch.num_scales - 1:
+            start, end = sch.offsets[si + 1], sch.offsets[si + 2]
+            ws.next_BLD[:, start:end].copy_(next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify))
+
+    @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
         ws = run.workspace
         ws.drop_kv()                                   # the scale loop is over: lend the cache's memory to the decoder
