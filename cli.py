@@ -578,7 +578,7 @@ def _generate_in_process(args) -> None:
     cmd_generate(args)
 
 
-def _generate_folder(args, pipe, device, items, call_for, needed_for, say) -> int:
+def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
     """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
     several processes each takes every n-th image left, the main one prepares the folder first."""
     import torch
@@ -651,8 +651,10 @@ def cmd_generate(args) -> int:
     args.out = Path(args.out)
     fmt = None if folder else IMAGE_FORMATS[args.out.suffix.lower()]
     device = _device(args.device)
-    if folder and device.type == "cuda" and _process_state(device).num_processes > 1:
-        device = _process_state(device).device                 # each process its own GPU
+    if folder and device.type == "cuda":
+        state = _process_state(device)
+        if state.num_processes > 1:
+            device = state.device                                # each process its own GPU
     if args.compile and device.type != "cuda":
         raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
                        f"--device cuda")
@@ -703,7 +705,7 @@ def cmd_generate(args) -> int:
                                     ("temperature", args.temperature)) if v is not None)   # else the family's defaults
     if folder:
         pipe.set_progress_bar_config(disable=True)                     # one bar over the images instead
-        return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need, say)
+        return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need)
     needed = need(n * args.num)
     B = n * args.num
     try:

@@ -286,9 +286,14 @@ class FlexVARAdapter(VARAdapter):
         q_BChw = q_BlC.transpose(1, 2).reshape(B, c, pn, pn)                          # (B, l, c) → (B, c, pn, pn)
         ws.codes[si].copy_(q_BChw)
         if si + 1 < sch.num_scales:
-            nxt = sch.hw[si + 1][0]
-            up = F.interpolate(q_BChw, size=(nxt, nxt), mode="bicubic")
-            ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))
+            self._write_next_input(si, run)
+
+    def _write_next_input(self, si: int, run: RunState) -> None:
+        """Scale si + 1's input: scale si's code vectors, bicubic-upsampled to its size."""
+        ws, sch = run.workspace, run.schedule
+        nxt = sch.hw[si + 1][0]
+        up = F.interpolate(ws.codes[si], size=(nxt, nxt), mode="bicubic")
+        ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))   # → (B, hw, c)
 
     def latent(self, run: RunState) -> torch.Tensor:
         """The code vectors (B, c, pn, pn) of the last scale computed so far (FlexVAR decodes the
@@ -298,12 +303,9 @@ class FlexVARAdapter(VARAdapter):
 
     @torch.no_grad()
     def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
-        ws, sch = run.workspace, run.schedule
-        ws.codes[si].copy_(latent)
-        if si + 1 < sch.num_scales:
-            nxt = sch.hw[si + 1][0]
-            up = F.interpolate(ws.codes[si], size=(nxt, nxt), mode="bicubic")
-            ws.next_BLC[:, sch.offsets[si + 1]:sch.offsets[si + 2]].copy_(up.flatten(2).transpose(1, 2))
+        run.workspace.codes[si].copy_(latent)
+        if si + 1 < run.schedule.num_scales:
+            self._write_next_input(si, run)
 
     @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:

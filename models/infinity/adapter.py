@@ -340,6 +340,11 @@ class InfinityAdapter(ModelAdapter):
             ws.summed_BdHW.add_(codes_BDhw)                                          # full size already
             return
         ws.summed_BdHW.add_(upsample_codes(codes_BDhw, ws.summed_BdHW.shape[-2:]))
+        self._write_next_input(si, run)
+
+    def _write_next_input(self, si: int, run: RunState) -> None:
+        """Scale si + 1's input map, from the summed codes."""
+        ws, sch = run.workspace, run.schedule
         start, end = sch.offsets[si + 1], sch.offsets[si + 2]
         ws.next_BLD[:, start:end].copy_(next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify))
 
@@ -348,11 +353,9 @@ class InfinityAdapter(ModelAdapter):
 
     @torch.no_grad()
     def replace_latent(self, si: int, latent: torch.Tensor, run: RunState) -> None:
-        ws, sch = run.workspace, run.schedule
-        ws.summed_BdHW.copy_(latent)
-        if si < sch.num_scales - 1:
-            start, end = sch.offsets[si + 1], sch.offsets[si + 2]
-            ws.next_BLD[:, start:end].copy_(next_scale_input(ws.summed_BdHW, sch.hw[si + 1], self.patchify))
+        run.workspace.summed_BdHW.copy_(latent)
+        if si < run.schedule.num_scales - 1:
+            self._write_next_input(si, run)
 
     @torch.no_grad()
     def decode(self, run: RunState) -> torch.Tensor:
