@@ -1016,12 +1016,15 @@ def cmd_train_demo(args) -> int:
         cfg = cfg.quick()
     steps = {k: v for k, v in (("vq_steps", args.vq_steps), ("dec_steps", args.dec_steps),
                                ("var_steps", args.var_steps), ("var_batch", args.var_batch),
+                               ("var_lr", args.var_lr),
                                ("cls_steps", args.cls_steps),
                                ("var_data", args.var_data), ("cls_data", args.cls_data)) if v is not None}
     if args.schedule is not None:
         steps["schedule"] = args.schedule
     if args.dec_adv_weight is not None:
         steps["dec_adv_weight"] = args.dec_adv_weight
+    if args.var_continue:
+        steps["var_continue"] = True
     if args.vq_ch_mult is not None:
         steps["vq_ch_mult"] = tuple(args.vq_ch_mult)
     try:
@@ -1150,6 +1153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adversarial term of the decoder stage (patch discriminator; 0: off, 0.1–0.8 typical)")
     t.add_argument("--var-steps", type=int)
     t.add_argument("--var-batch", type=int, help="scenes per transformer step")
+    t.add_argument("--var-lr", type=float, help="peak learning rate of the transformer (default 8e-4)")
+    t.add_argument("--var-continue", action="store_true",
+                   help="stage var trains the transformer already in --out further (with a new --seed: on new "
+                        "scenes) instead of starting afresh")
     t.add_argument("--cls-steps", type=int)
     t.add_argument("--var-data", type=int, help="tokenised scenes the transformer trains on")
     t.add_argument("--schedule", type=int, choices=[256, 512],

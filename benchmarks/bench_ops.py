@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ._results import write_csv
 
@@ -334,6 +335,15 @@ def _cases(dev) -> list[dict]:
                       bytes=x_gn.numel() * 2 * 3, memory_bound=True, target=False,
                       run={"triton": lambda: gn_mod.group_norm_silu(x_gn, w_gn, b_gn, 32, 1e-6, True),
                            "torch": lambda: ref.group_norm_silu(x_gn, w_gn, b_gn, 32, 1e-6, True)}))
+    # the VQVAE decoders' GroupNorm + SiLU (VAR, FlexVAR, HART) at HART's largest map, channels-first
+    # bf16: the channels-first kernels against PyTorch's GroupNorm then SiLU in bf16 (what those
+    # decoders ran before)
+    x_nchw = x_gn.contiguous()
+    w_bf, b_bf = w_gn.to(torch.bfloat16), b_gn.to(torch.bfloat16)
+    cases.append(dict(op="group_norm_silu", shape="B1 C128 1024x1024 32 groups, channels-first", dtype="bf16",
+                      bytes=x_nchw.numel() * 2 * 3, memory_bound=True, target=False,
+                      run={"triton": lambda: gn_mod.group_norm_silu(x_nchw, w_bf, b_bf, 32, 1e-6, True),
+                           "torch": lambda: F.silu(F.group_norm(x_nchw, 32, w_bf, b_bf, 1e-6))}))
     # attention with padding keys: VAR-d30, 8 images with CFG at 13×13 whose kept counts differ;
     # Infinity-2B's last scale (2 images, half the 4096 tokens kept, 10k-token cache); Infinity's
     # cross-attention to padded prompts

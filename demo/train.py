@@ -69,6 +69,9 @@ class DemoTrainConfig:
     dec_adv_start: decoder step from which the adversarial term counts (the discriminator trains
         from step 0).
     var_*: transformer depth / width / heads, steps, batch, peak learning rate, label dropout.
+    var_continue: stage ``var`` starts from the folder's trained transformer instead of a fresh
+        initialisation (its schedule and learning-rate curve start again; pass a new ``seed`` to
+        train on scenes it has not seen).
     vq_data, var_data, cls_data: distinct scenes each stage trains on (rendered once, re-used over
         epochs; ``var_data`` scenes are kept tokenised, ≈45 KB each in bfloat16 at the 256
         schedule, ≈143 KB at the 512 one).
@@ -103,6 +106,7 @@ class DemoTrainConfig:
     var_batch: int = 96
     var_lr: float = 8e-4
     var_label_dropout: float = 0.1
+    var_continue: bool = False
     var_data: int = 60_000
     cls_steps: int = 5_000
     cls_batch: int = 128
@@ -408,12 +412,17 @@ def tokenize_scenes(vq: MultiScaleVQVAE, count: int, seed: int, device: torch.de
 
 
 def train_var(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
-              log: Callable[[str], None]) -> VARTransformer:
+              log: Callable[[str], None], init: Optional[VARTransformer] = None) -> VARTransformer:
+    """The transformer, trained on ``cfg.var_data`` tokenised scenes from a fresh initialisation, or
+    further from ``init`` (its weights, in float32)."""
     t0 = time.time()
     codes_NL, inputs_NLC, labels_N = tokenize_scenes(vq, cfg.var_data, cfg.seed * 1000 + 2, device)
     log(f"var: tokenised {codes_NL.shape[0]} scenes in {time.time() - t0:.0f}s")
     torch.manual_seed(cfg.seed)
-    model = _init_var(build_var(cfg)).to(device).train()
+    model = _init_var(build_var(cfg))
+    if init is not None:
+        model.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
+    model = model.to(device).train()
     model.rebuild_buffers()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_" not in n and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_" not in n and "embed" not in n)]
@@ -638,8 +647,15 @@ def train_demo(out_dir, config: DemoTrainConfig = DemoTrainConfig(), stages=STAG
                 raise ValueError(f"stage 'var': the VQVAE in {out} has the schedule {tuple(vq.config.patch_nums)}, "
                                  f"the config asks for {VAR_SCHEDULES[config.schedule]} (schedule={config.schedule}): "
                                  f"train stage 'vqvae' again, or pass the VQVAE's schedule")
+            init = None
+            if config.var_continue:
+                if not (tmp / "transformer" / "config.json").is_file():
+                    raise ValueError(f"var_continue: {out} has no trained transformer (transformer/config.json) "
+                                     f"to continue from; run stage 'var' without it first")
+                init = VARTransformer.from_pretrained(tmp, subfolder="transformer", local_files_only=True,
+                                                      torch_dtype=torch.float32)
             t0 = time.time()
-            var = train_var(config, vq, device, log)
+            var = train_var(config, vq, device, log, init=init)
             seconds["var"] = time.time() - t0
             _save_folder(tmp, vq, var, config)
             (tmp / "stage_vqvae.safetensors").unlink(missing_ok=True)    # the folder's vqvae/ holds it now

@@ -13,6 +13,20 @@ from ..sparse_ops.kernels import TORCH_KERNELS, Kernels, dense_linear
 MAX_LOG_TEMPERATURE = math.log(100.0)    # cosine attention: q's learned temperature is exp(min(τ, ln 100))
 
 
+def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True) -> torch.Tensor:
+    """``norm(x)``, then SiLU when ``silu``: the VAE decoders' GroupNorm + SiLU. A GroupNorm on a
+    CUDA input that autograd does not track takes the fused kernel of ``sparse_ops.group_norm_silu``
+    (channels-last or contiguous channels-first; float32 statistics, the result in x's dtype and
+    memory layout); anything else, and any other norm, runs PyTorch's."""
+    grad = torch.is_grad_enabled() and (x_BChw.requires_grad or any(p.requires_grad for p in norm.parameters()))
+    if isinstance(norm, nn.GroupNorm) and norm.affine and x_BChw.is_cuda and x_BChw.dim() == 4 and not grad:
+        from ..sparse_ops import ops as sparse_ops
+
+        return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu)
+    y = norm(x_BChw)
+    return F.silu(y) if silu else y
+
+
 class TanhGeluFFN(nn.Module):
     """fc1 → GELU (tanh approximation) → fc2; keys ``fc1``, ``fc2``."""
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from ._blocks import norm_silu
+
 
 def code_value(d: int) -> float:
     """The magnitude of every code entry: 1/√d as the reference computes it (float32 ±1/√d, then
@@ -87,18 +89,9 @@ class _Norm(nn.Module):
         self.norm = nn.GroupNorm(groups, channels, eps=1e-6, affine=True)
 
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """GroupNorm, then SiLU when ``silu``. Channels-last CUDA input (the fast decode, see
-        ``BSQVAE.decode``) takes the fused kernel of ``sparse_ops.group_norm_silu`` and stays
-        channels-last; anything else, and anything autograd tracks, runs PyTorch's GroupNorm."""
-        n = self.norm
-        grad = torch.is_grad_enabled() and (x.requires_grad or n.weight.requires_grad)   # the kernel has no backward
-        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1 \
-                and not grad:
-            from ..sparse_ops import ops as sparse_ops
-
-            return sparse_ops.group_norm_silu(x, n.weight, n.bias, n.num_groups, n.eps, silu)
-        y = n(x)
-        return F.silu(y) if silu else y
+        """GroupNorm, then SiLU when ``silu`` (``norm_silu``: the fused kernel on the GPU, which keeps
+        the channels-last memory of the fast decode, see ``BSQVAE.decode``)."""
+        return norm_silu(self.norm, x, silu)
 
 
 class _ResnetBlock(nn.Module):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from ._blocks import norm_silu
 from .vqvae import Downsample2x, ResnetBlock, Upsample2x, _group_norm
 
 
@@ -35,7 +36,7 @@ class SeparateQKVAttnBlock(nn.Module):
 
     def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
         B, C, h, w = x_BChw.shape
-        y = self.norm(x_BChw)
+        y = norm_silu(self.norm, x_BChw, silu=False)
         q_BLC = self.q(y).reshape(B, C, h * w).transpose(1, 2)                      # (B, C, h, w) → (B, h·w, C)
         k_BCL = self.k(y).reshape(B, C, h * w)
         v_BCL = self.v(y).reshape(B, C, h * w)
@@ -100,7 +101,7 @@ class _Encoder(nn.Module):
         h = self.conv_in(img_B3HW)
         for block in self.conv_blocks:
             h = block(h)
-        return self.conv_out(F.silu(self.norm_out(self.mid(h))))
+        return self.conv_out(norm_silu(self.norm_out, self.mid(h)))
 
 
 class _Decoder(nn.Module):
@@ -123,7 +124,7 @@ class _Decoder(nn.Module):
         h = self.mid(self.conv_in(z_BChw))
         for block in self.conv_blocks:
             h = block(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(norm_silu(self.norm_out, h))
 
 
 class _Quantize(nn.Module):

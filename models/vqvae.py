@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from ._blocks import norm_silu
+
 __all__ = ["MultiScaleVQVAE", "phi_index_table"]
 
 Schedule = Sequence[tuple[int, int]]
@@ -147,8 +149,8 @@ class ResnetBlock(nn.Module):
             self.nin_shortcut = nn.Identity()
 
     def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
-        h_BChw = self.conv1(F.silu(self.norm1(x_BChw)))
-        h_BChw = self.conv2(F.silu(self.norm2(h_BChw)))
+        h_BChw = self.conv1(norm_silu(self.norm1, x_BChw))
+        h_BChw = self.conv2(norm_silu(self.norm2, h_BChw))
         return self.nin_shortcut(x_BChw) + h_BChw
 
 
@@ -166,7 +168,7 @@ class AttnBlock(nn.Module):
     def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
         B, _, h, w = x_BChw.shape
         C = self.channels
-        qkv_B3Chw = self.qkv(self.norm(x_BChw)).reshape(B, 3, C, h, w)  # (B, 3C, h, w) -> (B, 3, C, h, w)
+        qkv_B3Chw = self.qkv(norm_silu(self.norm, x_BChw, silu=False)).reshape(B, 3, C, h, w)  # (B, 3C, h, w) -> (B, 3, C, h, w)
         q_BChw, k_BChw, v_BChw = qkv_B3Chw.unbind(1)
         q_BLC = q_BChw.reshape(B, C, h * w).permute(0, 2, 1)  # (B, C, h, w) -> (B, h*w, C)
         k_BCL = k_BChw.reshape(B, C, h * w)  # (B, C, h, w) -> (B, C, h*w)
@@ -267,7 +269,7 @@ class Encoder(nn.Module):
             if i_level != len(self.down) - 1:
                 h_BChw = level.downsample(h_BChw)
         h_BChw = self.mid(h_BChw)
-        return self.conv_out(F.silu(self.norm_out(h_BChw)))
+        return self.conv_out(norm_silu(self.norm_out, h_BChw))
 
 
 class Decoder(nn.Module):
@@ -306,7 +308,7 @@ class Decoder(nn.Module):
             h_BChw = level.run_blocks(h_BChw)
             if i_level != 0:
                 h_BChw = level.upsample(h_BChw)
-        return self.conv_out(F.silu(self.norm_out(h_BChw)))
+        return self.conv_out(norm_silu(self.norm_out, h_BChw))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Triton: GroupNorm with its affine and an optional SiLU on channels-last activations, twin of
-``ref.group_norm_silu``.
+"""Triton: GroupNorm with its affine and an optional SiLU, on channels-last or channels-first
+(contiguous NCHW) activations, twin of ``ref.group_norm_silu``.
 
 Why: in the VAE decoders every convolution is preceded by GroupNorm + SiLU. PyTorch's GroupNorm
 wants channels-first memory (on channels-last input it makes a contiguous copy), so the
@@ -13,6 +13,13 @@ Statistics are float32 and combined with Chan's parallel formula (block means an
 squares), not as sums of squares, so a large mean does not cancel the variance. The Triton path
 needs a power-of-two group count and channels per group (the decoders' widths 128–512 in 32
 groups); the launcher falls back to the torch twin otherwise.
+
+Channels-first input (the VQVAE decoders of VAR, FlexVAR and HART, whose convolutions run NCHW)
+takes its own three kernels, for any group count: a group of an image is one contiguous range of
+(C/G)·H·W values, reduced by many programs at once (PyTorch's kernel gives each (image, group) one
+block, which leaves most of the GPU idle on a 1024² map with 32 groups); the combination writes a
+per-(image, channel) scale and shift, and the normalising pass is one multiply-add (and SiLU) per
+value.
 """
 from __future__ import annotations
 
@@ -93,21 +100,116 @@ def _gn_apply_kernel(x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, HW, C,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=pm[:, None])
 
 
+@triton.jit
+def _gn_partial_nchw_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, N, S, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    bg = tl.program_id(1).to(tl.int64)                   # (image, group): values [bg·N, bg·N + N)
+    n_acc = 0.0
+    mean_acc = 0.0
+    m2_acc = 0.0
+    for tile in range(s, tl.cdiv(N, BLOCK), S):          # tiles s, s + S, … of the group
+        i = tile * BLOCK + tl.arange(0, BLOCK)
+        m = i < N
+        x = tl.load(x_ptr + bg * N + i, mask=m, other=0.0).to(tl.float32)
+        n_t = tl.sum(m.to(tl.float32), axis=0)
+        mean_t = tl.sum(x, axis=0) / n_t
+        d = tl.where(m, x - mean_t, 0.0)
+        m2_t = tl.sum(d * d, axis=0)
+        n_new = n_acc + n_t                              # Chan's merge, as the channels-last kernel
+        delta = mean_t - mean_acc
+        mean_acc = mean_acc + delta * (n_t / n_new)
+        m2_acc = m2_acc + m2_t + delta * delta * (n_acc * n_t / n_new)
+        n_acc = n_new
+    tl.store(mean_ptr + bg * S + s, mean_acc)
+    tl.store(m2_ptr + bg * S + s, m2_acc)
+    tl.store(cnt_ptr + bg * S + s, n_acc)
+
+
+@triton.jit
+def _gn_finalize_nchw_kernel(mean_ptr, m2_ptr, cnt_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, S, G, CPG, eps,
+                             BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    bg = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    m = s < S
+    n_i = tl.load(cnt_ptr + bg * S + s, mask=m, other=0.0)
+    mean_i = tl.load(mean_ptr + bg * S + s, mask=m, other=0.0)
+    m2_i = tl.load(m2_ptr + bg * S + s, mask=m, other=0.0)
+    n = tl.sum(n_i, axis=0)
+    mean = tl.sum(n_i * mean_i, axis=0) / n
+    d = mean_i - mean
+    m2 = tl.sum(m2_i, axis=0) + tl.sum(n_i * d * d, axis=0)
+    rstd = 1.0 / tl.sqrt(m2 / n + eps)
+    j = tl.arange(0, BLOCK_C)
+    cm = j < CPG
+    c = (bg % G) * CPG + j                               # the group's channels
+    w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    out = bg * CPG + j                                   # = image · C + channel
+    tl.store(scale_ptr + out, rstd * w, mask=cm)
+    tl.store(shift_ptr + out, b - mean * rstd * w, mask=cm)
+
+
+@triton.jit
+def _gn_apply_nchw_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, HW, BLOCK: tl.constexpr, SILU: tl.constexpr):
+    pb = tl.program_id(0)
+    bc = tl.program_id(1).to(tl.int64)                   # (image, channel): values [bc·HW, bc·HW + HW)
+    i = pb * BLOCK + tl.arange(0, BLOCK)
+    m = i < HW
+    x = tl.load(x_ptr + bc * HW + i, mask=m, other=0.0).to(tl.float32)
+    y = x * tl.load(scale_ptr + bc) + tl.load(shift_ptr + bc)
+    if SILU:
+        y = y / (1.0 + tl.exp(-y))
+    tl.store(out_ptr + bc * HW + i, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def supported(x_BCHW: torch.Tensor, groups: int) -> bool:
-    """Whether the kernels take this input: channels-last memory, power-of-two groups and channels
-    per group, at most 1024 channels."""
+def _channels_last_ok(x_BCHW: torch.Tensor, groups: int) -> bool:
     B, C, H, W = x_BCHW.shape
     return (x_BCHW.is_contiguous(memory_format=torch.channels_last) and C % groups == 0
             and _pow2(groups) and _pow2(C // groups) and C <= 1024 and groups <= 64)
 
 
+def _channels_first_ok(x_BCHW: torch.Tensor, groups: int) -> bool:
+    return x_BCHW.is_contiguous() and groups >= 1 and x_BCHW.shape[1] % groups == 0
+
+
+def supported(x_BCHW: torch.Tensor, groups: int) -> bool:
+    """Whether the kernels take this input: channels-last memory with power-of-two groups and
+    channels per group and at most 1024 channels, or contiguous channels-first memory with any
+    groups that divide the channels."""
+    return _channels_last_ok(x_BCHW, groups) or _channels_first_ok(x_BCHW, groups)
+
+
+def _group_norm_silu_nchw(x_BCHW, weight_C, bias_C, groups: int, eps: float, silu: bool) -> torch.Tensor:
+    B, C, H, W = x_BCHW.shape
+    HW, CPG = H * W, C // groups
+    out = torch.empty_like(x_BCHW)
+    if not (B and HW):
+        return out
+    N = CPG * HW                                            # values per (image, group)
+    BLOCK = 4096
+    S = max(1, min(triton.cdiv(N, BLOCK), -(-2048 // (B * groups))))           # programs per group: ~2048 in all
+    dev = x_BCHW.device
+    part = torch.empty(3, B * groups, S, device=dev, dtype=torch.float32)          # mean, M2, count
+    affine = torch.empty(2, B * C, device=dev, dtype=torch.float32)                # scale, shift
+    _gn_partial_nchw_kernel[(S, B * groups)](x_BCHW, part[0], part[1], part[2], N, S, BLOCK=BLOCK, num_warps=8)
+    _gn_finalize_nchw_kernel[(B * groups,)](part[0], part[1], part[2], weight_C, bias_C, affine[0], affine[1], S,
+                                            groups, CPG, eps, BLOCK_S=triton.next_power_of_2(S),
+                                            BLOCK_C=triton.next_power_of_2(CPG), num_warps=4)
+    BLOCK_A = min(4096, triton.next_power_of_2(HW))
+    _gn_apply_nchw_kernel[(triton.cdiv(HW, BLOCK_A), B * C)](x_BCHW, affine[0], affine[1], out, HW, BLOCK=BLOCK_A,
+                                                             SILU=silu, num_warps=8 if BLOCK_A >= 2048 else 4)
+    return out
+
+
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
                     silu: bool = True) -> torch.Tensor:
-    if not supported(x_BCHW, groups):
+    if not _channels_last_ok(x_BCHW, groups):
+        if _channels_first_ok(x_BCHW, groups):
+            return _group_norm_silu_nchw(x_BCHW, weight_C, bias_C, groups, eps, silu)
         from . import ref
         return ref.group_norm_silu(x_BCHW, weight_C, bias_C, groups, eps, silu)
     B, C, H, W = x_BCHW.shape

@@ -176,8 +176,9 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
                     silu: bool = True, *, backend: str = "auto") -> torch.Tensor:
-    """GroupNorm + affine (+ SiLU) in x's dtype; channels-last input keeps its layout on the Triton
-    path (see ``ref.group_norm_silu``)."""
+    """GroupNorm + affine (+ SiLU) in x's dtype; on the Triton path channels-last input keeps its
+    layout and contiguous channels-first input takes the channels-first kernels (see
+    ``ref.group_norm_silu``)."""
     return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu)
 
 

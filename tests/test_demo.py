@@ -289,3 +289,26 @@ def test_adversarial_decoder_stage_trains_the_decoder_differently_and_keeps_the_
     assert any(not torch.equal(results[0.0][k], results[0.5][k]) for k in decode_side)
     for w in results.values():
         assert all(torch.equal(w[k], old_vq[k]) for k in old_vq if k not in decode_side)
+
+
+def test_var_stage_can_continue_from_the_folders_transformer(tmp_path):
+    """``var_continue`` starts stage ``var`` from the trained transformer in the folder: at learning
+    rate 0 the saved transformer comes back bit for bit, where a fresh start at learning rate 0 gives
+    the initial weights; without a transformer in the folder the stage says what to run first."""
+    from safetensors.torch import load_file
+    cfg = replace(DemoTrainConfig().quick(), var_steps=1)
+    folder = tmp_path / "demo"
+    train_demo(folder, replace(cfg, vq_steps=1), stages=["vqvae"], device="cpu", log=lambda s: None)
+    with pytest.raises(ValueError, match="var_continue: .* has no trained transformer"):
+        train_demo(folder, replace(cfg, var_continue=True), stages=["var"], device="cpu", log=lambda s: None)
+    train_demo(folder, cfg, stages=["var"], device="cpu", log=lambda s: None)
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    trained = load_file(path)
+    train_demo(folder, replace(cfg, var_continue=True, var_lr=0.0, seed=1), stages=["var"], device="cpu",
+               log=lambda s: None)
+    again = load_file(path)
+    assert again.keys() == trained.keys() and all(torch.equal(again[k], trained[k]) for k in trained)
+    train_demo(folder, replace(cfg, var_lr=0.0, seed=1), stages=["var"], device="cpu", log=lambda s: None)
+    fresh = load_file(path)
+    assert any(not torch.equal(fresh[k], trained[k]) for k in trained)
+    assert json.loads((folder / "train_demo.json").read_text())["config"]["var_continue"] is False

@@ -280,12 +280,14 @@ def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
         assert (got.view(R, l, G, T).float().masked_select(dead.to(device)[:, None, None, :]) == 0).all()
 
 
-def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0):
-    """GroupNorm + affine (+ SiLU) on channels-last input against the torch twin, float64 oracle;
-    ``offset`` shifts the input's mean far from 0 (the statistics must not cancel)."""
+def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0, channels_last=True):
+    """GroupNorm + affine (+ SiLU) on channels-last (or contiguous channels-first) input against the
+    torch twin, float64 oracle; ``offset`` shifts the input's mean far from 0 (the statistics must
+    not cancel)."""
     from sparsevar.sparse_ops import group_norm, ref
     g = _gen(17)
-    x = _rand((B, C, H, W), g, device, dtype, scale=2.0, offset=offset).contiguous(memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = _rand((B, C, H, W), g, device, dtype, scale=2.0, offset=offset).contiguous(memory_format=layout)
     w = _rand((C,), g, device, scale=0.5, offset=1.0)
     b = _rand((C,), g, device, scale=0.5)
     assert group_norm.supported(x, G)
@@ -294,8 +296,8 @@ def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0):
     oracle = torch.nn.functional.group_norm(x.double(), G, w.double(), b.double(), 1e-6)
     if silu:
         oracle = torch.nn.functional.silu(oracle)
-    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
-    assert_close_to_oracle(f"group_norm_silu {B}x{C}x{H}x{W} G{G}", got, want, oracle, one_step=True)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
+    assert_close_to_oracle(f"group_norm_silu {B}x{C}x{H}x{W} G{G} {layout}", got, want, oracle, one_step=True)
 
 
 def _gather_norm_case(shape, C, out_dtype, device):
@@ -820,6 +822,16 @@ def _(device="cpu"):
 @case("group_norm_silu-B1-C32-13x3-G32-bf16-offset-nosilu")
 def _(device="cpu"):
     _group_norm_case(1, 32, 13, 3, 32, torch.bfloat16, False, device, offset=50.0)
+
+
+@case("group_norm_silu-nchw-B2-C64-5x7-G8-fp32")
+def _(device="cpu"):
+    _group_norm_case(2, 64, 5, 7, 8, torch.float32, True, device, channels_last=False)
+
+
+@case("group_norm_silu-nchw-B1-C96-43x41-G32-bf16-offset-nosilu")
+def _(device="cpu"):                    # 3 channels per group; 5 289 values per group: several partial programs
+    _group_norm_case(1, 96, 43, 41, 32, torch.bfloat16, False, device, offset=50.0, channels_last=False)
 
 
 def run_cases(names, device) -> dict:
