@@ -13,16 +13,25 @@ from ..sparse_ops.kernels import TORCH_KERNELS, Kernels, dense_linear
 MAX_LOG_TEMPERATURE = math.log(100.0)    # cosine attention: q's learned temperature is exp(min(τ, ln 100))
 
 
+# the channels-first kernels pay three launches; below this many values per (image, group) PyTorch's
+# GroupNorm is faster (benchmarks/results, Session 24)
+FUSED_GROUP_NORM_MIN_VALUES = 1 << 18
+
+
 def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True) -> torch.Tensor:
     """``norm(x)``, then SiLU when ``silu``: the VAE decoders' GroupNorm + SiLU. A GroupNorm on a
     CUDA input that autograd does not track takes the fused kernel of ``sparse_ops.group_norm_silu``
-    (channels-last or contiguous channels-first; float32 statistics, the result in x's dtype and
-    memory layout); anything else, and any other norm, runs PyTorch's."""
-    grad = torch.is_grad_enabled() and (x_BChw.requires_grad or any(p.requires_grad for p in norm.parameters()))
-    if isinstance(norm, nn.GroupNorm) and norm.affine and x_BChw.is_cuda and x_BChw.dim() == 4 and not grad:
-        from ..sparse_ops import ops as sparse_ops
+    (float32 statistics, the result in x's dtype and memory layout) when the input is channels-last,
+    or channels-first with at least ``FUSED_GROUP_NORM_MIN_VALUES`` values per (image, group);
+    anything else, and any other norm, runs PyTorch's."""
+    if isinstance(norm, nn.GroupNorm) and norm.affine and x_BChw.is_cuda and x_BChw.dim() == 4:
+        B, C, H, W = x_BChw.shape
+        grad = torch.is_grad_enabled() and (x_BChw.requires_grad or norm.weight.requires_grad)
+        large = C // norm.num_groups * H * W >= FUSED_GROUP_NORM_MIN_VALUES
+        if not grad and (large or x_BChw.is_contiguous(memory_format=torch.channels_last)):
+            from ..sparse_ops import ops as sparse_ops
 
-        return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu)
+            return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu)
     y = norm(x_BChw)
     return F.silu(y) if silu else y
 

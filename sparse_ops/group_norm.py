@@ -102,8 +102,8 @@ def _gn_apply_kernel(x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, HW, C,
 
 @triton.jit
 def _gn_partial_nchw_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, N, S, BLOCK: tl.constexpr):
-    s = tl.program_id(0)
-    bg = tl.program_id(1).to(tl.int64)                   # (image, group): values [bg·N, bg·N + N)
+    bg = tl.program_id(0).to(tl.int64)                   # (image, group): values [bg·N, bg·N + N)
+    s = tl.program_id(1)
     n_acc = 0.0
     mean_acc = 0.0
     m2_acc = 0.0
@@ -151,8 +151,8 @@ def _gn_finalize_nchw_kernel(mean_ptr, m2_ptr, cnt_ptr, w_ptr, b_ptr, scale_ptr,
 
 @triton.jit
 def _gn_apply_nchw_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, HW, BLOCK: tl.constexpr, SILU: tl.constexpr):
-    pb = tl.program_id(0)
-    bc = tl.program_id(1).to(tl.int64)                   # (image, channel): values [bc·HW, bc·HW + HW)
+    bc = tl.program_id(0).to(tl.int64)                   # (image, channel): values [bc·HW, bc·HW + HW)
+    pb = tl.program_id(1)
     i = pb * BLOCK + tl.arange(0, BLOCK)
     m = i < HW
     x = tl.load(x_ptr + bc * HW + i, mask=m, other=0.0).to(tl.float32)
@@ -195,12 +195,12 @@ def _group_norm_silu_nchw(x_BCHW, weight_C, bias_C, groups: int, eps: float, sil
     dev = x_BCHW.device
     part = torch.empty(3, B * groups, S, device=dev, dtype=torch.float32)          # mean, M2, count
     affine = torch.empty(2, B * C, device=dev, dtype=torch.float32)                # scale, shift
-    _gn_partial_nchw_kernel[(S, B * groups)](x_BCHW, part[0], part[1], part[2], N, S, BLOCK=BLOCK, num_warps=8)
+    _gn_partial_nchw_kernel[(B * groups, S)](x_BCHW, part[0], part[1], part[2], N, S, BLOCK=BLOCK, num_warps=8)
     _gn_finalize_nchw_kernel[(B * groups,)](part[0], part[1], part[2], weight_C, bias_C, affine[0], affine[1], S,
                                             groups, CPG, eps, BLOCK_S=triton.next_power_of_2(S),
                                             BLOCK_C=triton.next_power_of_2(CPG), num_warps=4)
     BLOCK_A = min(4096, triton.next_power_of_2(HW))
-    _gn_apply_nchw_kernel[(triton.cdiv(HW, BLOCK_A), B * C)](x_BCHW, affine[0], affine[1], out, HW, BLOCK=BLOCK_A,
+    _gn_apply_nchw_kernel[(B * C, triton.cdiv(HW, BLOCK_A))](x_BCHW, affine[0], affine[1], out, HW, BLOCK=BLOCK_A,
                                                              SILU=silu, num_warps=8 if BLOCK_A >= 2048 else 4)
     return out
 

@@ -1090,6 +1090,12 @@ def _needs_gpu():
 GPU_CASES = {
     **{f"interp-shape:{k}": v for k, v in CASES.items()},
     # production shapes: Infinity-2B width, VAR-d30 width (not a power of 2), 64×64 maps
+    # the VQVAE decoders' GroupNorm channels-first: HART's 1024² map in bf16, and more (image, channel)
+    # planes than a grid's second axis takes (65 535): the encoder over a batch of 520
+    "group_norm_silu-nchw-B1-C128-1024x1024-G32-bf16":
+        lambda device: _group_norm_case(1, 128, 1024, 1024, 32, torch.bfloat16, True, device, channels_last=False),
+    "group_norm_silu-nchw-B520-C128-3x5-G32-fp32":
+        lambda device: _group_norm_case(520, 128, 3, 5, 32, torch.float32, True, device, channels_last=False),
     "gather_norm_modulate-1x64x64-C2048-bf16": lambda device: _gather_norm_case((1, 64, 64), 2048, torch.bfloat16, device),
     "gather_norm_modulate-4x16x16-C1920-bf16": lambda device: _gather_norm_case((4, 16, 16), 1920, torch.bfloat16, device),
     "restore_residual-1x64x64-from-24x24-C2048": lambda device: _restore_case((1, 64, 64), (24, 24), 2048, device),
