@@ -1205,7 +1205,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fastvar-preset", "skip-last-1", "skip-last-2"]) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     b.add_argument("--vae-dtype", default="float32", choices=DTYPES[1:],
-                   help="Infinity models: the VAE's dtype (bfloat16: channels-last decode with fused norms)")
+                   help="Infinity and HART models: the VAE's dtype (Infinity's bfloat16 decode runs channels-last "
+                        "with fused norms)")
     b.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a functional run; its numbers mean "
                                                      "nothing)")
     b.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")

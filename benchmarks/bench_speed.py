@@ -319,8 +319,10 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 if method == "dense":
                     dense_ms[batch] = statistics.median(loop_ms)
                     speedup = 1.0
-                if name.startswith(("infinity", "hart")) and vae_dtype != "float32":
+                if name.startswith("infinity") and vae_dtype != "float32":
                     settings = f"{settings}; VAE {vae_dtype} (channels-last, fused norms)"
+                elif name.startswith("hart") and vae_dtype != "float32":
+                    settings = f"{settings}; VAE {vae_dtype}"
                 row = dict(model=name, resolution=res, batch=batch, method=method, settings=settings,
                            dtype=dtype, ms_median=round(statistics.median(loop_ms), 3),
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
