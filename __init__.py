@@ -12,6 +12,8 @@ from .pipelines import InfinityPipeline, InfinityPipelineOutput
 from .pipelines import HARTPipeline, HARTPipelineOutput
 from .pipelines import FlexVARPipeline, FlexVARPipelineOutput
 from .models.hart import HARTTransformer
+from .models.flexvar import FlexVARTransformer
+from .models.flexvar_vq import FlexVQ16
 from .models.infinity import InfinityTransformer
 from .models.bsq_vae import BSQVAE
 from .models.loading import load_hart_tokenizer, load_hart_transformer, load_infinity_transformer, load_infinity_vae
@@ -31,7 +33,7 @@ __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVA
            "FASTVAR_PRESETS", "SPARVAR_PRESETS", "__version__",
            "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
            "load_infinity_vae", "HARTPipeline", "HARTPipelineOutput", "HARTTransformer", "load_hart_transformer",
-           "load_hart_tokenizer", "FlexVARPipeline", "FlexVARPipelineOutput"]
+           "load_hart_tokenizer", "FlexVARPipeline", "FlexVARPipelineOutput", "FlexVARTransformer", "FlexVQ16"]
 
 
 def _inside_comfyui() -> bool:

@@ -389,11 +389,11 @@ def _load_infinity(args, device, dtype, say):
 
 def _is_hart(model) -> bool:
     """HART's release folder (or its llm/), or a converted HARTPipeline folder."""
-    from .models.loading import hart_folders
+    from .models.loading import hart_folders, pipeline_class_name
     index = Path(model) / "model_index.json"
     if index.is_file():
         try:
-            return json.loads(index.read_text()).get("_class_name") == "HARTPipeline"
+            return pipeline_class_name(json.loads(index.read_text())) == "HARTPipeline"
         except (OSError, ValueError, AttributeError):
             return False
     return hart_folders(model) is not None
@@ -401,11 +401,11 @@ def _is_hart(model) -> bool:
 
 def _is_flexvar(args) -> bool:
     """A converted FlexVARPipeline folder (--model) or an official FlexVAR transformer (--var-ckpt)."""
-    from .models.loading import checkpoint_family
+    from .models.loading import checkpoint_family, pipeline_class_name
     if args.model:
         index = Path(args.model) / "model_index.json"
         try:
-            return index.is_file() and json.loads(index.read_text()).get("_class_name") == "FlexVARPipeline"
+            return index.is_file() and pipeline_class_name(json.loads(index.read_text())) == "FlexVARPipeline"
         except (OSError, ValueError, AttributeError):
             return False
     if args.var_ckpt and Path(args.var_ckpt).exists():

@@ -31,10 +31,10 @@ HART_SYSTEM_PROMPT = (
     'additional sentences. Start your response with "Enhanced Prompt:".\n\nUser Prompt:\n')
 
 
-def load_qwen2(path, dtype: torch.dtype = torch.float32, tokenizer_path=None):
+def load_qwen2(path, dtype: torch.dtype = torch.float32, tokenizer_path=None, variant=None):
     """(tokenizer, Qwen2 base model) from a local folder (the tokenizer from ``tokenizer_path`` when
-    given: a pipeline folder keeps it apart), frozen and in eval mode; a missing or unreadable folder
-    raises an error naming it and what to put there."""
+    given: a pipeline folder keeps it apart), frozen and in eval mode; ``variant``: the weights'
+    variant files. A missing or unreadable folder raises an error naming it and what to put there."""
     from transformers import AutoModel, AutoTokenizer
 
     from .loading import check_finite
@@ -44,9 +44,10 @@ def load_qwen2(path, dtype: torch.dtype = torch.float32, tokenizer_path=None):
         raise FileNotFoundError(f"text encoder folder {p} not found or without config.json: put {QWEN2_HINT} there "
                                 f"and pass that folder as text_encoder=...; nothing is downloaded")
     loaded = []
-    for cls, what, folder in ((AutoTokenizer, "tokenizer", tokenizer_path or p), (AutoModel, "Qwen2 model", p)):
+    for cls, what, folder, kw in ((AutoTokenizer, "tokenizer", tokenizer_path or p, {}),
+                                  (AutoModel, "Qwen2 model", p, {"variant": variant} if variant else {})):
         try:
-            loaded.append(cls.from_pretrained(str(folder), local_files_only=True))
+            loaded.append(cls.from_pretrained(str(folder), local_files_only=True, **kw))
         except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
             raise ValueError(f"{p}: the {what} could not be loaded ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); put {QWEN2_HINT} there") from None

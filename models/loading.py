@@ -411,7 +411,7 @@ def describe_checkpoint(path) -> dict:
 
 
 def _describe_pipeline_folder(p: Path) -> dict:
-    pipeline = read_json_file(p / "model_index.json", "pipeline folder").get("_class_name")
+    pipeline = pipeline_class_name(read_json_file(p / "model_index.json", "pipeline folder"))
     if pipeline in _PIPELINE_USE:                    # the checks a load makes: every component present and agreeing
         check_pipeline_folder(p, pipeline, pipeline_components(pipeline), "")
     info = {"path": str(p), "kind": "pipeline folder", "pipeline": pipeline,
@@ -699,6 +699,27 @@ _PIPELINE_USE = {
     "FlexVARPipeline": "FlexVARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
 }
 RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
+# The module save_pretrained writes beside model_index.json, named there as ``_class_name`` =
+# [module, class] (diffusers' form for a pipeline class defined beside the weights), so that
+# diffusers' generic ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` finds
+# this package's class; it only imports the class from the installed package.
+GENERIC_LOADER_MODULE = "sparsevar_pipeline"
+
+
+def generic_loader_source(pipeline: str) -> str:
+    """The text of ``GENERIC_LOADER_MODULE``.py for ``pipeline``."""
+    return ('"""Lets diffusers\' DiffusionPipeline.from_pretrained(this folder, trust_remote_code=True) load it\n'
+            'with the class of the installed sparsevar package; nothing else runs here."""\n'
+            f"from sparsevar import {pipeline}  # noqa: F401\n")
+
+
+def pipeline_class_name(index: dict):
+    """The pipeline class a ``model_index.json`` names: its ``_class_name``, a class name or
+    [module, class name] (the form save_pretrained writes); anything else is returned as it is."""
+    named = index.get("_class_name")
+    if isinstance(named, list) and len(named) == 2 and all(isinstance(v, str) for v in named):
+        return named[1]
+    return named
 
 
 def read_json_file(path, what: str = "file") -> dict:
@@ -723,14 +744,31 @@ def read_json_file(path, what: str = "file") -> dict:
     return obj
 
 
-def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -> tuple[list[Path], dict]:
+def variant_name(name: str, variant: Optional[str]) -> str:
+    """diffusers' and transformers' file name of a weight ``variant``: ``model.safetensors`` →
+    ``model.fp16.safetensors``, ``model.safetensors.index.json`` → ``model.safetensors.index.fp16.json``."""
+    if not variant:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS,
+                            variant: Optional[str] = None) -> tuple[list[Path], dict]:
     """(files, {key: shape}) of a component folder's weights, in the order diffusers / transformers look for
     them: a safetensors shard index, the single safetensors file, a ``.bin`` shard index, the ``.bin`` file.
-    ``names`` = (safetensors name, bin name). Reads safetensors headers only (``.bin`` files are memory-mapped
-    with the safe loader). Missing, truncated or unreadable files raise an error naming the file."""
+    ``names`` = (safetensors name, bin name); ``variant`` (e.g. "fp16") reads ``<name>.<variant>.<ext>``
+    instead. Reads safetensors headers only (``.bin`` files are memory-mapped with the safe loader).
+    Missing, truncated or unreadable files raise an error naming the file."""
     folder = Path(folder)
+    if variant and not any((folder / variant_name(f, variant)).exists() for n in names for f in (n, f"{n}.index.json")):
+        plain = [n for n in names if (folder / n).exists() or (folder / f"{n}.index.json").exists()]
+        if plain:
+            raise FileNotFoundError(f"{folder} has no {variant!r} variant ({variant_name(names[0], variant)}); it holds "
+                                    f"{plain[0]}: leave variant= out, or save the variant with "
+                                    f"save_pretrained(..., variant={variant!r})")
     for name in names:
-        index, single = folder / f"{name}.index.json", folder / name
+        index, single = folder / variant_name(f"{name}.index.json", variant), folder / variant_name(name, variant)
         if index.is_file():
             weight_map = read_json_file(index, "shard index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
@@ -857,12 +895,13 @@ def _shape_mismatch(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -
     return "; ".join(parts)
 
 
-def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHTS) -> list[Path]:
+def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHTS,
+                           variant: Optional[str] = None) -> list[Path]:
     """Check a diffusers component folder (``config.json`` + weights) before it is loaded: the config is
     a JSON object naming ``cls``, its fields have the right types, the weight files are whole, and the
     model the config builds (on the meta device) has exactly the tensors, of exactly the shapes, that
     the weights hold. A disagreement raises a ValueError naming the file, the field, its value and what
-    the weights say. Returns the weight files."""
+    the weights say. ``variant``: read that weight variant's files. Returns the weight files."""
     from accelerate import init_empty_weights
 
     folder = Path(folder)
@@ -872,7 +911,7 @@ def check_component_folder(folder, cls, names: Sequence[str] = _DIFFUSERS_WEIGHT
     if named is not None and named != cls.__name__:
         raise ValueError(f"{cfg_path} describes a {named!r}, but {folder.name}/ must hold a {cls.__name__}: the "
                          f"folder's parts are mixed up; {RECONVERT}")
-    files, shapes = component_weight_shapes(folder, names)
+    files, shapes = component_weight_shapes(folder, names, variant)
     weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
     source = "the weights"
     inferred: Optional[dict] = None
@@ -951,7 +990,7 @@ def _t5_config_from_weights(shapes: Mapping[str, tuple]) -> dict:
     return cfg
 
 
-def check_saved_text_encoder(folder, fix: str = RECONVERT) -> dict:
+def check_saved_text_encoder(folder, fix: str = RECONVERT, variant: Optional[str] = None) -> dict:
     """Check a saved T5 encoder folder (``config.json`` + weights) before it is loaded: the JSON parses,
     the weights are whole, and the encoder its config builds (on the meta device) holds the tensors of
     the weights (the shared token embedding may be stored once; a full T5's decoder and LM head, which
@@ -962,7 +1001,7 @@ def check_saved_text_encoder(folder, fix: str = RECONVERT) -> dict:
     folder = Path(folder)
     cfg_path = folder / "config.json"
     config = read_json_file(cfg_path, f"text encoder folder {folder}")
-    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS)
+    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS, variant)
     weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
     _refuse_t5_differences(cfg_path, weights, config, _t5_config_from_weights(shapes), True, fix)
     try:
@@ -1015,7 +1054,8 @@ def pipeline_components(pipeline: str) -> dict:
             "FlexVARPipeline": {"transformer": FlexVARTransformer, "vqvae": FlexVQ16}}[pipeline]
 
 
-def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str) -> dict:
+def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str,
+                          variant: Optional[str] = None, given: Sequence[str] = ()) -> dict:
     """Check a pipeline folder written by ``save_pretrained`` / ``sparsevar convert`` before anything is
     loaded, and return its ``model_index.json``.
 
@@ -1037,12 +1077,13 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
             f"{path} is not a {pipeline} folder (no model_index.json). Nothing is downloaded: pass a local "
             f"folder written by save_pretrained, or {official_hint}")
     index = read_json_file(index_path, "pipeline folder")
-    named = index.get("_class_name")
+    named = pipeline_class_name(index)
     if named != pipeline:
         use = _PIPELINE_USE.get(named)
         fix = f"load it with {use}" if use else (f"this package loads {' and '.join(_PIPELINE_USE)} folders, written "
                                                   f"by save_pretrained / `sparsevar convert`")
         raise ValueError(f"{index_path} names the pipeline {named!r}, not {pipeline}: {fix}")
+    components = {k: v for k, v in components.items() if k not in given}
     for sub in components:
         if not (path / sub).is_dir():
             raise FileNotFoundError(f"{path / sub} is missing or not a folder (a {pipeline} folder has "
@@ -1050,11 +1091,11 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
     configs = {}
     for sub, cls in components.items():
         if cls == "text_encoder":
-            configs[sub] = check_saved_text_encoder(path / sub)
+            configs[sub] = check_saved_text_encoder(path / sub, variant=variant)
         elif cls == "qwen2_text_encoder":
-            configs[sub] = check_saved_transformers_model(path / sub, "Qwen2")
+            configs[sub] = check_saved_transformers_model(path / sub, "Qwen2", variant=variant)
         elif cls is not None:
-            check_component_folder(path / sub, cls)
+            check_component_folder(path / sub, cls, variant=variant)
             configs[sub] = json.loads((path / sub / "config.json").read_text())
         else:                                        # e.g. a tokenizer: its JSON files must parse
             for f in sorted((path / sub).glob("*.json")):
@@ -1089,13 +1130,18 @@ def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:
                              f"model was trained with (Flan-T5-XL for the released Infinity models) in text_encoder/")
 
 
-def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[torch.dtype] = None):
+def load_pretrained_component(cls, root, subfolder: str, torch_dtype: Optional[torch.dtype] = None,
+                              variant: Optional[str] = None):
     """``cls.from_pretrained`` of a component folder that :func:`check_pipeline_folder` passed: local
     files only, the safetensors weights when the folder has them, else its ``.bin`` (read by diffusers
-    with the safe loader, ``weights_only=True``). Frozen and in eval mode."""
+    with the safe loader, ``weights_only=True``); ``variant``: that weight variant's files. Frozen and
+    in eval mode."""
     folder = Path(root) / subfolder
-    use_safetensors = any(folder.glob(f"{_DIFFUSERS_WEIGHTS[0]}*"))
+    name = _DIFFUSERS_WEIGHTS[0]
+    use_safetensors = any((folder / variant_name(f, variant)).is_file() for f in (name, f"{name}.index.json"))
     kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    if variant:
+        kw["variant"] = variant
     model = cls.from_pretrained(root, subfolder=subfolder, local_files_only=True, use_safetensors=use_safetensors,
                                 **kw)
     check_finite(model, folder, "the weights in")
@@ -1199,7 +1245,7 @@ def hart_folders(path) -> Optional[tuple[Path, Path]]:
     return None
 
 
-def check_saved_transformers_model(folder, kind: str, fix: str = RECONVERT) -> dict:
+def check_saved_transformers_model(folder, kind: str, fix: str = RECONVERT, variant: Optional[str] = None) -> dict:
     """Check a saved ``transformers`` model folder (``config.json`` + weights) before it is loaded:
     the JSON parses, the weights are whole, and the base model its config builds (on the meta
     device) holds exactly the tensors of the weights. ``kind`` names the model in messages. Returns
@@ -1210,7 +1256,7 @@ def check_saved_transformers_model(folder, kind: str, fix: str = RECONVERT) -> d
     folder = Path(folder)
     cfg_path = folder / "config.json"
     config = read_json_file(cfg_path, f"text encoder folder {folder}")
-    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS)
+    files, shapes = component_weight_shapes(folder, _TRANSFORMERS_WEIGHTS, variant)
     weights = files[0] if len(files) == 1 else f"the {len(files)} weight shards in {folder}"
     try:
         with init_empty_weights():

@@ -126,10 +126,12 @@ def check_tokenizer_files(folder, fix: str) -> None:
                                 f"so every prompt would become the same unknown tokens. {fix}")
 
 
-def load_t5(path, dtype: torch.dtype = torch.float32, tokenizer_path=None, fix: Optional[str] = None):
+def load_t5(path, dtype: torch.dtype = torch.float32, tokenizer_path=None, fix: Optional[str] = None,
+            variant: Optional[str] = None):
     """(tokenizer, T5EncoderModel) from a local folder, frozen and in eval mode: a Flan-T5 folder, or a
     pipeline folder's ``text_encoder/`` with its ``tokenizer/`` apart (``tokenizer_path``; ``fix``:
-    what its errors advise). A folder transformers cannot read raises a ValueError naming it.
+    what its errors advise). ``variant``: the weights' variant files (``model.<variant>.safetensors``).
+    A folder transformers cannot read raises a ValueError naming it.
 
     A full T5 (encoder + decoder, as google/flan-t5-xl ships) loads too: the decoder weights are
     left out, like the official loader does.
@@ -141,13 +143,14 @@ def load_t5(path, dtype: torch.dtype = torch.float32, tokenizer_path=None, fix: 
     if tokenizer_path is None:
         path = tokenizer_path = check_text_encoder_folder(path)
         fix = f"put {FLAN_T5_HINT} there"
-        check_saved_text_encoder(path, fix=fix)
+        check_saved_text_encoder(path, fix=fix, variant=variant)
     else:
         check_tokenizer_files(tokenizer_path, fix[0].upper() + fix[1:])
     loaded = []
-    for cls, folder, what in ((AutoTokenizer, tokenizer_path, "tokenizer"), (T5EncoderModel, path, "T5 encoder")):
+    for cls, folder, what, kw in ((AutoTokenizer, tokenizer_path, "tokenizer", {}),
+                                  (T5EncoderModel, path, "T5 encoder", {"variant": variant} if variant else {})):
         try:
-            loaded.append(cls.from_pretrained(str(folder), local_files_only=True))
+            loaded.append(cls.from_pretrained(str(folder), local_files_only=True, **kw))
         except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
             raise ValueError(f"{folder}: the {what} could not be loaded ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); {fix}") from None

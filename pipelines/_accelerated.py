@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import re
 import warnings
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import PIL.Image
@@ -27,6 +29,63 @@ from .defaults import VAR_DEFAULTS, FamilyDefaults
 logger = logging.getLogger(__name__)
 LIBRARY_NAME = "sparsevar"   # written into model_index.json instead of a module path (see save_pretrained)
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+# diffusers' from_pretrained arguments that fetch from the Hugging Face Hub (nothing is downloaded here)
+_DOWNLOAD_ARGUMENTS = ("cache_dir", "revision", "token", "use_auth_token", "force_download", "proxies",
+                       "resume_download", "mirror")
+# device_map values that spread components over several devices
+_SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """diffusers' loading arguments as ``from_pretrained`` took them: the weight ``variant`` to read,
+    the ``device`` to place the pipeline on (``device_map``), and the ``components`` the caller passed
+    (used as they are, not read from the folder)."""
+
+    variant: Optional[str] = None
+    device: Optional[torch.device] = None
+    components: Mapping[str, object] = field(default_factory=dict)
+
+    def component(self, name: str, load: Callable[[], object]):
+        """The component the caller passed under ``name``, else ``load()``."""
+        return self.components[name] if name in self.components else load()
+
+    def place(self, pipe):
+        """``pipe`` on ``device`` (as loaded when no device_map was given)."""
+        return pipe if self.device is None else pipe.to(self.device)
+
+
+def _device_from_map(device_map) -> Optional[torch.device]:
+    """``device_map`` as one device: a device name, index or ``torch.device``; maps that spread
+    components over several devices, and devices this machine lacks, are refused naming the value."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict) or (isinstance(device_map, str) and device_map in _SPREAD_MAPS):
+        raise ValueError(f"device_map={device_map!r}: these pipelines run on one device and do not spread their "
+                         f"components over several; pass device_map='cuda' (or 'cpu', 'cuda:N'), or call "
+                         f".to(device) after loading")
+    try:
+        dev = torch.device(device_map) if not isinstance(device_map, bool) else None
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type == "meta":
+        raise ValueError(f"device_map={device_map!r}: not a device; pass 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise ValueError(f"device_map={device_map!r}: this machine has {have}; pass device_map='cpu' or a device "
+                         f"it has")
+    return dev
+
+
+def _component_type(expected):
+    """The type a passed component must have, from ``pipeline_components``' entry."""
+    if isinstance(expected, type):
+        return expected
+    import transformers
+    return {"text_encoder": transformers.T5EncoderModel, "qwen2_text_encoder": transformers.PreTrainedModel,
+            None: transformers.PreTrainedTokenizerBase}[expected]
 
 
 # callback_on_step_end_tensor_inputs names → the engine's: diffusers' "latents"; "latent" is this
@@ -136,28 +195,66 @@ class AcceleratedPipelineMixin:
 
     @classmethod
     def _pretrained_arguments(cls, path, advice: str, kwargs: dict, dtype, torch_dtype, **dtypes):
-        """``from_pretrained``'s shared checks: no unknown ``kwargs``, ``dtype`` and ``torch_dtype``
-        agree, the other ``dtypes`` resolve, ``path`` holds this pipeline (``check_pipeline_folder``,
-        with ``advice``). Returns (folder, model_index, dtype, *dtypes in their order)."""
+        """``from_pretrained``'s shared checks, all before any weight is read: ``dtype`` and
+        ``torch_dtype`` agree, the other ``dtypes`` resolve, diffusers' loading arguments in ``kwargs``
+        are understood (:class:`LoadOptions`: ``variant``, ``device_map`` as one device,
+        ``local_files_only`` (always local), ``use_safetensors`` / ``low_cpu_mem_usage`` at what this
+        loader always does, components passed by name and type) and anything else is refused naming
+        it; ``path`` holds this pipeline (``check_pipeline_folder``, with ``advice``, the components
+        passed in left out). Returns (folder, model_index, dtype, *dtypes in their order, LoadOptions)."""
         from ..models.loading import check_pipeline_folder, local_path, pipeline_components, resolve_dtype
-        if kwargs:
-            raise TypeError(f"unsupported arguments for {cls.__name__}.from_pretrained: {sorted(kwargs)}")
+        name = f"{cls.__name__}.from_pretrained"
+        rest = dict(kwargs)
+        variant = rest.pop("variant", None)
+        if variant is not None and (not isinstance(variant, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", variant)):
+            raise ValueError(f"variant={variant!r}: a weight variant is a name such as 'fp16' (files "
+                             f"<name>.fp16.safetensors, written by save_pretrained(..., variant='fp16'))")
+        local = rest.pop("local_files_only", None)
+        if local not in (None, True, False):
+            raise TypeError(f"local_files_only={local!r}: pass True or False (files are always local here)")
+        device = _device_from_map(rest.pop("device_map", None))
+        for flag, what in (("use_safetensors", "the safetensors weights are read when a folder has them, else its "
+                                               ".bin (with the safe loader)"),
+                           ("low_cpu_mem_usage", "models are always built empty and filled from the files")):
+            value = rest.pop(flag, None)
+            if value not in (None, True):
+                raise ValueError(f"{flag}={value!r}: {what}; leave {flag} out")
+        expected = pipeline_components(cls.__name__)
+        given = {k: rest.pop(k) for k in list(rest) if k in expected}
+        for k, module in given.items():
+            want = _component_type(expected[k])
+            if not isinstance(module, want):
+                raise TypeError(f"{k}={type(module).__name__ if module is not None else None}: {cls.__name__} takes "
+                                f"a {want.__name__} there; pass one, or leave {k} out to load it from the folder")
+        if rest:
+            bad = sorted(rest)[0]
+            if bad in _DOWNLOAD_ARGUMENTS:
+                raise TypeError(f"{name}: {bad}= fetches from the Hugging Face Hub, and nothing is downloaded here; "
+                                f"pass a local folder and leave {bad} out")
+            raise TypeError(f"{name} got an unexpected argument {bad}=; it takes the folder, dtype / torch_dtype, "
+                            f"the per-component dtypes, variant, device_map, local_files_only and components by "
+                            f"name ({', '.join(expected)})")
         dtype, torch_dtype = resolve_dtype(dtype, "dtype", True), resolve_dtype(torch_dtype, "torch_dtype", True)
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
-        others = [resolve_dtype(v, name) for name, v in dtypes.items()]
+        others = [resolve_dtype(v, n) for n, v in dtypes.items()]
         path = local_path(path, "pretrained_model_name_or_path")
-        index = check_pipeline_folder(path, cls.__name__, pipeline_components(cls.__name__), advice)
-        return (path, index, dtype if dtype is not None else torch_dtype, *others)
+        index = check_pipeline_folder(path, cls.__name__, expected, advice, variant=variant, given=tuple(given))
+        return (path, index, dtype if dtype is not None else torch_dtype, *others,
+                LoadOptions(variant=variant, device=device, components=given))
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """diffusers' ``save_pretrained``: ``model_index.json`` and one subfolder per component
         (safetensors). Our components are recorded under the library name ``sparsevar`` rather than
         the defining module's, which inside ComfyUI is a file-system path no other process could import.
+        The index names the class as [``sparsevar_pipeline``, class] and a two-line
+        ``sparsevar_pipeline.py`` beside it imports that class from the installed package, so
+        diffusers' generic ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``
+        loads the folder too (diffusers asks for ``trust_remote_code`` for any module in a folder).
         ``save_directory`` must be a folder (made if missing); an existing file there is refused."""
         from diffusers import ModelMixin
 
-        from ..models.loading import local_path
+        from ..models.loading import GENERIC_LOADER_MODULE, generic_loader_source, local_path
         path = local_path(save_directory, "save_directory")
         if path.exists() and not path.is_dir():
             raise ValueError(f"save_directory={str(path)!r} is a file; pass a folder to write the pipeline into "
@@ -168,6 +265,8 @@ class AcceleratedPipelineMixin:
         for name, module in self.components.items():
             if isinstance(module, ModelMixin):
                 index[name] = [LIBRARY_NAME, type(module).__name__]
+        index["_class_name"] = [GENERIC_LOADER_MODULE, type(self).__name__]
+        (path / f"{GENERIC_LOADER_MODULE}.py").write_text(generic_loader_source(type(self).__name__))
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     @property

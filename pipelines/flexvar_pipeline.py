@@ -74,13 +74,15 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         ``vqvae/``), checked before any weight is read; nothing is downloaded. dtype (or
         ``torch_dtype``): the transformer's (default: as saved); vae_dtype: the VQ-16's."""
         from ..models.loading import load_pretrained_component
-        path, _, dtype, vae_dtype = cls._pretrained_arguments(
+        path, _, dtype, vae_dtype, opts = cls._pretrained_arguments(
             pretrained_model_name_or_path, "load the official files with FlexVARPipeline.from_single_file("
             "'FlexVARd24-epo349.pth', 'FlexVAE.pth') (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with "
             "`sparsevar convert`", kwargs, dtype, torch_dtype, vae_dtype=vae_dtype)
-        transformer = load_pretrained_component(FlexVARTransformer, path, "transformer", dtype)
-        vqvae = load_pretrained_component(FlexVQ16, path, "vqvae", vae_dtype)
-        return cls(transformer=transformer.eval().requires_grad_(False), vqvae=vqvae.eval().requires_grad_(False))
+        transformer = opts.component("transformer", lambda: load_pretrained_component(
+            FlexVARTransformer, path, "transformer", dtype, opts.variant))
+        vqvae = opts.component("vqvae", lambda: load_pretrained_component(FlexVQ16, path, "vqvae", vae_dtype,
+                                                                          opts.variant))
+        return opts.place(cls(transformer=transformer, vqvae=vqvae))
 
     @classmethod
     def from_random(cls, preset: str = "flexvar-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",

@@ -89,16 +89,25 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         ``vqvae/``, ``text_encoder/``, ``tokenizer/``), checked before any weight is read. Nothing is
         downloaded. dtype (or ``torch_dtype``): the transformer blocks' (default: as saved)."""
         from ..models.loading import load_pretrained_component
-        path, _, dtype, vae_dtype, text_encoder_dtype = cls._pretrained_arguments(
+        path, _, dtype, vae_dtype, text_encoder_dtype, opts = cls._pretrained_arguments(
             pretrained_model_name_or_path, "load the official folders with HARTPipeline.from_single_file(llm, "
             "tokenizer_folder, text_encoder=<Qwen2 folder>) (CLI: --model <release folder> --text-encoder FOLDER)",
             kwargs, dtype, torch_dtype, vae_dtype=vae_dtype, text_encoder_dtype=text_encoder_dtype)
-        transformer = load_pretrained_component(HARTTransformer, path, "transformer")
-        saved = transformer.blocks[0].attn.qkv_proj.weight.dtype
-        transformer.set_block_dtype(dtype if dtype is not None else saved)
-        vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
-        tokenizer, qwen = load_qwen2(path / "text_encoder", text_encoder_dtype, path / "tokenizer")
-        return cls(transformer=transformer, vqvae=vqvae, text_encoder=qwen, tokenizer=tokenizer)
+
+        def load_transformer():
+            transformer = load_pretrained_component(HARTTransformer, path, "transformer", variant=opts.variant)
+            saved = transformer.blocks[0].attn.qkv_proj.weight.dtype
+            return transformer.set_block_dtype(dtype if dtype is not None else saved)
+
+        transformer = opts.component("transformer", load_transformer)
+        vqvae = opts.component("vqvae", lambda: load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype,
+                                                                          opts.variant))
+        text = {} if {"text_encoder", "tokenizer"} <= set(opts.components) else \
+            dict(zip(("tokenizer", "text_encoder"), load_qwen2(path / "text_encoder", text_encoder_dtype,
+                                                               path / "tokenizer", opts.variant)))
+        return opts.place(cls(transformer=transformer, vqvae=vqvae,
+                              text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
+                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"])))
 
     @classmethod
     def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",

@@ -162,16 +162,24 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         text_encoder_dtype: the VAE's and the T5's. Each takes a torch dtype or a string such as
         "float16" / "fp16", "bfloat16" / "bf16", "float32" / "fp32"."""
         from ..models.loading import RECONVERT, load_pretrained_component
-        path, _, dtype, vae_dtype, text_encoder_dtype = cls._pretrained_arguments(
+        path, _, dtype, vae_dtype, text_encoder_dtype, opts = cls._pretrained_arguments(
             pretrained_model_name_or_path, "load the official files with InfinityPipeline.from_single_file("
             "transformer_ckpt, vae_ckpt, text_encoder=<flan-t5-xl folder>) (CLI: --model FILE --vae-ckpt FILE "
             "--text-encoder FOLDER)", kwargs, dtype, torch_dtype, vae_dtype=vae_dtype,
             text_encoder_dtype=text_encoder_dtype)
-        transformer = load_pretrained_component(InfinityTransformer, path, "transformer")
-        transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
-        vae = load_pretrained_component(BSQVAE, path, "vae", vae_dtype)
-        tokenizer, t5 = load_t5(path / "text_encoder", text_encoder_dtype, path / "tokenizer", RECONVERT)
-        return cls(transformer=transformer, vae=vae, text_encoder=t5, tokenizer=tokenizer)
+
+        def load_transformer():
+            transformer = load_pretrained_component(InfinityTransformer, path, "transformer", variant=opts.variant)
+            return transformer.set_block_dtype(dtype if dtype is not None else transformer.block_dtype())
+
+        transformer = opts.component("transformer", load_transformer)
+        vae = opts.component("vae", lambda: load_pretrained_component(BSQVAE, path, "vae", vae_dtype, opts.variant))
+        text = {} if {"text_encoder", "tokenizer"} <= set(opts.components) else \
+            dict(zip(("tokenizer", "text_encoder"), load_t5(path / "text_encoder", text_encoder_dtype,
+                                                            path / "tokenizer", RECONVERT, opts.variant)))
+        return opts.place(cls(transformer=transformer, vae=vae,
+                              text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
+                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"])))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod

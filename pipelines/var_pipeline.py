@@ -196,16 +196,18 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         "bfloat16" / "bf16", "float32" / "fp32".
         """
         from ..models.loading import load_pretrained_component
-        path, index, dtype, vae_dtype = cls._pretrained_arguments(
+        path, index, dtype, vae_dtype, opts = cls._pretrained_arguments(
             pretrained_model_name_or_path, "load the official .pth files with VARPipeline.from_single_file(var_ckpt, "
             "vae_ckpt) (CLI: --var-ckpt FILE --vae-ckpt FILE) or convert them with `sparsevar convert`", kwargs,
             dtype, torch_dtype, vae_dtype=vae_dtype)
-        transformer = load_pretrained_component(VARTransformer, path, "transformer", dtype)
-        vqvae = load_pretrained_component(MultiScaleVQVAE, path, "vqvae", vae_dtype)
         id2label = index.get("id2label")
         if id2label is not None:
             id2label = check_id2label(id2label, f"{path / 'model_index.json'}: \"id2label\"")
-        return cls(transformer=transformer, vqvae=vqvae, id2label=id2label)
+        transformer = opts.component("transformer", lambda: load_pretrained_component(
+            VARTransformer, path, "transformer", dtype, opts.variant))
+        vqvae = opts.component("vqvae", lambda: load_pretrained_component(
+            MultiScaleVQVAE, path, "vqvae", vae_dtype, opts.variant))
+        return opts.place(cls(transformer=transformer, vqvae=vqvae, id2label=id2label))
 
     # ---- labels ---------------------------------------------------------------------------------
     @property

@@ -204,7 +204,7 @@ def test_num_images_per_prompt_repeats_each_label(pipe):
 def test_save_pretrained_round_trip(pipe, tmp_path):
     pipe.save_pretrained(tmp_path / "folder")
     index = json.loads((tmp_path / "folder" / "model_index.json").read_text())
-    assert index["_class_name"] == "VARPipeline"
+    assert index["_class_name"] == ["sparsevar_pipeline", "VARPipeline"]      # diffusers' [module, class] form
     assert index["transformer"] == ["sparsevar", "VARTransformer"]
     assert index["vqvae"] == ["sparsevar", "MultiScaleVQVAE"]
 
