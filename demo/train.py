@@ -150,11 +150,12 @@ class DemoTrainConfig:
                        cls_batch=4, cls_data=4, measure_count=0, compile=False)
 
 
-def _lr(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+def _schedule(opt: torch.optim.Optimizer, total: int, warmup: int):
+    """Each group's learning rate: a linear warm-up over ``warmup`` steps to the rate the optimizer was
+    made with, then a cosine down to a tenth of it at ``total`` (transformers' schedule; step it after
+    every optimizer step)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, total, min_lr_rate=0.1)
 
 
 def _autocast(device: torch.device):
@@ -263,9 +264,8 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
     upsample_ops: dict = {}
     usage_V = torch.ones(cfg.vq_vocab, device=device)
     t0 = time.time()
+    lr_sched = _schedule(opt, cfg.vq_steps, min(500, cfg.vq_steps // 10 + 1))
     for step in range(cfg.vq_steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.vq_steps, cfg.vq_lr, min(500, cfg.vq_steps // 10 + 1))
         img_B3HW, _ = _batch(data_N3HW, labels_N, cfg.vq_batch, gen)
         with _autocast(device):
             rec_B3HW, vq_loss, seen_NC, codes_N = _vq_forward(vq, img_B3HW, cfg.vq_beta, upsample_ops)
@@ -276,6 +276,7 @@ def train_vqvae(cfg: DemoTrainConfig, device: torch.device, log: Callable[[str],
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vq.parameters(), 2.0)
         opt.step()
+        lr_sched.step()
         with torch.no_grad():                              # restart codes nobody uses
             usage_V.mul_(0.99).add_(torch.bincount(codes_N, minlength=cfg.vq_vocab).float(), alpha=0.01)
             if step % 100 == 99 and step < cfg.vq_steps * 0.8:
@@ -337,9 +338,8 @@ def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.devic
     data_N3HW, labels_N = render_dataset(cfg.vq_data, cfg.seed * 1000 + 5, device)      # stage 1's scenes
     log(f"decoder: rendered {data_N3HW.shape[0]} scenes in {time.time() - t0:.0f}s")
     t0 = time.time()
+    lr_sched = _schedule(opt, cfg.dec_steps, min(200, cfg.dec_steps // 10 + 1))
     for step in range(cfg.dec_steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.dec_steps, cfg.dec_lr, min(200, cfg.dec_steps // 10 + 1))
         img_B3HW, _ = _batch(data_N3HW, labels_N, cfg.vq_batch, gen)
         with torch.no_grad(), _autocast(device):
             f_hat_BChw = new.quantize_multiscale(new.encode(img_B3HW))[1][-1]      # float32, what sampling decodes
@@ -360,6 +360,7 @@ def train_decoder(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.devic
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 2.0)
         opt.step()
+        lr_sched.step()
         if disc is not None:                             # hinge loss on real scenes and this step's pictures
             with _autocast(device):
                 d_real_B = disc(img_B3HW).float()
@@ -432,9 +433,8 @@ def train_var(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
     sizes = [h * w for h, w in model.schedule.hw]
     step_fn = torch.compile(model) if cfg.compile and device.type == "cuda" else model
     t0 = time.time()
+    lr_sched = _schedule(opt, cfg.var_steps, min(500, cfg.var_steps // 10 + 1))
     for step in range(cfg.var_steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.var_steps, cfg.var_lr, min(500, cfg.var_steps // 10 + 1))
         pick_B = torch.randint(0, codes_NL.shape[0], (cfg.var_batch,), generator=gen, device=device)
         flat_BL = codes_NL[pick_B].long()
         label_B = labels_N[pick_B].clone()
@@ -448,6 +448,7 @@ def train_var(cfg: DemoTrainConfig, vq: MultiScaleVQVAE, device: torch.device,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
         opt.step()
+        lr_sched.step()
         if step % 500 == 0 or step == cfg.var_steps - 1:
             with torch.no_grad():
                 last = sizes[-1]
@@ -510,15 +511,15 @@ def train_classifier(cfg: DemoTrainConfig, vq: Optional[MultiScaleVQVAE], device
         labels_N = labels_N.repeat(2)
     log(f"classifier: {clean_N3HW.shape[0]} training images in {time.time() - t0:.0f}s")
     t0 = time.time()
+    lr_sched = _schedule(opt, cfg.cls_steps, min(100, cfg.cls_steps // 10 + 1))
     for step in range(cfg.cls_steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.cls_steps, 2e-3, min(100, cfg.cls_steps // 10 + 1))
         img_B3HW, lab_B = _batch(clean_N3HW, labels_N, cfg.cls_batch, gen)
         img_B3HW = _soften(img_B3HW, gen)
         loss = F.cross_entropy(clf((img_B3HW + 1) / 2), lab_B)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        lr_sched.step()
         if step % 250 == 0 or step == cfg.cls_steps - 1:
             with torch.no_grad():
                 acc = (clf((img_B3HW + 1) / 2).argmax(-1) == lab_B).float().mean().item()

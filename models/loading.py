@@ -480,7 +480,11 @@ def _shard_names(index: Path, weight_map: dict, fix: str) -> list[str]:
 
 
 def _read_sharded(folder: Path, what: str) -> dict[str, torch.Tensor]:
-    """A Hugging Face style shard folder (``*.index.json`` + shards), like the 8B release."""
+    """A Hugging Face style shard folder (``*.index.json`` + shards), like the 8B release, as one state
+    dict. Not transformers' ``load_sharded_checkpoint`` / accelerate's ``load_checkpoint_in_model``
+    (which the reference uses): those load into a model by the file's key names, and the official keys
+    are first mapped, checked and stripped of derived buffers here (``_canonical_infinity_keys``);
+    each shard is read by ``read_state_dict`` (safetensors, or ``torch.load(weights_only=True)``)."""
     indexes = sorted(folder.glob("*.index.json"))
     if not indexes:
         singles = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pth"))

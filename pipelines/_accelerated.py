@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
-import PIL.Image
 import torch
 
 from ..engine.contract import Policy, PolicyStack
@@ -502,9 +501,10 @@ class AcceleratedPipelineMixin:
 
     @staticmethod
     def _postprocess(x: torch.Tensor, output_type: str):
+        """Decoded images (B, 3, H, W) in [0, 1] as ``output_type``: "pt" (and "latent") as they are,
+        "np" (B, H, W, 3) float32 and "pil" through diffusers' ``VaeImageProcessor`` conversions."""
+        from diffusers.image_processor import VaeImageProcessor
         if output_type in ("pt", "latent"):
             return x
-        arr = x.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()      # (B, 3, H, W) → (B, H, W, 3)
-        if output_type == "np":
-            return arr
-        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in arr]
+        arr = VaeImageProcessor.pt_to_numpy(x.detach().clamp(0, 1))                  # (B, 3, H, W) → (B, H, W, 3)
+        return arr if output_type == "np" else VaeImageProcessor.numpy_to_pil(arr)

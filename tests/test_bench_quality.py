@@ -62,6 +62,28 @@ def test_ssim_of_flat_images_matches_the_formula():
     assert g_K.shape == (11,) and g_K.sum().item() == pytest.approx(1.0) and g_K.argmax().item() == 5
 
 
+def test_psnr_and_ssim_equal_torchmetrics_on_the_same_images():
+    """Our metrics against torchmetrics' (issue #35: library code where a library does it). PSNR
+    per image is torchmetrics' with the mean over (C, H, W). SSIM: torchmetrics evaluates the map at
+    every pixel with reflected borders and averages all of it; the reference implementation of Wang
+    et al. and scikit-image average the positions whose window lies inside the image, which we do:
+    torchmetrics' map with the 5-pixel border cropped must give our value."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+    g = torch.Generator().manual_seed(0)
+    for shape, noise in (((3, 3, 40, 33), 0.1), ((2, 1, 11, 64), 0.3), ((1, 3, 256, 256), 0.02)):
+        a = torch.rand(shape, generator=g, dtype=torch.float64)
+        b = (a + noise * torch.randn(shape, generator=g, dtype=torch.float64)).clamp(0, 1)
+        want = peak_signal_noise_ratio(a, b, data_range=1.0, reduction="none", dim=(1, 2, 3))
+        torch.testing.assert_close(psnr(a, b), want, rtol=0, atol=1e-5)   # dB; torchmetrics takes the log in float32
+        _, map_BCHW = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none", gaussian_kernel=True,
+                                                          sigma=1.5, kernel_size=11, k1=0.01, k2=0.03,
+                                                          return_full_image=True)
+        torch.testing.assert_close(ssim(a, b), map_BCHW[..., 5:-5, 5:-5].mean(dim=(1, 2, 3)), rtol=0, atol=1e-10)
+        u8_a, u8_b = (a * 255).round(), (b * 255).round()                # an 8-bit range too
+        torch.testing.assert_close(psnr(u8_a, u8_b, data_range=255.0), peak_signal_noise_ratio(
+            u8_a, u8_b, data_range=255.0, reduction="none", dim=(1, 2, 3)), rtol=0, atol=1e-5)
+
+
 def test_metrics_reject_bad_inputs():
     a = torch.zeros(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"same shape.*\(1, 3, 16, 16\).*\(1, 3, 16, 8\)"):

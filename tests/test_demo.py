@@ -312,3 +312,19 @@ def test_var_stage_can_continue_from_the_folders_transformer(tmp_path):
     fresh = load_file(path)
     assert any(not torch.equal(fresh[k], trained[k]) for k in trained)
     assert json.loads((folder / "train_demo.json").read_text())["config"]["var_continue"] is False
+
+
+def test_training_schedule_warms_up_then_falls_to_a_tenth():
+    """The stages' learning rate (transformers' cosine schedule with a floor): linear warm-up to the
+    optimizer's rate, then a cosine to 10 % of it at the last step."""
+    from sparsevar.demo.train import _schedule
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = _schedule(opt, total=100, warmup=10)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(1.0) and lrs[10] == pytest.approx(2.0)
+    assert lrs[55] == pytest.approx(0.2 + 1.8 * 0.5)                       # half-way down the cosine
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[99] == pytest.approx(0.2, abs=1e-3)
