@@ -703,6 +703,16 @@ _PIPELINE_USE = {
     "FlexVARPipeline": "FlexVARPipeline.from_pretrained (CLI: sparsevar generate --model FOLDER --class ID)",
 }
 RECONVERT = "convert the model again (`sparsevar convert` or save_pretrained)"
+# Where the official files can be fetched by hand (nothing is downloaded here): errors about a
+# missing file name the address, and the shipped ComfyUI workflows carry them as model metadata.
+_VAR_HUB = "https://huggingface.co/FoundationVision/var/resolve/main/"
+_INFINITY_HUB = "https://huggingface.co/FoundationVision/Infinity/resolve/main/"
+OFFICIAL_DOWNLOADS = {
+    **{f"var_d{d}.pth": f"{_VAR_HUB}var_d{d}.pth" for d in (16, 20, 24, 30, 36)},
+    "vae_ch160v4096z32.pth": f"{_VAR_HUB}vae_ch160v4096z32.pth",
+    "infinity_2b_reg.pth": f"{_INFINITY_HUB}infinity_2b_reg.pth",
+    "infinity_vae_d32reg.pth": f"{_INFINITY_HUB}infinity_vae_d32reg.pth",
+}
 # The module save_pretrained writes beside model_index.json, named there as ``_class_name`` =
 # [module, class] (diffusers' form for a pipeline class defined beside the weights), so that
 # diffusers' generic ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` finds
@@ -765,7 +775,8 @@ def component_weight_shapes(folder, names: Sequence[str] = _DIFFUSERS_WEIGHTS,
     instead. Reads safetensors headers only (``.bin`` files are memory-mapped with the safe loader).
     Missing, truncated or unreadable files raise an error naming the file."""
     folder = Path(folder)
-    if variant and not any((folder / variant_name(f, variant)).exists() for n in names for f in (n, f"{n}.index.json")):
+    if variant and not any((folder / variant_name(f, variant)).exists()
+                           for n in names for f in (n, f"{n}.index.json")):
         plain = [n for n in names if (folder / n).exists() or (folder / f"{n}.index.json").exists()]
         if plain:
             raise FileNotFoundError(f"{folder} has no {variant!r} variant ({variant_name(names[0], variant)}); it holds "

@@ -12,7 +12,8 @@ import torch
 
 from ..pipelines.flexvar_pipeline import FlexVARPipeline
 from ._comfy import io, model_management
-from .var_nodes import CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, checkpoint_files, resolve_in, subfolders
+from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, check_choices, checkpoint_files,
+                        resolve_in, subfolders)
 
 FOLDER = "flexvar"                   # models/flexvar: FlexVARd24-epo349.pth, FlexVAE.pth, converted folders
 
@@ -48,6 +49,11 @@ class FlexVARModelLoader(io.ComfyNode):
             ],
             outputs=[SparseVARModel.Output(display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, model, vae):
+        return check_choices("FlexVAR Model Loader", [
+            (model, FOLDER, "the official .pth files or a converted folder"), (vae, FOLDER, "FlexVAE.pth")])
 
     @classmethod
     def execute(cls, model, vae, dtype) -> io.NodeOutput:

@@ -15,7 +15,8 @@ from ..models.loading import hart_folders
 from ..pipelines.hart_pipeline import HARTPipeline
 from ._comfy import io, model_management
 from .infinity_nodes import TEXT_FOLDER, text_encoder_choices
-from .var_nodes import CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, model_roots, resolve_in, subfolders
+from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, check_choices, model_roots, resolve_in,
+                        subfolders)
 
 FOLDER = "hart"                      # models/hart: hart-0.7b-1024px/ (llm/, tokenizer/), converted folders
 QWEN2_HINT = ("a local copy of mit-han-lab/Qwen2-VL-1.5B-Instruct (config.json, the weights, the tokenizer files) as "
@@ -54,6 +55,12 @@ class HARTModelLoader(io.ComfyNode):
             ],
             outputs=[SparseVARModel.Output(display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, model, text_encoder):
+        return check_choices("HART Model Loader", [
+            (model, FOLDER, "HART's release folder (llm/ and tokenizer/) or a converted folder"),
+            (text_encoder, TEXT_FOLDER, "its Qwen2 folder")])
 
     @classmethod
     def execute(cls, model, text_encoder, dtype) -> io.NodeOutput:

@@ -14,8 +14,8 @@ import torch
 
 from ..pipelines.infinity_pipeline import InfinityPipeline
 from ._comfy import io, model_management
-from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, checkpoint_files, resolve_in,
-                        subfolders)
+from .var_nodes import (CATEGORY, FROM_FOLDER, SparseVARModel, VARModelHandle, check_choices, checkpoint_files,
+                        resolve_in, subfolders)
 
 FOLDER = "infinity"                  # models/infinity: infinity_2b_reg.pth, infinity_vae_d32reg.pth, folders
 TEXT_FOLDER = "text_encoders"        # ComfyUI's own folder for text encoders (models/text_encoders, models/clip)
@@ -75,6 +75,13 @@ class InfinityModelLoader(io.ComfyNode):
             ],
             outputs=[SparseVARModel.Output(display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, model, vae, text_encoder):
+        return check_choices("Infinity Model Loader", [
+            (model, FOLDER, "the official transformer (infinity_2b_reg.pth, the 8B shard folder) or a converted "
+                            "folder"),
+            (vae, FOLDER, "its VAE file"), (text_encoder, TEXT_FOLDER, "the Flan-T5-XL folder")])
 
     @classmethod
     def execute(cls, model, vae, text_encoder, dtype) -> io.NodeOutput:

@@ -15,6 +15,7 @@ import torch
 
 from ..demo import DEMO_MODEL_DIR
 from ..engine.state import GenerationStats
+from ..models.loading import OFFICIAL_DOWNLOADS
 from ..pipelines.defaults import VAR_DEFAULTS       # the sampler's widgets serve both families: VAR's
 from ..pipelines.flexvar_pipeline import FlexVARPipeline
 from ..pipelines.infinity_pipeline import InfinityPipeline
@@ -87,12 +88,31 @@ def model_choices() -> list[str]:
 
 
 def resolve_in(name: str, folder: str, node: str, what: str) -> Path:
-    """The path of choice ``name`` under models/<folder>, or a ValueError saying where to put it."""
+    """The path of choice ``name`` under models/<folder>, or a ValueError saying where to put it (and,
+    for an official file, where to download it by hand: nothing is downloaded automatically)."""
     for root in model_roots(folder):
         if (root / name).exists():
             return root / name
-    raise ValueError(f"{node}: {name!r} is not in models/{folder} "
-                     f"({', '.join(map(str, model_roots(folder))) or 'no such folder'}); put {what} there and refresh")
+    url = OFFICIAL_DOWNLOADS.get(Path(name).name)
+    where = ", ".join(map(str, model_roots(folder))) or f"{os.path.join(folder_paths.models_dir, folder)}, missing"
+    fix = f"download {url} into that folder" if url else f"put {what} there"
+    raise ValueError(f"{node}: {name!r} is not in models/{folder} ({where}); {fix} and refresh (nothing is "
+                     f"downloaded automatically)")
+
+
+def check_choices(node: str, choices) -> bool | str:
+    """A loader's ``validate_inputs``: True when every chosen file or folder is there, else the line
+    ``resolve_in`` gives for the first that is not (ComfyUI shows it on the node before anything
+    runs; it replaces ComfyUI's "value not in list"). ``choices``: (value, models folder, what goes
+    there) per input; the built-in and from-the-folder choices need nothing."""
+    for value, folder, what in choices:
+        if value in (DEMO_CHOICE, FROM_FOLDER):
+            continue
+        try:
+            resolve_in(value, folder, node, what)
+        except ValueError as e:
+            return str(e)
+    return True
 
 
 def _resolve(name: str) -> str:
@@ -143,6 +163,11 @@ class VARModelLoader(io.ComfyNode):
             ],
             outputs=[SparseVARModel.Output(display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, model, vae):
+        return check_choices("VAR Model Loader", [(model, FOLDER, "the official .pth files or a converted folder"),
+                                                  (vae, FOLDER, "the VQVAE file (vae_ch160v4096z32.pth)")])
 
     @classmethod
     def execute(cls, model, vae, dtype) -> io.NodeOutput:

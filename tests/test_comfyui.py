@@ -492,3 +492,29 @@ def test_loader_reads_a_converted_folder_inside_comfyui(comfy, tmp_path):
     loader["inputs"].update(model="var-tiny-converted", vae="(converted folder: none needed)")
     rep = _run(comfy, prompt, tmp_path)
     assert rep["status"] == "success", rep
+
+
+def test_a_missing_model_file_is_named_on_the_loader_with_where_to_get_it(comfy, tmp_path):
+    """A workflow naming an official file the user does not have (var_d30.pth; the frontend offers
+    downloads of .safetensors files only): ComfyUI rejects the prompt before anything runs, and the
+    loader's line says which file, which folder and the official address. A file of no known release
+    says what goes there; a missing text-encoder folder of the Infinity loader is named too."""
+    info = _get(comfy["url"] + "/object_info")
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
+    loader_id, loader = next((k, n) for k, n in prompt.items() if n["class_type"] == "SparseVAR_VARModelLoader")
+    for value, expected in (("var_d30.pth", "download https://huggingface.co/FoundationVision/var/resolve/main/"
+                                            "var_d30.pth into that folder"),
+                            ("my_var.pth", "put the official .pth files or a converted folder there")):
+        loader["inputs"]["model"] = value
+        rep = _run(comfy, prompt, tmp_path)
+        assert rep["status"] == "rejected", rep
+        details = " ".join(e["details"] for e in rep["error"]["node_errors"][loader_id]["errors"])
+        assert f"VAR Model Loader: '{value}' is not in models/var" in details and expected in details, details
+        assert str(comfy["base"] / "models" / "var") in details and "Value not in list" not in json.dumps(rep["error"])
+    prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
+    loader_id, loader = next((k, n) for k, n in prompt.items() if n["class_type"] == "SparseVAR_InfinityModelLoader")
+    loader["inputs"]["text_encoder"] = "flan-t5-xxl"
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "rejected", rep
+    details = " ".join(e["details"] for e in rep["error"]["node_errors"][loader_id]["errors"])
+    assert "'flan-t5-xxl' is not in models/text_encoders" in details and "the Flan-T5-XL folder" in details

@@ -5,29 +5,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sparsevar.models.loading import OFFICIAL_DOWNLOADS
+
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "0.1.0"
-# The frontend's workflow schema wants a url per model: the official release (the library itself
-# never downloads; ComfyUI may offer it to the user when the file is missing from models/var).
-OFFICIAL = "https://huggingface.co/FoundationVision/var/resolve/main/"
+# The frontend's workflow schema wants a url per model: the official release's (the library itself
+# never downloads). The frontend (1.32) offers downloads of .safetensors files only, so for these .pth
+# files the loaders' validation names the address instead (nodes/var_nodes.check_choices).
 MODEL_NAMES = ("var_d16.pth", "vae_ch160v4096z32.pth")
-MODELS = [{"name": n, "url": OFFICIAL + n, "directory": "var"} for n in MODEL_NAMES]
+MODELS = [{"name": n, "url": OFFICIAL_DOWNLOADS[n], "directory": "var"} for n in MODEL_NAMES]
 LOADER = ("SparseVAR_VARModelLoader", ["var_d16.pth", "vae_ch160v4096z32.pth", "auto"])
 # class_label, seed (+ its control), cfg, top_k, top_p, batch_size, then the Infinity inputs that VAR ignores:
-# prompt, negative_prompt, height, width
-SAMPLER_WIDGETS = ["207", 0, "fixed", 4.0, 900, 0.95, 1, "", "", 1024, 1024]
+# prompt, negative_prompt, height, width, and FlexVAR's steps (0: its default)
+SAMPLER_WIDGETS = ["207", 0, "fixed", 4.0, 900, 0.95, 1, "", "", 1024, 1024, 0]
 # The built-in demo model: nothing to download, so the workflow runs on a fresh install.
 DEMO_LOADER = ("SparseVAR_VARModelLoader", ["sparsevar-demo (built in)", "(converted folder: none needed)", "auto"])
-DEMO_SAMPLER_WIDGETS = ["tree", 0, "fixed", 4.0, 900, 0.95, 1, "", "", 1024, 1024]
+DEMO_SAMPLER_WIDGETS = ["tree", 0, "fixed", 4.0, 900, 0.95, 1, "", "", 1024, 1024, 0]
 # Infinity-2B (text to image): the transformer and its VAE in models/infinity, Flan-T5-XL as a folder in
 # models/text_encoders (a folder, so the frontend cannot offer it as a download: the README says where it goes).
-INFINITY_OFFICIAL = "https://huggingface.co/FoundationVision/Infinity/resolve/main/"
 INFINITY_MODEL_NAMES = ("infinity_2b_reg.pth", "infinity_vae_d32reg.pth")
-INFINITY_MODELS = [{"name": n, "url": INFINITY_OFFICIAL + n, "directory": "infinity"} for n in INFINITY_MODEL_NAMES]
+INFINITY_MODELS = [{"name": n, "url": OFFICIAL_DOWNLOADS[n], "directory": "infinity"} for n in INFINITY_MODEL_NAMES]
 INFINITY_LOADER = ("SparseVAR_InfinityModelLoader", [*INFINITY_MODEL_NAMES, "flan-t5-xl", "auto"])
 PROMPT = "a red fox standing in fresh snow at golden hour, detailed fur, photograph"
 # official Infinity-2B sampling (guidance 3, top-k 900, top-p 0.97) at 1024x1024; class_label is ignored
-INFINITY_SAMPLER_WIDGETS = ["", 0, "fixed", 3.0, 900, 0.97, 1, PROMPT, "", 1024, 1024]
+INFINITY_SAMPLER_WIDGETS = ["", 0, "fixed", 3.0, 900, 0.97, 1, PROMPT, "", 1024, 1024, 0]
 OUT_TYPES = {
     "SparseVAR_VARModelLoader": [("model", "SPARSEVAR_MODEL")],
     "SparseVAR_InfinityModelLoader": [("model", "SPARSEVAR_MODEL")],
