@@ -175,6 +175,27 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 "decoder": batch_size * side * side * (vq.config.ch * _dtype_of(vq).itemsize + 3 * 4)}
 
     # ---- call -------------------------------------------------------------------------------------
+    def _check_features(self, features) -> int:
+        """The number of prompts in ``prompt_features`` (what :meth:`encode_prompt` returns), or a
+        ValueError naming what does not fit this model."""
+        cfg = self.transformer.config
+        ok = isinstance(features, (tuple, list)) and len(features) == 3 and \
+            all(isinstance(t, torch.Tensor) for t in features)
+        if ok:
+            context, mask, pos = features
+            T = cfg.context_token
+            ok = (context.dim() == 3 and context.shape[1:] == (T, cfg.context_dim) and context.is_floating_point()
+                  and mask.shape == pos.shape == context.shape[:2] and mask.dtype == torch.bool)
+        if not ok:
+            got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in features] \
+                if isinstance(features, (tuple, list)) else type(features).__name__
+            raise ValueError(f"prompt_features must be what encode_prompt returns for this model: (context (B, "
+                             f"{cfg.context_token}, {cfg.context_dim}), mask (B, {cfg.context_token}) bool, position "
+                             f"ids (B, {cfg.context_token})), got {got}")
+        if features[0].shape[0] < 1:
+            raise ValueError("prompt_features holds no prompt")
+        return int(features[0].shape[0])
+
     @staticmethod
     def _prompt_list(prompt, name: str) -> list[str]:
         if isinstance(prompt, str):
@@ -190,7 +211,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                  generator=None, output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Optional[Callable] = None,
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("codes",),
-                 policies: Optional[Sequence[Policy]] = None, use_cuda_graphs: Optional[bool] = None):
+                 policies: Optional[Sequence[Policy]] = None, use_cuda_graphs: Optional[bool] = None,
+                 prompt_features: Optional[tuple] = None):
         """Generate 1024 × 1024 images from text.
 
         Args:
@@ -207,19 +229,24 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 draw, the diffusion head's noise included, comes from ``generator``.
             use_cuda_graphs: replay each scale's compute (text, layers, head) from a CUDA graph (default:
                 on for CUDA models); guidance, sampling and the diffusion head run eagerly.
+            prompt_features: what :meth:`encode_prompt` returned (context, mask, position ids), instead
+                of ``prompt`` (encode once, generate many times).
         Returns:
             :class:`HARTPipelineOutput` (images, stats) or the tuple ``(images, stats)``.
         """
-        if prompt is None:
+        if prompt is None and prompt_features is None:
             raise ValueError("prompt is required: pass a string or a list of strings")
-        prompts = self._prompt_list(prompt, "prompt")
+        if prompt is not None and prompt_features is not None:
+            raise ValueError("pass either prompt or prompt_features, not both")
+        n = len(self._prompt_list(prompt, "prompt")) if prompt is not None else self._check_features(prompt_features)
         if not isinstance(smooth, bool):
             raise TypeError(f"smooth must be True or False, got {smooth!r}")
-        B = self._check_call(len(prompts), "prompt", self.memory_needed, guidance_scale, top_k, top_p,
+        B = self._check_call(n, "prompt", self.memory_needed, guidance_scale, top_k, top_p,
                              num_images_per_prompt, output_type, generator, callback_on_step_end,
                              callback_on_step_end_tensor_inputs, policies)
         stack = self._call_policies(policies)
-        context, mask, pos = self.encode_prompt(prompts)
+        context, mask, pos = self.encode_prompt(self._prompt_list(prompt, "prompt")) if prompt is not None else \
+            (t.to(self.text_encoder.device) for t in prompt_features)
         k = int(num_images_per_prompt)
         context, mask, pos = (t.repeat_interleave(k, dim=0) for t in (context, mask, pos))
         cond = HARTConditioning(context, pos, mask, smooth=smooth)

@@ -74,6 +74,26 @@ def test_policies_run_on_the_pipeline(pipe):
     assert skipped.stats[0].scales[-1].skipped
 
 
+def test_prompt_features_from_encode_prompt_draw_the_same_pictures(pipe):
+    """Encode once, generate many times (what a ComfyUI text-encode node needs): encode_prompt's
+    features in place of the strings give the same picture; features of another model's shape, or
+    both inputs, are refused naming the argument."""
+    features = pipe.encode_prompt(["w5 w6 w7", "w9 w10"])
+    a = pipe(["w5 w6 w7", "w9 w10"], generator=torch.Generator().manual_seed(3), output_type="pt",
+             num_images_per_prompt=2).images
+    b = pipe(prompt_features=features, generator=torch.Generator().manual_seed(3), output_type="pt",
+             num_images_per_prompt=2).images
+    assert torch.equal(a, b)
+    context, mask, pos = features
+    T, D = pipe.transformer.config.context_token, pipe.transformer.config.context_dim
+    for bad in ((context[:, :-1], mask[:, :-1], pos[:, :-1]), (context[..., :-1], mask, pos), (context, mask.long(), pos),
+                (context, mask), context):
+        with pytest.raises(ValueError, match=rf"prompt_features must be what encode_prompt returns .*\(B, {T}, {D}\)"):
+            pipe(prompt_features=bad)
+    with pytest.raises(ValueError, match="either prompt or prompt_features"):
+        pipe("w5", prompt_features=features)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(prompt=None), "prompt is required"),
     (dict(prompt=["a", 3]), "prompt must be a string or a non-empty list"),
