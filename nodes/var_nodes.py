@@ -39,6 +39,7 @@ ScaleSkipSettings = io.Custom("SPARSEVAR_SCALE_SKIP")
 FastVARSettings = io.Custom("SPARSEVAR_FASTVAR_SETTINGS")
 SparVARSettings = io.Custom("SPARSEVAR_SPARVAR_SETTINGS")
 GenerationStatsType = io.Custom("SPARSEVAR_STATS")
+Conditioning = io.Custom("SPARSEVAR_CONDITIONING")
 
 
 def register_model_folder(folder: str = FOLDER) -> None:
@@ -405,129 +406,281 @@ def _class_ids(pipe, class_label: str) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassCondition:
+    """What the VAR Class node set: the class labels as typed (ids or names, several separated by
+    '|'); the sampler resolves them with the model's class names."""
+
+    class_label: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextCondition:
+    """What the Infinity/HART Text Encode node made: the prompts and their features from the text
+    encoder of the pipeline ``pipe_id`` names (``id`` of the pipeline; None: strings only, encoded
+    by the sampler, as the legacy sampler's widgets are)."""
+
+    prompt: str
+    negative_prompt: str = ""
+    features: object = None
+    negative_features: object = None
+    pipe_id: int | None = None
+
+
+def _model_kind(pipe) -> str:
+    return ("Infinity" if isinstance(pipe, InfinityPipeline) else "HART" if isinstance(pipe, HARTPipeline)
+            else "FlexVAR" if isinstance(pipe, FlexVARPipeline) else "VAR")
+
+
+def _check_condition(node: str, pipe, cond) -> None:
+    """A conditioning that does not fit the model, refused in one line saying which node to use."""
+    kind = _model_kind(pipe)
+    text_model = kind in ("Infinity", "HART")
+    if isinstance(cond, ClassCondition) and text_model:
+        raise ValueError(f"{node}: the conditioning is a class label (VAR Class), and {kind} draws from text: connect "
+                         f"an 'Infinity/HART Text Encode' node to 'conditioning' instead")
+    if isinstance(cond, TextCondition) and not text_model:
+        raise ValueError(f"{node}: the conditioning is a text prompt, and this {kind} model draws classes: connect a "
+                         f"'VAR Class' node to 'conditioning' instead")
+    if isinstance(cond, TextCondition) and cond.pipe_id is not None and cond.pipe_id != id(pipe):
+        raise ValueError(f"{node}: the conditioning was encoded by another model's text encoder: connect the Text "
+                         f"Encode node's 'model' to the loader this sampler uses")
+    if kind == "HART" and isinstance(cond, TextCondition) and cond.negative_prompt:
+        raise ValueError(f"{node}: HART has no negative prompt (its unconditional branch is an empty text); clear "
+                         f"'negative_prompt'")
+
+
+def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height, width, sparsevar, anchors,
+            scale_skip, fastvar, sparvar, steps) -> io.NodeOutput:
+    """One sampler call for either sampler node: ``cond`` a ClassCondition or a TextCondition."""
+    pipe = model.pipe
+    infinity = isinstance(pipe, InfinityPipeline)
+    hart = isinstance(pipe, HARTPipeline)
+    flexvar = isinstance(pipe, FlexVARPipeline)
+    if fastvar is not None and (sparsevar is not None or anchors is not None):
+        raise ValueError(f"{node}: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the two methods "
+                         f"cannot be combined (both choose the tokens each scale computes): disconnect one of them")
+    if sparvar is not None and (fastvar is not None or sparsevar is not None or anchors is not None):
+        raise ValueError(f"{node}: 'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected, and they "
+                         f"cannot be combined (SparVAR selects keys among every token of the cache; the others "
+                         f"compute a subset of the tokens): disconnect one of them")
+    _check_condition(node, pipe, cond)
+    policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar, sparvar)
+    if infinity:
+        total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
+    elif hart:
+        total = pipe.adapter().schedule.num_scales
+    elif flexvar:
+        labels = _class_ids(pipe, cond.class_label)
+        try:
+            schedule = pipe.resolve_schedule(height, width, steps or None)
+        except ValueError as e:
+            raise ValueError(f"{node}: {str(e).replace('num_scales=', 'steps=')}") from None
+        total = len(schedule)
+    else:
+        labels = _class_ids(pipe, cond.class_label)
+        total = pipe.num_timesteps
+    model_management.load_models_gpu([model.patcher])
+    bar = comfy_utils.ProgressBar(total)
+
+    done = [0]
+
+    def on_scale(p, si, t, kw):
+        done[0] = si + 1
+        bar.update_absolute(si + 1, total)
+        model_management.throw_exception_if_processing_interrupted()
+        return kw
+
+    pipe.set_progress_bar_config(disable=True)
+    common = {"guidance_scale": cfg, "top_k": top_k, "top_p": top_p, "num_images_per_prompt": batch_size,
+              "generator": torch.Generator("cpu").manual_seed(seed), "output_type": "pt",
+              "callback_on_step_end": on_scale, "policies": policies}
+    if infinity and cond.features is not None:
+        out = pipe(prompt_features=cond.features, negative_prompt_features=cond.negative_features, height=height,
+                   width=width, **common)
+    elif infinity:
+        out = pipe(cond.prompt, negative_prompt=cond.negative_prompt or None, height=height, width=width, **common)
+    elif hart:
+        out = pipe(prompt_features=cond.features, **common) if cond.features is not None else pipe(cond.prompt,
+                                                                                                  **common)
+    elif flexvar:
+        out = pipe(labels, patch_nums=schedule, **common)
+    else:
+        out = pipe(labels, **common)
+    if done[0] < total:
+        bar.update_absolute(total, total)           # skipped scales end the bar too
+    stats: GenerationStats = out.stats[0]
+    speedup = pipe.flop_speedup(stats, height, width) if infinity else \
+        pipe.flop_speedup(stats, schedule) if flexvar else pipe.flop_speedup(stats)
+    images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
+    text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x\n{stats.table()}")
+    return io.NodeOutput(images, text, stats)
+
+
+def _sampling_inputs() -> list:
+    """The sampler inputs both sampler nodes share, after the model and the conditioning."""
+    return [
+        io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
+                     tooltip="every random draw comes from a CPU generator seeded with this"),
+        io.Float.Input("cfg", default=VAR_DEFAULTS.guidance_scale, min=0.0, max=20.0, step=0.1,
+                       tooltip="guidance strength. VAR: ramped from 0 at the first scale to this at the "
+                               "last; 0 = off (official demo 4, FID 1.5). Infinity: cfg·cond + (1 − cfg)·"
+                               "uncond at every scale; 1 = off (official 3). HART: ramped like VAR; 0 = off "
+                               "(official 4.5)"),
+        io.Int.Input("top_k", default=VAR_DEFAULTS.top_k, min=0, max=65536,
+                     tooltip="keep the k most likely codes (0 = all; HART: 0 = its reference rule, 600 "
+                             "below scale 7, then 300)"),
+        io.Float.Input("top_p", default=VAR_DEFAULTS.top_p, min=0.0, max=1.0, step=0.01,
+                       tooltip="nucleus mass kept per token (0 = off; official VAR 0.95, Infinity 0.97)"),
+        io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label or prompt"),
+    ]
+
+
+def _size_inputs() -> list:
+    return [
+        io.Int.Input("height", default=1024, min=16, max=4096, step=16,
+                     tooltip="Infinity: image height. Only the official sizes exist (1024×1024 and the "
+                             "256–1024 px sizes of 15 aspect ratios, e.g. 768×1024); another size gives an "
+                             "error listing the valid ones. FlexVAR: any square multiple of 16 (256 its "
+                             "training size, 512 zero-shot). VAR models draw at their own size"),
+        io.Int.Input("width", default=1024, min=16, max=4096, step=16,
+                     tooltip="Infinity, FlexVAR: image width (see height). VAR models draw at their own size, "
+                             "HART at 1024×1024"),
+    ]
+
+
+def _settings_inputs() -> list:
+    return [
+        SparseVARSettings.Input("sparsevar", optional=True),
+        AnchorSettings.Input("anchors", optional=True),
+        ScaleSkipSettings.Input("scale_skip", optional=True),
+        FastVARSettings.Input("fastvar", optional=True),
+        SparVARSettings.Input("sparvar", optional=True),
+        io.Int.Input("steps", default=0, min=0, max=64, optional=True,
+                     tooltip="FlexVAR: number of scales; 0 = the reference's for the size (10 at 256 px, 15 "
+                             "at 512 px; 13 is its README variant). Other models ignore it"),
+    ]
+
+
+def _sampler_outputs() -> list:
+    return [io.Image.Output(display_name="images"), io.String.Output(display_name="stats"),
+            GenerationStatsType.Output(display_name="token_maps")]
+
+
+class VARClassNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SparseVAR_VARClass", display_name="VAR Class", category=CATEGORY,
+            description="The class a VAR or FlexVAR model draws, for the SparseVAR Sampler's conditioning.",
+            inputs=[io.String.Input("class_label", default="207",
+                                    tooltip="class id or name (e.g. 207 or 'golden retriever' for ImageNet models; "
+                                            "the demo model's: disc … fish); several separated by '|'")],
+            outputs=[Conditioning.Output(display_name="conditioning")],
+        )
+
+    @classmethod
+    def execute(cls, class_label) -> io.NodeOutput:
+        if not str(class_label).strip():
+            raise ValueError("VAR Class: class_label is empty: give a class id or name (several separated by '|')")
+        return io.NodeOutput(ClassCondition(str(class_label)))
+
+
+class TextEncodeNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SparseVAR_TextEncode", display_name="Infinity/HART Text Encode", category=CATEGORY,
+            description="Encodes a prompt with the text encoder of an Infinity (Flan-T5-XL) or HART (Qwen2) model, "
+                        "for the SparseVAR Sampler's conditioning; the encoding is kept while the prompt stays.",
+            inputs=[SparseVARModel.Input("model"),
+                    io.String.Input("prompt", default="", multiline=True, tooltip="what to draw"),
+                    io.String.Input("negative_prompt", default="", multiline=True,
+                                    tooltip="Infinity: what to steer away from; it replaces the unconditional branch "
+                                            "of guidance (empty = the model's learned one). HART has none")],
+            outputs=[Conditioning.Output(display_name="conditioning")],
+        )
+
+    @classmethod
+    def execute(cls, model, prompt, negative_prompt) -> io.NodeOutput:
+        pipe = model.pipe
+        kind = _model_kind(pipe)
+        if kind not in ("Infinity", "HART"):
+            raise ValueError(f"Infinity/HART Text Encode: this {kind} model draws classes, not text: use a 'VAR Class' "
+                             f"node for its conditioning")
+        if not prompt.strip():
+            raise ValueError("Infinity/HART Text Encode: prompt is empty: say what to draw")
+        cond = TextCondition(prompt, negative_prompt)
+        _check_condition("Infinity/HART Text Encode", pipe, cond)
+        model_management.load_models_gpu([model.patcher])          # the text encoder, through ComfyUI's manager
+        negative = pipe.encode_prompt(negative_prompt) if negative_prompt else None
+        return io.NodeOutput(TextCondition(prompt, negative_prompt, pipe.encode_prompt(prompt), negative, id(pipe)))
+
+
 class SparseVARSampler(io.ComfyNode):
     """One ProgressBar tick per scale, without a preview image: a VAR preview needs a full VQVAE
-    decode of the latent, as expensive as the final one, so it is not "cheap" at any scale.
-
-    Class-conditional VAR models read ``class_label``; FlexVAR reads ``class_label``, ``height``,
-    ``width`` and ``steps``; text-to-image Infinity models read ``prompt``, ``negative_prompt``,
-    ``height`` and ``width``, HART ``prompt``. Each family ignores the others' inputs."""
+    decode of the latent, as expensive as the final one, so it is not "cheap" at any scale. What
+    to draw comes from the ``conditioning`` input: a VAR Class node (VAR, FlexVAR) or an
+    Infinity/HART Text Encode node; FlexVAR also reads ``height``, ``width`` and ``steps``,
+    Infinity ``height`` and ``width``."""
 
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="SparseVAR_Sampler", display_name="SparseVAR Sampler", category=CATEGORY,
-            description="Generates images with a VAR or FlexVAR model (class label) or an Infinity or HART model "
-                        "(text prompt), scale by scale, with optional acceleration.",
+            node_id="SparseVAR_ConditionedSampler", display_name="SparseVAR Sampler", category=CATEGORY,
+            description="Generates images with a VAR, FlexVAR, Infinity or HART model from its conditioning (VAR Class "
+                        "or Infinity/HART Text Encode), scale by scale, with optional acceleration.",
+            inputs=[SparseVARModel.Input("model"),
+                    Conditioning.Input("conditioning",
+                                       tooltip="VAR, FlexVAR: a VAR Class node; Infinity, HART: an Infinity/HART Text "
+                                               "Encode node fed by the same loader"),
+                    *_sampling_inputs(), *_size_inputs(), *_settings_inputs()],
+            outputs=_sampler_outputs(),
+        )
+
+    @classmethod
+    def execute(cls, model, conditioning, seed, cfg, top_k, top_p, batch_size, height=1024, width=1024,
+                sparsevar=None, anchors=None, scale_skip=None, fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
+        return _sample("SparseVAR Sampler", model, conditioning, seed, cfg, top_k, top_p, batch_size, height, width,
+                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps)
+
+
+class LegacySparseVARSampler(io.ComfyNode):
+    """The sampler with its own class and prompt widgets, kept (deprecated, hidden from the node
+    search) so that workflows saved with it still load and run; new graphs use the SparseVAR Sampler
+    with a conditioning node."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SparseVAR_Sampler", display_name="SparseVAR Sampler (legacy: class and prompt widgets)",
+            category=CATEGORY, is_deprecated=True,
+            description="Deprecated: use the SparseVAR Sampler with a VAR Class or Infinity/HART Text Encode node. "
+                        "Kept so that saved workflows run.",
             inputs=[
                 SparseVARModel.Input("model"),
                 io.String.Input("class_label", default="207",
                                 tooltip="VAR: class id or ImageNet name (e.g. 207 or 'golden retriever'); "
                                         "several separated by '|'. Infinity models ignore it (they read the prompt)"),
-                io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
-                             tooltip="every random draw comes from a CPU generator seeded with this"),
-                io.Float.Input("cfg", default=VAR_DEFAULTS.guidance_scale, min=0.0, max=20.0, step=0.1,
-                               tooltip="guidance strength. VAR: ramped from 0 at the first scale to this at the "
-                                       "last; 0 = off (official demo 4, FID 1.5). Infinity: cfg·cond + (1 − cfg)·"
-                                       "uncond at every scale; 1 = off (official 3). HART: ramped like VAR; 0 = off "
-                                       "(official 4.5)"),
-                io.Int.Input("top_k", default=VAR_DEFAULTS.top_k, min=0, max=65536,
-                             tooltip="keep the k most likely codes (0 = all; HART: 0 = its reference rule, 600 "
-                                     "below scale 7, then 300)"),
-                io.Float.Input("top_p", default=VAR_DEFAULTS.top_p, min=0.0, max=1.0, step=0.01,
-                               tooltip="nucleus mass kept per token (0 = off; official VAR 0.95, Infinity 0.97)"),
-                io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="images per class label or prompt"),
+                *_sampling_inputs(),
                 io.String.Input("prompt", default="", multiline=True,
                                 tooltip="Infinity, HART: what to draw. VAR models ignore it (they read class_label)"),
                 io.String.Input("negative_prompt", default="", multiline=True,
                                 tooltip="Infinity: what to steer away from; it replaces the unconditional branch of "
                                         "guidance (empty = the model's learned one). VAR models ignore it"),
-                io.Int.Input("height", default=1024, min=16, max=4096, step=16,
-                             tooltip="Infinity: image height. Only the official sizes exist (1024×1024 and the "
-                                     "256–1024 px sizes of 15 aspect ratios, e.g. 768×1024); another size gives an "
-                                     "error listing the valid ones. FlexVAR: any square multiple of 16 (256 its "
-                                     "training size, 512 zero-shot). VAR models draw at their own size"),
-                io.Int.Input("width", default=1024, min=16, max=4096, step=16,
-                             tooltip="Infinity, FlexVAR: image width (see height). VAR models draw at their own size, "
-                                     "HART at 1024×1024"),
-                SparseVARSettings.Input("sparsevar", optional=True),
-                AnchorSettings.Input("anchors", optional=True),
-                ScaleSkipSettings.Input("scale_skip", optional=True),
-                FastVARSettings.Input("fastvar", optional=True),
-                SparVARSettings.Input("sparvar", optional=True),
-                io.Int.Input("steps", default=0, min=0, max=64, optional=True,
-                             tooltip="FlexVAR: number of scales; 0 = the reference's for the size (10 at 256 px, 15 "
-                                     "at 512 px; 13 is its README variant). Other models ignore it"),
+                *_size_inputs(), *_settings_inputs(),
             ],
-            outputs=[io.Image.Output(display_name="images"), io.String.Output(display_name="stats"),
-                     GenerationStatsType.Output(display_name="token_maps")],
+            outputs=_sampler_outputs(),
         )
 
     @classmethod
     def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, prompt="", negative_prompt="",
                 height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
                 fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
-        pipe = model.pipe
-        infinity = isinstance(pipe, InfinityPipeline)
-        hart = isinstance(pipe, HARTPipeline)
-        flexvar = isinstance(pipe, FlexVARPipeline)
-        if fastvar is not None and (sparsevar is not None or anchors is not None):
-            raise ValueError("SparseVAR Sampler: 'fastvar' and 'sparsevar' / 'anchors' are both connected, and the "
-                             "two methods cannot be combined (both choose the tokens each scale computes): "
-                             "disconnect one of them")
-        if sparvar is not None and (fastvar is not None or sparsevar is not None or anchors is not None):
-            raise ValueError("SparseVAR Sampler: 'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected, "
-                             "and they cannot be combined (SparVAR selects keys among every token of the cache; the "
-                             "others compute a subset of the tokens): disconnect one of them")
-        policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar, sparvar)
-        if infinity:
-            total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
-        elif hart:
-            if negative_prompt:
-                raise ValueError("SparseVAR Sampler: HART has no negative prompt (its unconditional branch is an empty "
-                                 "text); clear 'negative_prompt'")
-            total = pipe.adapter().schedule.num_scales
-        elif flexvar:
-            labels = _class_ids(pipe, class_label)
-            try:
-                schedule = pipe.resolve_schedule(height, width, steps or None)
-            except ValueError as e:
-                raise ValueError(f"SparseVAR Sampler: {str(e).replace('num_scales=', 'steps=')}") from None
-            total = len(schedule)
-        else:
-            labels = _class_ids(pipe, class_label)
-            total = pipe.num_timesteps
-        model_management.load_models_gpu([model.patcher])
-        bar = comfy_utils.ProgressBar(total)
-
-        done = [0]
-
-        def on_scale(p, si, t, kw):
-            done[0] = si + 1
-            bar.update_absolute(si + 1, total)
-            model_management.throw_exception_if_processing_interrupted()
-            return kw
-
-        pipe.set_progress_bar_config(disable=True)
-        common = {"guidance_scale": cfg, "top_k": top_k, "top_p": top_p, "num_images_per_prompt": batch_size,
-                  "generator": torch.Generator("cpu").manual_seed(seed), "output_type": "pt",
-                  "callback_on_step_end": on_scale, "policies": policies}
-        if infinity:
-            out = pipe(prompt, negative_prompt=negative_prompt or None, height=height, width=width, **common)
-        elif hart:
-            out = pipe(prompt, **common)
-        elif flexvar:
-            out = pipe(labels, patch_nums=schedule, **common)
-        else:
-            out = pipe(labels, **common)
-        if done[0] < total:
-            bar.update_absolute(total, total)           # skipped scales end the bar too
-        stats: GenerationStats = out.stats[0]
-        speedup = pipe.flop_speedup(stats, height, width) if infinity else \
-            pipe.flop_speedup(stats, schedule) if flexvar else pipe.flop_speedup(stats)
-        images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
-        text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x\n{stats.table()}")
-        return io.NodeOutput(images, text, stats)
+        text_model = isinstance(model.pipe, (InfinityPipeline, HARTPipeline))
+        cond = TextCondition(prompt, negative_prompt) if text_model else ClassCondition(class_label)
+        return _sample("SparseVAR Sampler", model, cond, seed, cfg, top_k, top_p, batch_size, height, width,
+                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps)
 
 
 class TokenMapPreview(io.ComfyNode):
@@ -551,5 +704,5 @@ class TokenMapPreview(io.ComfyNode):
         return io.NodeOutput(token_map_images(token_maps, images))
 
 
-NODES = [VARModelLoader, SparseVARSampler, SparseVARSettingsNode, AnchorSettingsNode, ScaleSkipNode,
-         FastVARSettingsNode, SparVARSettingsNode, TokenMapPreview]
+NODES = [VARModelLoader, VARClassNode, TextEncodeNode, SparseVARSampler, LegacySparseVARSampler, SparseVARSettingsNode,
+         AnchorSettingsNode, ScaleSkipNode, FastVARSettingsNode, SparVARSettingsNode, TokenMapPreview]

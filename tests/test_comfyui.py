@@ -36,9 +36,11 @@ pytestmark = pytest.mark.comfyui
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent / "comfyui"
 NODE_IDS = ["SparseVAR_VARModelLoader", "SparseVAR_InfinityModelLoader", "SparseVAR_HARTModelLoader",
-            "SparseVAR_Sampler", "SparseVAR_Settings",
+            "SparseVAR_VARClass", "SparseVAR_TextEncode", "SparseVAR_ConditionedSampler", "SparseVAR_Sampler",
+            "SparseVAR_Settings",
             "SparseVAR_AnchorSettings", "SparseVAR_ScaleSkip", "SparseVAR_FastVARSettings",
             "SparseVAR_TokenMapPreview"]
+SAMPLERS = ("SparseVAR_ConditionedSampler", "SparseVAR_Sampler")     # the sampler, and the legacy one
 INFINITY_SIZE = 256                                     # the Infinity samplers' height and width in these tests
 FROM_FOLDER = "(converted folder: none needed)"
 sys.path.insert(0, str(HERE))
@@ -144,7 +146,7 @@ def _prompt(path: Path, info: dict) -> dict:
     """The API prompt of a shipped workflow, with its Infinity samplers at INFINITY_SIZE."""
     prompt = ui_to_api(json.loads(path.read_text()), info)
     for node in prompt.values():
-        if node["class_type"] == "SparseVAR_Sampler" and _is_infinity(prompt, node):
+        if node["class_type"] in SAMPLERS and _is_infinity(prompt, node):
             node["inputs"].update(height=INFINITY_SIZE, width=INFINITY_SIZE)
     return prompt
 
@@ -273,7 +275,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     prompt = _prompt(path, info)
     rep = _run(comfy, prompt, tmp_path)
     assert rep["status"] == "success", rep
-    samplers = [nid for nid, n in prompt.items() if n["class_type"] == "SparseVAR_Sampler"]
+    samplers = [nid for nid, n in prompt.items() if n["class_type"] in SAMPLERS]
     def scales(nid):
         node = prompt[nid]
         if _is_infinity(prompt, node):
@@ -293,7 +295,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         img = _image(comfy, images[0])
         w, h = img.size
         src = prompt[nid]["inputs"]["images"][0]
-        if prompt[src]["class_type"] == "SparseVAR_Sampler":
+        if prompt[src]["class_type"] in SAMPLERS:
             side = comfy["hart"]["side"] if _is_hart(prompt, prompt[src]) else \
                 prompt[src]["inputs"]["height"] if _is_flexvar(prompt, prompt[src]) else 256
             assert (w, h) == (side, side) and img.mode == "RGB"
@@ -305,7 +307,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
     for nid, n in prompt.items():
         if n["class_type"] == "PreviewAny":
             src = n["inputs"]["source"][0]
-            assert prompt[src]["class_type"] == "SparseVAR_Sampler"
+            assert prompt[src]["class_type"] in SAMPLERS
             stats[src] = _stats(rep["outputs"][nid]["text"][0])
     hart = sorted((nid for nid in samplers if _is_hart(prompt, prompt[nid])), key=int)
     if hart:
@@ -355,12 +357,12 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
 def test_infinity_errors_reach_the_ui_as_a_message(comfy, tmp_path):
     info = _get(comfy["url"] + "/object_info")
     prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
-    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
     sampler["inputs"].update(height=1000, width=1000)             # not an Infinity size
     rep = _run(comfy, prompt, tmp_path)
     assert rep["status"] == "error"
     msg = rep["error_messages"][0]
-    assert msg["exception_type"].endswith("ValueError") and msg["node_type"] == "SparseVAR_Sampler"
+    assert msg["exception_type"].endswith("ValueError") and msg["node_type"] in SAMPLERS
     assert "height=1000, width=1000" in msg["exception_message"] and "1024x1024" in msg["exception_message"]
     sampler["inputs"].update(height=INFINITY_SIZE, width=INFINITY_SIZE)
     loader = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_InfinityModelLoader")
@@ -381,7 +383,7 @@ def test_infinity_loader_reads_a_converted_folder_with_the_same_result(comfy, tm
         prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
         loader = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_InfinityModelLoader")
         loader["inputs"].update(model=model, vae=vae, text_encoder=t5)
-        next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")["inputs"]["seed"] = 7
+        next(n for n in prompt.values() if n["class_type"] in SAMPLERS)["inputs"]["seed"] = 7
         rep = _run(comfy, prompt, tmp_path)
         assert rep["status"] == "success", rep
         preview = next(nid for nid, n in prompt.items() if n["class_type"] == "PreviewImage")
@@ -392,7 +394,7 @@ def test_infinity_loader_reads_a_converted_folder_with_the_same_result(comfy, tm
 def test_interrupt_mid_run_then_the_next_prompt_succeeds(comfy, tmp_path):
     info = _get(comfy["url"] + "/object_info")
     prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
-    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
     sampler["inputs"]["batch_size"] = 4
     sampler["inputs"]["seed"] = 123                        # not cached from an earlier test
     rep = _run(comfy, prompt, tmp_path, "--interrupt-after", "3")
@@ -419,7 +421,7 @@ def test_sparvar_beside_fastvar_is_refused_with_the_reason(comfy, tmp_path):
     inputs and why they cannot be combined."""
     info = _get(comfy["url"] + "/object_info")
     prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_sparvar.json").read_text()), info)
-    sampler = next(n for n in prompt.values() if n["class_type"] == "SparseVAR_Sampler")
+    sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
     assert isinstance(sampler["inputs"]["sparvar"], list)                      # the workflow wires SparVAR
     prompt["99"] = {"class_type": "SparseVAR_FastVARSettings", "inputs": {"ratios": "0.5, 0.75"}}
     sampler["inputs"]["fastvar"] = ["99", 0]
@@ -518,3 +520,44 @@ def test_a_missing_model_file_is_named_on_the_loader_with_where_to_get_it(comfy,
     assert rep["status"] == "rejected", rep
     details = " ".join(e["details"] for e in rep["error"]["node_errors"][loader_id]["errors"])
     assert "'flan-t5-xxl' is not in models/text_encoders" in details and "the Flan-T5-XL folder" in details
+
+
+def test_a_workflow_saved_with_the_legacy_sampler_runs_and_draws_what_the_new_one_draws(comfy, tmp_path):
+    """Workflows saved before the conditioning nodes (the sampler with class and prompt widgets, kept
+    as a deprecated node) still run, and their picture is the one the moved workflow draws."""
+    info = _get(comfy["url"] + "/object_info")
+    assert info["SparseVAR_Sampler"]["deprecated"] is True
+    pictures = []
+    for path in (HERE / "legacy_var_fastvar.json", ROOT / "workflows" / "var_fastvar.json"):
+        prompt = ui_to_api(json.loads(path.read_text()), info)
+        sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
+        sampler["inputs"]["seed"] = 31
+        rep = _run(comfy, prompt, tmp_path)
+        assert rep["status"] == "success", rep
+        preview = next(nid for nid, n in prompt.items() if n["class_type"] == "PreviewImage")
+        pictures.append(_image(comfy, rep["outputs"][preview]["images"][0]).tobytes())
+    assert {n["class_type"] for n in ui_to_api(json.loads((HERE / "legacy_var_fastvar.json").read_text()),
+                                                   info).values()} >= {"SparseVAR_Sampler"}
+    assert pictures[0] == pictures[1]
+
+
+def test_a_conditioning_that_does_not_fit_the_model_is_refused_in_one_line(comfy, tmp_path):
+    info = _get(comfy["url"] + "/object_info")
+    prompt = _prompt(ROOT / "workflows" / "infinity_dense.json", info)
+    sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
+    prompt["90"] = {"class_type": "SparseVAR_VARClass", "inputs": {"class_label": "207"}}
+    sampler["inputs"]["conditioning"] = ["90", 0]
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]["exception_message"]
+    assert "the conditioning is a class label (VAR Class), and Infinity draws from text" in msg and "\n" not in msg.strip()
+    prompt = ui_to_api(json.loads((ROOT / "workflows" / "var_fastvar.json").read_text()), info)
+    loader = next(k for k, n in prompt.items() if n["class_type"] == "SparseVAR_VARModelLoader")
+    sampler = next(n for n in prompt.values() if n["class_type"] in SAMPLERS)
+    prompt["91"] = {"class_type": "SparseVAR_TextEncode", "inputs": {"model": [loader, 0], "prompt": "a dog",
+                                                                     "negative_prompt": ""}}
+    sampler["inputs"]["conditioning"] = ["91", 0]
+    rep = _run(comfy, prompt, tmp_path)
+    assert rep["status"] == "error"
+    msg = rep["error_messages"][0]
+    assert msg["node_type"] == "SparseVAR_TextEncode" and "this VAR model draws classes" in msg["exception_message"]

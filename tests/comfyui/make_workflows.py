@@ -1,10 +1,14 @@
-"""Writes the shipped UI-format (v0.4) workflows in workflows/. Run after changing a node's
-widgets: `python tests/comfyui/make_workflows.py` (the contract test checks they still fit)."""
+"""Writes the shipped UI-format (v0.4) VAR and Infinity workflows in workflows/ (the HART, FlexVAR
+and SparVAR ones are kept by hand). Run after changing a node's widgets: `python
+tests/comfyui/make_workflows.py` (the contract test checks they still fit). The graphs are laid out
+with the legacy sampler's widgets, then moved to the sampler with a conditioning node
+(migrate_sampler.py)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from migrate_sampler import migrate
 from sparsevar.models.loading import OFFICIAL_DOWNLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,5 +170,6 @@ if __name__ == "__main__":
     out = ROOT / "workflows"
     out.mkdir(exist_ok=True)
     for name, wf in workflows().items():
+        wf = migrate(wf)                          # built with the legacy sampler, saved with a conditioning node
         (out / name).write_text(json.dumps(wf, indent=1) + "\n")
         print("wrote", out / name)
