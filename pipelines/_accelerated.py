@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
+import PIL.Image
 import torch
 
 from ..engine.contract import Policy, PolicyStack
@@ -502,9 +503,14 @@ class AcceleratedPipelineMixin:
     @staticmethod
     def _postprocess(x: torch.Tensor, output_type: str):
         """Decoded images (B, 3, H, W) in [0, 1] as ``output_type``: "pt" (and "latent") as they are,
-        "np" (B, H, W, 3) float32 and "pil" through diffusers' ``VaeImageProcessor`` conversions."""
-        from diffusers.image_processor import VaeImageProcessor
+        "np" (B, H, W, 3) float32 through diffusers' ``VaeImageProcessor.pt_to_numpy``, "pil" with
+        its arithmetic (× 255, round half to even, uint8) done on the images' device and one uint8
+        copy to the host — the same pictures as ``VaeImageProcessor.numpy_to_pil`` of the "np"
+        output, without moving float32 images and converting them on the CPU."""
         if output_type in ("pt", "latent"):
             return x
-        arr = VaeImageProcessor.pt_to_numpy(x.detach().clamp(0, 1))                  # (B, 3, H, W) → (B, H, W, 3)
-        return arr if output_type == "np" else VaeImageProcessor.numpy_to_pil(arr)
+        if output_type == "np":
+            from diffusers.image_processor import VaeImageProcessor
+            return VaeImageProcessor.pt_to_numpy(x.detach().clamp(0, 1))                 # (B, 3, H, W) → (B, H, W, 3)
+        u8_BHW3 = (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return [PIL.Image.fromarray(a) for a in u8_BHW3]

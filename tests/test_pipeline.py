@@ -139,6 +139,8 @@ def test_output_types(pipe, size):
     assert isinstance(pil, list) and len(pil) == 2
     assert all(isinstance(im, PIL.Image.Image) and im.mode == "RGB" and im.size == (size, size) for im in pil)
     np.testing.assert_array_equal(np.stack([np.asarray(im) for im in pil]), (arr * 255).round().astype(np.uint8))
+    from diffusers.image_processor import VaeImageProcessor             # converted on the device, same pictures
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(pil, VaeImageProcessor.numpy_to_pil(arr)))
 
     latent = pipe(**kw, generator=_g(0), output_type="latent").images
     z = pipe.vqvae.config.z_channels
