@@ -26,11 +26,11 @@ FAMILIES = {"var": lambda: VARPipeline.from_random("var-tiny"),
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_generic_diffusion_pipeline_loader_reads_every_familys_folder(family, tmp_path, monkeypatch):
+def test_generic_diffusion_pipeline_loader_reads_every_familys_folder(family, tmp_path):
     """``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` on a folder we saved gives
     our class, and it draws the same picture as the pipeline that was saved; without
-    ``trust_remote_code`` diffusers refuses (its rule for any module in a folder), naming it."""
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))     # where diffusers copies the module
+    ``trust_remote_code`` diffusers refuses (its rule for any module in a folder), naming it. (diffusers
+    copies the two-line module into its modules cache, HF_MODULES_CACHE, as for any such folder.)"""
     pipe = FAMILIES[family]()
     pipe.set_progress_bar_config(disable=True)
     folder = tmp_path / family
