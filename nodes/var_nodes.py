@@ -384,15 +384,15 @@ def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorCon
     return policies
 
 
-def _class_ids(pipe, class_label: str) -> list[int]:
-    """The sampler's ``class_label`` text ('207', 'golden retriever', several separated by '|') → class
-    ids; an empty, unknown or out-of-range label is a ValueError naming the widget and what it takes."""
+def _class_ids(pipe, class_label: str, node: str = "VAR Class") -> list[int]:
+    """A ``class_label`` text ('207', 'golden retriever', several separated by '|') → class ids; an
+    empty, unknown or out-of-range label is a ValueError naming the node, the widget and what it takes."""
     from ..pipelines.var_pipeline import ClassLabelError
     labels = [lab.strip() for lab in str(class_label).split("|") if lab.strip()]
     n = pipe.num_classes
     takes = f"class ids 0..{n - 1}" + (" or the model's class names" if pipe.labels else "")
     if not labels:
-        raise ValueError(f"SparseVAR Sampler: class_label is empty: give one of the {takes}, several separated by '|'")
+        raise ValueError(f"{node}: class_label is empty: give one of the {takes}, several separated by '|'")
     ids = []
     for lab in labels:
         value = int(lab) if lab.removeprefix("-").isdecimal() else lab
@@ -400,18 +400,20 @@ def _class_ids(pipe, class_label: str) -> list[int]:
             ids += pipe.get_label_ids(value)
         except ClassLabelError as e:
             problem = e.problem if e.problem.endswith((".", "?")) else e.problem + "."
-            raise ValueError(f"SparseVAR Sampler: class_label {lab!r}: {problem} Give one of the {takes}") from None
+            raise ValueError(f"{node}: class_label {lab!r}: {problem} Give one of the {takes}") from None
         except ValueError as e:
-            raise ValueError(f"SparseVAR Sampler: class_label {lab!r}: {e}") from None
+            raise ValueError(f"{node}: class_label {lab!r}: {e}") from None
     return ids
 
 
 @dataclasses.dataclass(frozen=True)
 class ClassCondition:
     """What the VAR Class node set: the class labels as typed (ids or names, several separated by
-    '|'); the sampler resolves them with the model's class names."""
+    '|'); the sampler resolves them with the model's class names, and its errors name ``node``, the
+    node that holds the widget."""
 
     class_label: str
+    node: str = "VAR Class"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -471,14 +473,14 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
     elif hart:
         total = pipe.adapter().schedule.num_scales
     elif flexvar:
-        labels = _class_ids(pipe, cond.class_label)
+        labels = _class_ids(pipe, cond.class_label, cond.node)
         try:
             schedule = pipe.resolve_schedule(height, width, steps or None)
         except ValueError as e:
             raise ValueError(f"{node}: {str(e).replace('num_scales=', 'steps=')}") from None
         total = len(schedule)
     else:
-        labels = _class_ids(pipe, cond.class_label)
+        labels = _class_ids(pipe, cond.class_label, cond.node)
         total = pipe.num_timesteps
     model_management.load_models_gpu([model.patcher])
     bar = comfy_utils.ProgressBar(total)
@@ -678,7 +680,7 @@ class LegacySparseVARSampler(io.ComfyNode):
                 height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
                 fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
         text_model = isinstance(model.pipe, (InfinityPipeline, HARTPipeline))
-        cond = TextCondition(prompt, negative_prompt) if text_model else ClassCondition(class_label)
+        cond = TextCondition(prompt, negative_prompt) if text_model else ClassCondition(class_label, "SparseVAR Sampler")
         return _sample("SparseVAR Sampler", model, cond, seed, cfg, top_k, top_p, batch_size, height, width,
                        sparsevar, anchors, scale_skip, fastvar, sparvar, steps)
 

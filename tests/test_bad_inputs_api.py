@@ -118,20 +118,28 @@ import comfy.cli_args
 comfy.cli_args.args.cpu = True
 from sparsevar.nodes import var_nodes as V
 demo = V.VARModelLoader.execute(V.DEMO_CHOICE, V.FROM_FOLDER, "auto").result[0]
-base = dict(model=demo, class_label="3", seed=0, cfg=4.0, top_k=900, top_p=0.95, batch_size=1)
+cls = lambda label: V.VARClassNode.execute(label).result[0]
+base = dict(model=demo, conditioning=cls("3"), seed=0, cfg=4.0, top_k=900, top_p=0.95, batch_size=1)
 sv = V.SparseVARSettingsNode.execute(tau=0.6, start_scale=0, block=-1, keep_ratio=0.0).result[0]
 fv = V.FastVARSettingsNode.execute(ratios="0.5").result[0]
 cases = {
-    "empty": dict(class_label=" | "),
-    "superscript": dict(class_label="²"),
-    "negative": dict(class_label="-1"),
-    "typo": dict(class_label="tre"),
+    "empty": dict(conditioning=cls(" | ")),
+    "superscript": dict(conditioning=cls("²")),
+    "negative": dict(conditioning=cls("-1")),
+    "typo": dict(conditioning=cls("tre")),
     "both methods": dict(sparsevar=sv, fastvar=fv),
 }
 out = {}
 for name, kw in cases.items():
     try:
         V.SparseVARSampler.execute(**{**base, **kw})
+        out[name] = "no error"
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+for name, kw in (("blank class", dict(class_label="  ")), ("legacy typo", dict(class_label="tre"))):
+    try:
+        V.VARClassNode.execute(**kw) if name == "blank class" else V.LegacySparseVARSampler.execute(
+            **{k: v for k, v in base.items() if k != "conditioning"}, **kw)
         out[name] = "no error"
     except Exception as e:
         out[name] = f"{type(e).__name__}: {e}"
@@ -161,12 +169,16 @@ def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(tmp_path):
         assert msg.startswith("ValueError: ") and "\n" not in msg, (name, msg)
         assert "pipe." not in msg and "disable_" not in msg, (name, msg)   # no Python advice in a node
     takes = "Give one of the class ids 0..11 or the model's class names"
-    assert out["empty"] == ("ValueError: SparseVAR Sampler: class_label is empty: give one of the class ids 0..11 "
+    assert out["empty"] == ("ValueError: VAR Class: class_label is empty: give one of the class ids 0..11 "
                             "or the model's class names, several separated by '|'")
-    assert out["superscript"] == f"ValueError: SparseVAR Sampler: class_label '²': unknown class name '²'. {takes}"
-    assert out["negative"] == ("ValueError: SparseVAR Sampler: class_label '-1': class label -1 is out of range: this "
+    assert out["superscript"] == f"ValueError: VAR Class: class_label '²': unknown class name '²'. {takes}"
+    assert out["negative"] == ("ValueError: VAR Class: class_label '-1': class label -1 is out of range: this "
                                "model has classes 0..11")
+    assert out["typo"].startswith("ValueError: VAR Class: class_label 'tre'")
     assert out["typo"].endswith("Did you mean 'tree'? " + takes)
+    assert out["blank class"].startswith("ValueError: VAR Class: class_label is empty")
+    assert out["legacy typo"].startswith("ValueError: SparseVAR Sampler: class_label 'tre'")   # where its widget is
+    assert out["legacy typo"].endswith("Did you mean 'tree'? " + takes)
     assert "'fastvar' and 'sparsevar' / 'anchors' are both connected" in out["both methods"]
     assert "disconnect one of them" in out["both methods"]
     assert out["preview"].startswith("ValueError: Token Map Preview: these stats hold no token maps: connect a "
