@@ -132,12 +132,17 @@ def _start(m) -> dict:
     return {"start_scale": -n}
 
 
+def _block(m) -> dict:
+    """The observed layer a ``-block<L>`` suffix names (what ``bench observe`` measures); none: the preset's."""
+    return {} if m[3] is None else {"block": int(m[3])}
+
+
 def _sparsevar_keep(m) -> dict:
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), **_start(m))}
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), **_start(m), **_block(m))}
 
 
 def _sparsevar_tau(m) -> dict:
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]), **_start(m))}
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]), **_start(m), **_block(m))}
 
 
 def _fastvar_ratios(m) -> dict:
@@ -161,12 +166,13 @@ SETTING_FORMS: tuple = (
     (re.compile(r"sparsevar-preset"), "sparsevar-preset",
      "SparseVAR, the VAR family preset (SPARSEVAR_PRESETS['var']: tau 0.6 from the second-to-last scale)",
      lambda m: {"sparsevar": SPARSEVAR_PRESETS[FAMILY]}),
-    (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?"), "sparsevar-keep<R>[-from-<N>]",
+    (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-keep<R>[-from-<N>][-block<L>]",
      "SparseVAR preset keeping a fixed share R in (0, 1] of each pruned scale (1.0 = neutral); from the "
-     "preset's start scale, or with -from-N from the N-th scale from the end", _sparsevar_keep),
-    (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?"), "sparsevar-tau<T>[-from-<N>]",
-     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale as "
-     "for keep", _sparsevar_tau),
+     "preset's start scale, or with -from-N from the N-th scale from the end; observing the preset's layer, or "
+     "with -block<L> layer L (the one `bench observe` ranks first)", _sparsevar_keep),
+    (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-tau<T>[-from-<N>][-block<L>]",
+     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale and "
+     "observed layer as for keep", _sparsevar_tau),
     (re.compile(r"fastvar-preset"), "fastvar-preset",
      "FastVAR, the VAR family preset (FASTVAR_PRESETS['var']: prune 50 % / 75 % of the last two scales)",
      lambda m: {"fastvar": FASTVAR_PRESETS[FAMILY]}),

@@ -126,6 +126,10 @@ def test_parse_settings_families_and_combinations():
         SparseVARConfig(**{**vars(preset), "keep_ratio": 0.5, "start_scale": -3})
     assert bq.parse_setting("sparsevar-tau0.8-from-1").sparsevar == \
         SparseVARConfig(**{**vars(preset), "tau": 0.8, "start_scale": -1})
+    assert bq.parse_setting("sparsevar-keep0.5-from-3-block7").sparsevar == \
+        SparseVARConfig(**{**vars(preset), "keep_ratio": 0.5, "start_scale": -3, "block": 7})
+    assert bq.parse_setting("sparsevar-tau0.6-block2").sparsevar == SparseVARConfig(**{**vars(preset), "tau": 0.6,
+                                                                                        "block": 2})
     assert s.scale_skip.skip_last == 1 and s.fastvar is None
     assert [type(p).__name__ for p in s.policies()] == ["SparseVARPolicy", "ScaleSkipPolicy"]
     both = bq.parse_setting("skip-last-1+cond-only-last-2")       # one ScaleSkipConfig with both fields
@@ -339,6 +343,8 @@ def test_run_quality_checks_before_generating(tiny, tmp_path):
         bq.run_quality(tiny, settings=["skip-last-10"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
     with pytest.raises(ValueError, match=r"'sparsevar-keep0.5-from-11' does not fit this model.*start_scale=-11"):
         bq.run_quality(tiny, settings=["sparsevar-keep0.5-from-11"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
+    with pytest.raises(ValueError, match=r"'sparsevar-keep0.5-block99' does not fit this model.*block"):
+        bq.run_quality(tiny, settings=["sparsevar-keep0.5-block99"], seeds=[0], out_dir=tmp_path, log=lambda m: None)
     with pytest.raises(TypeError, match=r"teacher must be True or False.*got 1"):
         bq.run_quality(tiny, settings=["skip-last-1"], seeds=[0], teacher=1, out_dir=tmp_path)
     with pytest.raises(ValueError, match=r"classes has 1 entries for 2 seeds"):
