@@ -1070,7 +1070,7 @@ def pipeline_components(pipeline: str) -> dict:
 
 
 def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object], official_hint: str,
-                          variant: Optional[str] = None, given: Sequence[str] = ()) -> dict:
+                          variant: Optional[str] = None, given: Optional[Mapping[str, object]] = None) -> dict:
     """Check a pipeline folder written by ``save_pretrained`` / ``sparsevar convert`` before anything is
     loaded, and return its ``model_index.json``.
 
@@ -1098,12 +1098,13 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
         fix = f"load it with {use}" if use else (f"this package loads {' and '.join(_PIPELINE_USE)} folders, written "
                                                   f"by save_pretrained / `sparsevar convert`")
         raise ValueError(f"{index_path} names the pipeline {named!r}, not {pipeline}: {fix}")
+    given = dict(given or {})
     components = {k: v for k, v in components.items() if k not in given}
     for sub in components:
         if not (path / sub).is_dir():
             raise FileNotFoundError(f"{path / sub} is missing or not a folder (a {pipeline} folder has "
                                     f"{', '.join(s + '/' for s in components)}); {RECONVERT}")
-    configs = {}
+    configs = {sub: _module_config(module) for sub, module in given.items()}
     for sub, cls in components.items():
         if cls == "text_encoder":
             configs[sub] = check_saved_text_encoder(path / sub, variant=variant)
@@ -1117,6 +1118,15 @@ def check_pipeline_folder(path, pipeline: str, components: Mapping[str, object],
                 read_json_file(f, f"{sub} folder")
     _check_components_agree(path, pipeline, configs)
     return index
+
+
+def _module_config(module) -> dict:
+    """The config of a component passed in: a diffusers model's ``config``, a transformers model's
+    ``config.to_dict()``; {} for anything without one (a tokenizer)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return {}
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
 def _check_components_agree(path: Path, pipeline: str, configs: dict) -> None:

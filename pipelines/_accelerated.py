@@ -239,7 +239,7 @@ class AcceleratedPipelineMixin:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
         others = [resolve_dtype(v, n) for n, v in dtypes.items()]
         path = local_path(path, "pretrained_model_name_or_path")
-        index = check_pipeline_folder(path, cls.__name__, expected, advice, variant=variant, given=tuple(given))
+        index = check_pipeline_folder(path, cls.__name__, expected, advice, variant=variant, given=given)
         return (path, index, dtype if dtype is not None else torch_dtype, *others,
                 LoadOptions(variant=variant, device=device, components=given))
 

@@ -82,6 +82,11 @@ def test_components_passed_by_name_are_used_as_they_are(var_folder):
     assert VARPipeline.from_pretrained(partial, transformer=other.transformer).transformer is other.transformer
     with pytest.raises(FileNotFoundError, match="transformer"):
         VARPipeline.from_pretrained(partial)
+    # a passed component must agree with the folder's others, as a saved one must
+    cfg = other.transformer.config
+    wider = type(other.transformer)(**{**cfg, "vocab_size": cfg.vocab_size + 8})
+    with pytest.raises(ValueError, match=r"the transformer and the VQVAE do not match: .*vocab_size"):
+        VARPipeline.from_pretrained(folder, transformer=wider)
 
 
 def test_save_pretrained_variant_reads_back_with_the_same_variant(tmp_path):
