@@ -288,7 +288,9 @@ def _check_size(args) -> None:
 
 def _policy_configs(args, family: str) -> list:
     """(flags, enable method name, config) of the acceleration asked for, each config built (and its
-    ranges checked) before the model is loaded; the model-dependent checks come when it is enabled."""
+    ranges checked) before the model is loaded; the model-dependent checks come when it is enabled.
+    SparseVAR's entry is the dict of fields the flags set, applied over the loaded model's
+    ``sparsevar_preset`` (the family preset with the checkpoint's calibration)."""
     from dataclasses import replace
     out = []
     if args.sparsevar:
@@ -297,7 +299,8 @@ def _policy_configs(args, family: str) -> list:
         flags = " ".join(["--sparsevar"] + [f"{flag} {getattr(args, key)}" for key, flag in SPARSEVAR_FLAGS
                                             if key in sv])
         try:
-            out.append((flags, "enable_sparsevar", replace(SPARSEVAR_PRESETS.get(family, SparseVARConfig()), **sv)))
+            replace(SPARSEVAR_PRESETS.get(family, SparseVARConfig()), **sv)      # the ranges, before loading
+            out.append((flags, "enable_sparsevar", sv))     # over the model's preset (its calibrated layer)
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
     if args.fastvar is not None:
@@ -337,7 +340,7 @@ def _apply_acceleration(pipe, args, configs) -> None:
     take is reported under the flags that asked for it."""
     for flags, method, cfg in configs:
         try:
-            getattr(pipe, method)(cfg)
+            getattr(pipe, method)(**cfg) if isinstance(cfg, dict) else getattr(pipe, method)(cfg)
         except ValueError as e:
             hint = " (--fastvar-layers FIRST LAST)" if "layer_range" in str(e) and method == "enable_fastvar" else ""
             raise CLIError(f"{flags}: {e}{hint}") from None
@@ -928,6 +931,29 @@ def cmd_bench_observe(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .benchmarks.bench_observe import check_settings, run_calibrate
+    _device(args.device)
+    try:
+        check_settings(args.keep, args.scales, args.seeds)
+    except ValueError as e:
+        flag = str(e).split("=")[0]
+        raise CLIError(f"--{flag} {str(e)[len(flag) + 1:]}") from None
+    prompts = None
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            raise CLIError(f"--prompts {args.prompts}: no such file; give a text file with one prompt per line")
+        prompts = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise CLIError(f"--prompts {args.prompts}: the file has no prompt; give one prompt per line")
+    if not args.dry_run and not os.access(args.model, os.W_OK) and Path(args.model).is_dir():
+        raise CLIError(f"--model {args.model}: the folder is not writable, so the calibration cannot be stored in "
+                       f"it; copy the folder somewhere writable, or pass --dry-run to only measure")
+    run_calibrate(args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, prompts=prompts,
+                  device=args.device, write=not args.dry_run)
+    return 0
+
+
 def cmd_bench_ops(args) -> int:
     import torch
     _at_least(args.runs, 1, "--runs", "time each op at least once (e.g. --runs 50)")
@@ -1166,6 +1192,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cls-data", type=int, help="scenes the classifier trains on")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)
+
+    k = sub.add_parser("calibrate", help="measure which layer SparseVAR should observe on a model and store it in "
+                                         "the model folder (enable_sparsevar() then uses it)")
+    k.add_argument("--model", required=True, help="pipeline folder (written by save_pretrained / `sparsevar convert`)")
+    k.add_argument("--seeds", type=int, default=8, metavar="N", help="seeds 0..N-1, one image each (default 8)")
+    k.add_argument("--keep", type=float, default=0.5, help="fraction of each pruned scale's tokens kept (default 0.5)")
+    k.add_argument("--scales", type=int, default=3, metavar="N", help="pruned scales: the last N (default 3)")
+    k.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="text-to-image models: one prompt per line (repeated to --seeds)")
+    k.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
+    k.add_argument("--dry-run", action="store_true", help="measure and print; leave the folder as it is")
+    k.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU), `bench quality`, `bench observe`, `bench ops` (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)

@@ -32,7 +32,9 @@ the harness says so.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +45,8 @@ import torch
 from ..engine.contract import Policy, ScalePlan
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
 from ..sparse_ops.ref import change_map
-from ._results import write_csv
+from ._results import atomic_write, write_csv
+from .bench_quality import _resolve_device
 from .metrics import mean_ci95
 
 
@@ -129,10 +132,10 @@ def unit_label(unit: tuple[str, int]) -> str:
     return str(unit[1]) if unit[0] == "layer" else f"{unit[0]}{unit[1]}"
 
 
-def preset_unit(info, family: str) -> Optional[tuple[str, int]]:
-    """The layer (or block group) the family's SparseVAR preset observes on this model, or None (no
-    preset, or one that does not fit this model)."""
-    cfg = SPARSEVAR_PRESETS.get(family)
+def preset_unit(info, family: str, cfg=None) -> Optional[tuple[str, int]]:
+    """The layer (or block group) a SparseVAR config observes on this model (``cfg`` None: the
+    family's preset), or None (no preset, or one that does not fit this model)."""
+    cfg = SPARSEVAR_PRESETS.get(family) if cfg is None else cfg
     if cfg is None:
         return None
     try:
@@ -290,7 +293,7 @@ def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, 
         pipe.set_progress_bar_config(disable=True)
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales)
     rows = summarize(m)
-    preset = preset_unit(m["info"], pipe.PRESET_FAMILY)
+    preset = preset_unit(m["info"], pipe.PRESET_FAMILY, pipe.sparsevar_preset)     # the calibrated one if stored
     scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
     title = (f"observe: {name}, {seeds} seeds, keep {keep:g} (n = {', '.join(map(str, m['kept']))} tokens), "
              f"pruned scales {scale_names}; capture = share of the scale's residual energy in the kept tokens")
@@ -298,6 +301,113 @@ def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, 
     if out is not None:
         write_csv(rows, out, log)
     return rows
+
+
+# ---- calibration: the measured layer, stored with the model ------------------------------------------------------
+def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
+              log: Callable[[str], None] = print, **call_kwargs) -> dict:
+    """Measure the capture rate of every layer (or block group, for a family whose preset observes
+    groups) of ``pipe``'s model over seeds 0..``seeds``−1 (:func:`measure_capture`), choose the best
+    one and set it as the pipeline's SparseVAR calibration (``pipe.sparsevar_preset`` applies it;
+    ``save_pretrained`` keeps it; :func:`write_calibration` stores it in a folder). Text-to-image
+    pipelines need ``prompts``, one per seed. Returns the calibration: ``{"block", "granularity",
+    "measured": {...}}``. A model whose residuals all have the same norm (Infinity's bits) cannot be
+    ranked by this measure: ValueError, and the pipeline keeps its preset."""
+    m = measure_capture(pipe, range(seeds), keep=keep, scales=scales, prompts=prompts, **call_kwargs)
+    family = pipe.PRESET_FAMILY
+    if m["constant_energy"]:
+        raise ValueError(f"calibrate: every token's residual of this {family} model has the same norm, so the "
+                         f"capture rate cannot rank its layers; the family preset stays (set block= yourself)")
+    kind = SPARSEVAR_PRESETS[family].granularity if family in SPARSEVAR_PRESETS else "layer"
+    rows, b = summarize(m), best_unit(m, kind)
+    unit = m["units"][b]
+    formula = preset_unit(m["info"], family)
+    scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
+    log(format_report(m, rows, formula, f"calibrate: {seeds} seeds, keep {keep:g}, pruned scales {scale_names}; "
+                                        f"capture = share of the scale's residual energy in the kept tokens"))
+    per_seed = m["capture"].mean(2)                                                     # (N, U, S) → (N, U)
+    measured = {
+        "what": "capture rate: share of a pruned scale's residual energy held by the kept tokens chosen by the "
+                "unit's change map at the previous scale (sparsevar bench observe)",
+        "seeds": seeds, "keep": keep, "scales": [f"{h}x{w}" for _, (h, w) in m["scales"]],
+        "capture": rows[b]["capture"], "ci95": rows[b]["ci95"], "random": rows[b]["random"],
+        "oracle": rows[b]["oracle"],
+        "per_unit": {unit_label(u): r["capture"] for u, r in zip(m["units"], rows) if u[0] == kind},
+    }
+    if formula is not None and formula[0] == kind:
+        p = m["units"].index(formula)
+        diff, ci = mean_ci95((per_seed[:, b] - per_seed[:, p]).tolist())
+        measured.update(formula_unit=unit_label(formula), formula_capture=rows[p]["capture"],
+                        gain_over_formula=round(diff, 4), gain_ci95=round(ci, 4))
+    calibration = {"block": unit[1], "granularity": unit[0], "measured": measured}
+    pipe._set_sparsevar_calibration(calibration)
+    text = (f"calibrate: observe {kind} {unit[1]} (captures {rows[b]['capture']:.3f} ± {rows[b]['ci95']:.3f} of "
+            f"the residual energy at keep {keep:g}; random {rows[b]['random']:.3f}, oracle {rows[b]['oracle']:.3f})")
+    if "formula_unit" in measured:
+        text += (f"; the family's formula {kind} {measured['formula_unit']} captures {measured['formula_capture']:.3f}"
+                 f" (best − formula {measured['gain_over_formula']:+.3f} ± {measured['gain_ci95']:.3f}, paired)")
+    log(text)
+    return calibration
+
+
+def write_calibration(folder, calibration: dict) -> Path:
+    """Store ``calibration`` (from :func:`calibrate`) in a pipeline folder's ``model_index.json`` under
+    ``sparsevar_calibration`` (replaced atomically; the weights are not touched). Returns the file."""
+    from ..models.loading import read_json_file
+    from ..policies.sparsevar import check_calibration
+    path = Path(folder) / "model_index.json"
+    index = read_json_file(path, "pipeline folder")
+    index["sparsevar_calibration"] = check_calibration(calibration)
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return path
+
+
+def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
+                  device: str = "auto", write: bool = True, log: Callable[[str], None] = print) -> dict:
+    """``sparsevar calibrate``: load the pipeline folder ``model`` (any family this package loads; in
+    bfloat16 on CUDA, float32 on the CPU), :func:`calibrate` it and, when ``write``, store the
+    result in the folder. The table of every layer is printed first (as ``bench observe`` prints
+    it). Returns the calibration."""
+    check_settings(keep, scales, seeds)
+    cls, path = folder_pipeline(model)
+    text = cls.__name__ in ("InfinityPipeline", "HARTPipeline")
+    if text:
+        if not prompts:
+            raise ValueError(f"{path} holds a text-to-image model ({cls.__name__}): give the prompts to measure with "
+                             f"(--prompts FILE, one per line; {seeds} are used, repeated if fewer)")
+        prompts = [prompts[i % len(prompts)] for i in range(seeds)]
+    elif prompts:
+        raise ValueError(f"{path} holds a class-conditional model ({cls.__name__}): it takes no prompts; seed s "
+                         f"draws class s % num_classes")
+    dev = _resolve_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
+    pipe.set_progress_bar_config(disable=True)
+    calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log)
+    if write:
+        log(f"calibrate: written to {write_calibration(model, calibration)} (sparsevar_calibration); "
+            f"enable_sparsevar() on this folder now observes {calibration['granularity']} {calibration['block']}")
+    return calibration
+
+
+def folder_pipeline(model):
+    """(pipeline class, folder) of a pipeline folder of any family this package loads, read from
+    its ``model_index.json``; nothing is loaded. A missing folder or an unknown class: one line."""
+    from .. import pipelines
+    from ..models.loading import pipeline_class_name, read_json_file
+    if model is None or not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model={model!r}: give a pipeline folder (written by save_pretrained / `sparsevar "
+                         f"convert`); the calibration is stored in it")
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model={str(model)!r} is not a folder; give a pipeline folder written by "
+                                f"save_pretrained / `sparsevar convert`")
+    named = pipeline_class_name(read_json_file(path / "model_index.json", "pipeline folder"))
+    if named not in pipelines.__all__ or not named.endswith("Pipeline"):
+        raise ValueError(f"{path / 'model_index.json'} names the pipeline {named!r}; calibrate loads VARPipeline, "
+                         f"FlexVARPipeline, InfinityPipeline and HARTPipeline folders")
+    return getattr(pipelines, named), path
 
 
 # ---- command line ------------------------------------------------------------------------------------------------

@@ -98,6 +98,15 @@ class QualitySetting:
     fastvar: Optional[FastVARConfig] = None
     scale_skip: Optional[ScaleSkipConfig] = None
     sparvar: Optional[SparVARConfig] = None
+    sparsevar_fields: tuple = ()             # the SparseVAR fields the name sets; the rest are the preset's
+
+    def on_model(self, pipe) -> "QualitySetting":
+        """This setting over ``pipe``'s own SparseVAR preset (``pipe.sparsevar_preset``: the family's,
+        with the checkpoint's calibrated layer), keeping the fields the name sets."""
+        if self.sparsevar is None:
+            return self
+        chosen = {f: getattr(self.sparsevar, f) for f in self.sparsevar_fields}
+        return replace(self, sparsevar=replace(pipe.sparsevar_preset, **chosen))
 
     def policies(self) -> list[Policy]:
         """Fresh policy objects for the pipeline's per-call ``policies=`` argument."""
@@ -137,12 +146,18 @@ def _block(m) -> dict:
     return {} if m[3] is None else {"block": int(m[3])}
 
 
+def _sparsevar(**chosen) -> dict:
+    """A SparseVAR part: the family preset with ``chosen`` fields, and their names (``on_model`` puts
+    them over the loaded model's own preset)."""
+    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], **chosen), "sparsevar_fields": tuple(chosen)}
+
+
 def _sparsevar_keep(m) -> dict:
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], keep_ratio=float(m[1]), **_start(m), **_block(m))}
+    return _sparsevar(keep_ratio=float(m[1]), **_start(m), **_block(m))
 
 
 def _sparsevar_tau(m) -> dict:
-    return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], tau=float(m[1]), **_start(m), **_block(m))}
+    return _sparsevar(tau=float(m[1]), **_start(m), **_block(m))
 
 
 def _fastvar_ratios(m) -> dict:
@@ -164,11 +179,12 @@ def _cond_only_last(m) -> dict:
 # One registry: (pattern, form shown to users, what it means, builder of its configs).
 SETTING_FORMS: tuple = (
     (re.compile(r"sparsevar-preset"), "sparsevar-preset",
-     "SparseVAR, the VAR family preset (SPARSEVAR_PRESETS['var']: tau 0.6 from the second-to-last scale)",
-     lambda m: {"sparsevar": SPARSEVAR_PRESETS[FAMILY]}),
+     "SparseVAR, the model's preset (pipe.sparsevar_preset: the VAR family's, tau 0.6 from the second-to-last "
+     "scale, observing the layer `sparsevar calibrate` measured for the checkpoint)",
+     lambda m: _sparsevar()),
     (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-keep<R>[-from-<N>][-block<L>]",
      "SparseVAR preset keeping a fixed share R in (0, 1] of each pruned scale (1.0 = neutral); from the "
-     "preset's start scale, or with -from-N from the N-th scale from the end; observing the preset's layer, or "
+     "preset's start scale, or with -from-N from the N-th scale from the end; observing the model's preset layer, or "
      "with -block<L> layer L (the one `bench observe` ranks first)", _sparsevar_keep),
     (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-tau<T>[-from-<N>][-block<L>]",
      "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale and "
@@ -271,7 +287,8 @@ def parse_setting(name: str) -> QualitySetting:
     scale_skip = ScaleSkipConfig(**skip) if skip else None
     family = next(iter(families)) if len(families) == 1 else "combo"
     return QualitySetting(name=name, family=family, sparsevar=configs.get("sparsevar"),
-                          fastvar=configs.get("fastvar"), scale_skip=scale_skip, sparvar=configs.get("sparvar"))
+                          fastvar=configs.get("fastvar"), scale_skip=scale_skip, sparvar=configs.get("sparvar"),
+                          sparsevar_fields=configs.get("sparsevar_fields", ()))
 
 
 def parse_settings(settings: Optional[Sequence[str]]) -> list[QualitySetting]:
@@ -648,6 +665,7 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
     judge = load_classifier(classifier, model, pipe)
 
     info = pipe.adapter().model_info()
+    parsed = [s.on_model(pipe) for s in parsed]        # SparseVAR over the model's preset (its calibrated layer)
     policies: dict[str, list] = {}
     for s in parsed:                                   # every setting checked against the model first
         ps = s.policies()

@@ -23,7 +23,7 @@ from ..pipelines.hart_pipeline import HARTPipeline
 from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, sparsevar_config_for
+from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
 from ..policies.sparvar import MAPPINGS, SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ._comfy import comfy_utils, folder_paths, io, model_management, model_patcher
 from .docs import field_doc
@@ -214,7 +214,8 @@ class SparseVARSettingsNode(io.ComfyNode):
                              tooltip="0 = the model family's preset (VAR -2, Infinity -3). "
                                      + field_doc(SparseVARConfig, "start_scale")),
                 io.Int.Input("block", default=-1, min=-1, max=128,
-                             tooltip="-1 = the model family's preset. " + field_doc(SparseVARConfig, "block")),
+                             tooltip="-1 = the model's preset: the layer `sparsevar calibrate` measured for "
+                                     "this checkpoint, else the family's. " + field_doc(SparseVARConfig, "block")),
                 io.Float.Input("keep_ratio", default=0.0, min=0.0, max=1.0, step=0.05,
                                tooltip="0 = use tau. " + field_doc(SparseVARConfig, "keep_ratio")),
             ],
@@ -364,15 +365,16 @@ class SparVARSettingsNode(io.ComfyNode):
         return io.NodeOutput(choice)
 
 
-def _policies(family: str, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | None,
+def _policies(pipe, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | None,
               scale_skip: ScaleSkipConfig | None, fastvar: FastVARChoice | None,
               sparvar: SparVARChoice | None = None) -> list:
-    """The settings nodes' choices, over the presets of the model's family, as policies for one call
-    (the shared pipeline is left unchanged)."""
-    policies = []
+    """The settings nodes' choices, over the presets of the model's family (SparseVAR: the model's
+    ``sparsevar_preset``, with its calibrated layer), as policies for one call (the shared pipeline
+    is left unchanged)."""
+    family, policies = pipe.PRESET_FAMILY, []
     if sparsevar is not None or anchors is not None:
         chosen = {**(sparsevar.overrides() if sparsevar else {}), **(anchors.overrides() if anchors else {})}
-        policies.append(SparseVARPolicy(sparsevar_config_for(family, **chosen)))
+        policies.append(SparseVARPolicy(_replace(pipe.sparsevar_preset, chosen)))
     if fastvar is not None:
         preset = FASTVAR_PRESETS.get(family, FastVARConfig())
         policies.append(FastVARPolicy(dataclasses.replace(preset, **fastvar.overrides())))
@@ -467,7 +469,7 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
                          f"cannot be combined (SparVAR selects keys among every token of the cache; the others "
                          f"compute a subset of the tokens): disconnect one of them")
     _check_condition(node, pipe, cond)
-    policies = _policies(pipe.PRESET_FAMILY, sparsevar, anchors, scale_skip, fastvar, sparvar)
+    policies = _policies(pipe, sparsevar, anchors, scale_skip, fastvar, sparvar)
     if infinity:
         total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
     elif hart:

@@ -20,7 +20,8 @@ from ..engine.sampler import generate
 from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace, check_calibration,
+                                  sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
 from ..sparse_ops.kernels import KERNEL_KINDS
@@ -41,12 +42,13 @@ _SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 @dataclass(frozen=True)
 class LoadOptions:
     """diffusers' loading arguments as ``from_pretrained`` took them: the weight ``variant`` to read,
-    the ``device`` to place the pipeline on (``device_map``), and the ``components`` the caller passed
-    (used as they are, not read from the folder)."""
+    the ``device`` to place the pipeline on (``device_map``), the ``components`` the caller passed
+    (used as they are, not read from the folder), and the folder's checked ``sparsevar_calibration``."""
 
     variant: Optional[str] = None
     device: Optional[torch.device] = None
     components: Mapping[str, object] = field(default_factory=dict)
+    sparsevar_calibration: Optional[dict] = None
 
     def component(self, name: str, load: Callable[[], object]):
         """The component the caller passed under ``name``, else ``load()``."""
@@ -201,7 +203,8 @@ class AcceleratedPipelineMixin:
         ``local_files_only`` (always local), ``use_safetensors`` / ``low_cpu_mem_usage`` at what this
         loader always does, components passed by name and type) and anything else is refused naming
         it; ``path`` holds this pipeline (``check_pipeline_folder``, with ``advice``, the components
-        passed in left out). Returns (folder, model_index, dtype, *dtypes in their order, LoadOptions)."""
+        passed in left out); its ``sparsevar_calibration`` is well formed. Returns (folder, model_index,
+        dtype, *dtypes in their order, LoadOptions)."""
         from ..models.loading import check_pipeline_folder, local_path, pipeline_components, resolve_dtype
         name = f"{cls.__name__}.from_pretrained"
         rest = dict(kwargs)
@@ -240,8 +243,10 @@ class AcceleratedPipelineMixin:
         others = [resolve_dtype(v, n) for n, v in dtypes.items()]
         path = local_path(path, "pretrained_model_name_or_path")
         index = check_pipeline_folder(path, cls.__name__, expected, advice, variant=variant, given=given)
+        calibration = check_calibration(index.get("sparsevar_calibration"),
+                                        f"{path / 'model_index.json'}: \"sparsevar_calibration\"")
         return (path, index, dtype if dtype is not None else torch_dtype, *others,
-                LoadOptions(variant=variant, device=device, components=given))
+                LoadOptions(variant=variant, device=device, components=given, sparsevar_calibration=calibration))
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """diffusers' ``save_pretrained``: ``model_index.json`` and one subfolder per component
@@ -332,16 +337,38 @@ class AcceleratedPipelineMixin:
         self._policies = self._policies.without(name)
         return self
 
+    def _set_sparsevar_calibration(self, calibration: Optional[dict]) -> None:
+        """Record a checkpoint's SparseVAR calibration in the pipeline's config (``model_index.json``
+        key ``sparsevar_calibration``; checked by ``policies.sparsevar.check_calibration``, its
+        layer or group against this model), so that :attr:`sparsevar_preset` applies it and
+        ``save_pretrained`` keeps it. None: the family preset as it is."""
+        calibration = check_calibration(calibration)
+        if calibration is not None:
+            try:
+                SparseVARPolicy(sparsevar_config_for(self.PRESET_FAMILY, calibration)).validate(
+                    self.adapter().model_info())
+            except ValueError as e:
+                raise ValueError(f"sparsevar_calibration does not fit this model: {e}; run `sparsevar calibrate "
+                                 f"--model FOLDER` on this checkpoint") from None
+        self.register_to_config(sparsevar_calibration=calibration)
+
+    @property
+    def sparsevar_preset(self) -> SparseVARConfig:
+        """What ``enable_sparsevar()`` uses: the family preset (``SPARSEVAR_PRESETS``) with this
+        checkpoint's calibration (the observed layer ``sparsevar calibrate`` measured) applied."""
+        return sparsevar_config_for(self.PRESET_FAMILY, getattr(self.config, "sparsevar_calibration", None))
+
     def _config(self, config, cls, presets: dict, overrides: dict, method: str):
         if config is None:
-            config = presets.get(self.PRESET_FAMILY, cls())
+            config = self.sparsevar_preset if cls is SparseVARConfig else presets.get(self.PRESET_FAMILY, cls())
         elif not isinstance(config, cls):
             raise TypeError(f"{method}(config=...) takes a {cls.__name__}, got {type(config).__name__}")
         return _replace(config, overrides) if overrides else config
 
     def enable_sparsevar(self, config: Optional[SparseVARConfig] = None, **overrides):
-        """Frequency-aware token exclusion with anchors. ``config`` defaults to the family preset
-        (``SPARSEVAR_PRESETS``); keyword overrides change single fields, e.g. ``tau=0.5`` or
+        """Frequency-aware token exclusion with anchors. ``config`` defaults to
+        :attr:`sparsevar_preset` (the family preset, ``SPARSEVAR_PRESETS``, with the checkpoint's
+        calibrated layer where it has one); keyword overrides change single fields, e.g. ``tau=0.5`` or
         ``keep_ratio=0.3``. Cannot be combined with FastVAR."""
         cfg = self._config(config, SparseVARConfig, SPARSEVAR_PRESETS, overrides, "enable_sparsevar")
         return self.add_policy(SparseVARPolicy(cfg))

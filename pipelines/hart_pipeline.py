@@ -53,7 +53,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
-    def __init__(self, transformer: HARTTransformer, vqvae: MultiScaleVQVAE, text_encoder, tokenizer):
+    def __init__(self, transformer: HARTTransformer, vqvae: MultiScaleVQVAE, text_encoder, tokenizer,
+                 sparsevar_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae, text_encoder=text_encoder, tokenizer=tokenizer)
         width = getattr(getattr(text_encoder, "config", None), "hidden_size", None)
@@ -61,6 +62,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"text encoder and transformer do not match: the Qwen2 model produces {width}-channel "
                              f"states, the transformer reads {transformer.config.context_dim}; pass the text encoder "
                              f"the model was trained with (Qwen2-1.5B for the released HART)")
+        self._set_sparsevar_calibration(sparsevar_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -107,7 +109,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                                                                path / "tokenizer", opts.variant)))
         return opts.place(cls(transformer=transformer, vqvae=vqvae,
                               text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
-                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"])))
+                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"]),
+                              sparsevar_calibration=opts.sparsevar_calibration))
 
     @classmethod
     def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",

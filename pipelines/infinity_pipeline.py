@@ -61,7 +61,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
-    def __init__(self, transformer: InfinityTransformer, vae: BSQVAE, text_encoder, tokenizer):
+    def __init__(self, transformer: InfinityTransformer, vae: BSQVAE, text_encoder, tokenizer,
+                 sparsevar_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         t5_width = getattr(getattr(text_encoder, "config", None), "d_model", None)
@@ -69,6 +70,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"text encoder and transformer do not match: the T5 produces {t5_width}-channel features, "
                              f"the transformer reads {transformer.config.text_channels}; pass the T5 the model was "
                              f"trained with (Flan-T5-XL for the released Infinity models)")
+        self._set_sparsevar_calibration(sparsevar_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -179,7 +181,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                                                             path / "tokenizer", RECONVERT, opts.variant)))
         return opts.place(cls(transformer=transformer, vae=vae,
                               text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
-                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"])))
+                              tokenizer=opts.component("tokenizer", lambda: text["tokenizer"]),
+                              sparsevar_calibration=opts.sparsevar_calibration))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod

@@ -17,6 +17,7 @@ a key mask, never truncation); no discarded probe computations.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -47,7 +48,9 @@ class SparseVARConfig:
         scale from the end), which keeps a preset valid at every resolution. Needs a previous scale.
         Infinity-2B 1024²: 40×40 = -3.
     block: index of the observed layer (``granularity="layer"``) or block group ("group", Infinity's
-        chunks); None = the family preset (VAR: the layer at 2/3 of the depth).
+        chunks); None = the layer at 2/3 of the depth (the middle group). Which layer serves best
+        differs per checkpoint: ``sparsevar calibrate`` measures it and stores it with the model,
+        and ``pipe.sparsevar_preset`` (what ``enable_sparsevar()`` starts from) applies it.
     granularity: "layer" or "group".
     alpha: anchor stride in tokens (≥ 1): rows and columns 0, α, 2α, … and the last. Smaller →
         more anchors computed, better copies, less speed. Paper: 4.
@@ -353,10 +356,43 @@ class SparseVARPolicy(Policy):
             st["logits"] = guided_logits_BLV.reshape(guided_logits_BLV.shape[0], h, w, -1)  # (B, hw, V) → (B, h, w, V)
 
 
-def sparsevar_config_for(family: str, **overrides) -> SparseVARConfig:
-    """The preset of a model family with some fields changed (unknown field names raise)."""
+def sparsevar_config_for(family: str, calibration: Optional[dict] = None, **overrides) -> SparseVARConfig:
+    """The preset of a model family, with a checkpoint's ``calibration`` applied (see
+    :func:`check_calibration`), with some fields changed (unknown field names raise)."""
     base = SPARSEVAR_PRESETS.get(family, SparseVARConfig())
+    if calibration:
+        base = _replace(base, {k: v for k, v in calibration.items() if k != "measured"})
     return _replace(base, overrides)
+
+
+# What `sparsevar calibrate` measures per checkpoint and stores in the pipeline's config
+# (model_index.json "sparsevar_calibration"): the observed layer or block group.
+CALIBRATED_FIELDS = ("block", "granularity")
+
+
+def check_calibration(calibration, where: str = "sparsevar_calibration") -> Optional[dict]:
+    """A checkpoint's SparseVAR calibration, checked: None, or a dict holding the
+    :data:`CALIBRATED_FIELDS` (the preset fields the measurement chose) and optionally ``"measured"``
+    (a dict: what was measured, how, and the numbers; informational). Anything else is a ValueError
+    naming ``where``, the key or value and the fix. Returns a plain-dict copy."""
+    if calibration is None:
+        return None
+    fix = "run `sparsevar calibrate --model FOLDER` again, or remove the key"
+    if not isinstance(calibration, dict):
+        raise ValueError(f"{where} must be a dict such as {{\"block\": 7, \"granularity\": \"layer\"}}, got "
+                         f"{type(calibration).__name__} {str(calibration)[:60]}; {fix}")
+    keys = set(calibration) - {"measured"}
+    if keys != set(CALIBRATED_FIELDS):
+        raise ValueError(f"{where} has the keys {sorted(calibration)}; it holds {list(CALIBRATED_FIELDS)} (both) "
+                         f"and optionally 'measured'; {fix}")
+    if "measured" in calibration and not isinstance(calibration["measured"], dict):
+        raise ValueError(f"{where}[\"measured\"] must be a dict of what was measured, got "
+                         f"{type(calibration['measured']).__name__}; {fix}")
+    try:
+        SparseVARConfig(**{k: v for k, v in calibration.items() if k != "measured"})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}; {fix}") from None
+    return copy.deepcopy(calibration)
 
 
 def _replace(cfg, overrides: dict):

@@ -114,27 +114,34 @@ def test_demo_model_is_small_and_names_its_classes(demo_pipe):
 
 @pytest.fixture(scope="module")
 def demo_batch(demo_pipe):
-    """Three images of every class at the default settings, seed 0."""
-    labels = list(range(NUM_CLASSES)) * 3
+    """Five images of every class at the default settings, seed 0."""
+    labels = list(range(NUM_CLASSES)) * 5
     out = demo_pipe(labels, generator=torch.Generator().manual_seed(0), output_type="pt")
     return torch.tensor(labels), out.images
 
 
-def test_generated_images_show_their_class(demo_pipe):
-    """Issue #7: the shipped classifier recognises ≥ 80 % of generated images at default settings.
-    Measured with the retrained decode side (issue #27): 86.1 % of 360 images on an H100 (seeds
-    0–2), 84.2 % of these 120 (seed 0, CPU); with the first decoder 83.3 % of 1800 on an H100 and
-    85 % of these 120. A random guess is 8 %. Misses are the simple shapes (box read as disc, ring
-    as crescent); the objects are near 100 %. The bound sits under the measurement by 2.8 standard
-    errors of a 120-image sample (±3.3 %): a different CPU's float rounding can flip sampled tokens
-    and change individual images, but not the rate."""
-    labels = list(range(NUM_CLASSES)) * 10
-    images = demo_pipe(labels, generator=torch.Generator().manual_seed(0), output_type="pt").images
+def test_generated_images_show_their_class(demo_batch):
+    """Issue #34: the shipped classifier recognises ≥ 80 % of generated images at default settings:
+    81.9 % of 360 pictures on an H200 (``measure_demo``, seeds 0–2; the 512-schedule model, Session
+    25), 76.7 % of these 60 on a CPU (seed 0). A random guess is 8 %. Misses are mostly the simple
+    shapes (box read as disc, ring as crescent). The bound, 70 %, sits 2.4 standard errors of a
+    60-image sample (±5 %) under the GPU rate: a different CPU's float rounding can flip sampled
+    tokens and change individual images, but not the rate."""
+    labels, images = demo_batch
     assert images.shape == (len(labels), 3, 256, 256)
     clf = SceneClassifier.from_file(DEMO_MODEL_DIR / "classifier.safetensors", NUM_CLASSES)
     with torch.no_grad():
-        acc = (clf(images).argmax(-1) == torch.tensor(labels)).float().mean().item()
-    assert acc >= 0.75, f"classifier accuracy {acc:.2f} on generated images"
+        acc = (clf(images).argmax(-1) == labels).float().mean().item()
+    assert acc >= 0.70, f"classifier accuracy {acc:.2f} on generated images"
+
+
+def test_demo_pictures_have_crisp_edges(demo_batch):
+    """Issue #34: at least 0.4 % of a generated picture's pixels on strong edges (rendered scenes:
+    0.5–1.9 %; the first demo model's pictures 0.03–0.07 %). Measured here: median 2.7 %; over 360
+    pictures on an H200 (``measure_demo``) median 2.7 %, tenth percentile 1.2 %."""
+    fraction = strong_edge_fraction(demo_batch[1]) * 100
+    low, median = torch.quantile(fraction, 0.1).item(), fraction.median().item()
+    assert low >= 0.4, f"strong-edge pixels: tenth percentile {low:.2f} %, median {median:.2f} %"
 
 
 def test_demo_pictures_have_no_smudge_in_the_top_left_corner(demo_pipe, demo_batch):
@@ -142,13 +149,12 @@ def test_demo_pictures_have_no_smudge_in_the_top_left_corner(demo_pipe, demo_bat
     (ratio 4–8 on every class and seed; rendered scenes are at 1.0). Its GroupNorm decoder (one
     channel per group at 32 channels) had learned a spike of huge activations there; the decoder
     now normalises per pixel and pads by replication (``demo/train.py``, stage ``decoder``).
-    Measured after the fix: at most 1.6 over 360 generated pictures (12 classes, seeds 0–2, H100),
-    1.3 over 48 reconstructions. Here: all classes, seeds 0–2, and the tokenizer alone."""
-    labels, images = demo_batch                                             # seed 0, three per class
+    Measured on the 512-schedule model (CPU): at most 1.41 over these 60 pictures, 0.93 over 12 of
+    seed 1, 1.26 over 12 reconstructions; ``measure_demo``: at most 1.95 over 360 (H200)."""
+    labels, images = demo_batch                                             # seed 0, five per class
     ratios = [corner_smudge_ratio(images)]
-    for seed in (1, 2):
-        out = demo_pipe(list(range(NUM_CLASSES)), generator=torch.Generator().manual_seed(seed), output_type="pt")
-        ratios.append(corner_smudge_ratio(out.images))
+    out = demo_pipe(list(range(NUM_CLASSES)), generator=torch.Generator().manual_seed(1), output_type="pt")
+    ratios.append(corner_smudge_ratio(out.images))
     scenes = render_scenes(torch.arange(NUM_CLASSES), torch.Generator().manual_seed(5))
     with torch.no_grad():
         recs = (demo_pipe.vqvae(scenes * 2 - 1) + 1) / 2
@@ -166,29 +172,32 @@ def test_classifier_recognises_clean_scenes():
     assert acc >= 0.95
 
 
-def test_sparsevar_preset_stays_close_to_dense(demo_pipe, demo_batch):
-    """SparseVAR at the VAR preset against dense, same seed. Threshold: see the measurement below."""
-    labels, dense = demo_batch
-    sparse = demo_pipe(labels.tolist(), generator=torch.Generator().manual_seed(0), output_type="pt",
-                       policies=[]).images
-    assert torch.equal(sparse, dense)                                   # per-call policies=[]: dense again
+def test_sparsevar_preset_stays_close_to_dense(demo_pipe):
+    """SparseVAR at the demo model's preset (the VAR family's, observing its calibrated layer)
+    against dense, same seed. Threshold: see the measurement below."""
+    labels = list(range(NUM_CLASSES)) * 2
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(len(labels))]   # one per image
+    dense = demo_pipe(labels, generator=gens(), output_type="pt").images
     demo_pipe.enable_sparsevar()
     try:
-        out = demo_pipe(labels.tolist(), generator=torch.Generator().manual_seed(0), output_type="pt")
+        out = demo_pipe(labels, generator=gens(), output_type="pt")
+        again = demo_pipe(labels[:3], generator=gens()[:3], output_type="pt", policies=[]).images
     finally:
         demo_pipe.disable_sparsevar()
+    assert torch.equal(again, dense[:3])                     # per-call policies=[] overrides the enabled stack
     kept = sum(s.tokens_computed for s in out.stats[0].scales) / sum(p * p for p in demo_pipe.transformer.config.patch_nums)
     assert kept < 1.0                                                    # the preset does exclude tokens here
     value = psnr(out.images, dense).median().item()
     assert value >= PRESET_PSNR_DB, f"SparseVAR preset: median PSNR {value:.1f} dB against dense"
 
 
-# Measured with the retrained decode side (issue #27): 24.7 dB median (min 19.6, max 32.1) over these
-# 36 images on a CPU (24.1 dB with seed 1), with 54 % of the tokens computed (the first, blurrier
-# decoder: 25.3 dB). Images of the same classes from another seed are 12.0 dB apart (median), so
-# 21.5 dB means "the same picture, slightly changed"; once one sampled token differs, later scales
-# diverge, which is why the bound sits about 3 dB under the measurement.
-PRESET_PSNR_DB = 21.5
+# Measured on the 512-schedule model (Session 25), observing its calibrated layer 7: 21.8 dB median
+# (min 17.5, max 29.8) over these 24 images (one generator per image) on a CPU, with 57 % of the tokens
+# computed (a batch drawn from one generator seeded 0: 22.9 dB). Images of the
+# same classes from other seeds are 12.0 dB apart (median), so 19 dB means "the same picture,
+# slightly changed"; once one sampled token differs, later scales diverge, which is why the bound
+# sits about 3 dB under the measurement.
+PRESET_PSNR_DB = 19.0
 
 
 # ---- the commands ----------------------------------------------------------------------------------

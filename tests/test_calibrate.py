@@ -1,0 +1,259 @@
+"""SparseVAR calibration (issue #34): ``sparsevar calibrate`` measures which layer a checkpoint's
+SparseVAR should observe (the capture rate of ``bench observe``), stores it in the pipeline's config
+(``model_index.json`` "sparsevar_calibration"), and every entry point that starts from the preset —
+``enable_sparsevar()``, the CLI's ``--sparsevar``, the ComfyUI settings node, ``bench quality`` —
+then observes that layer. The shipped demo model carries its measured layer."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsevar import VARPipeline
+from sparsevar.benchmarks import bench_observe as bo
+from sparsevar.benchmarks import bench_quality as bq
+from sparsevar.cli import main as cli_main
+from sparsevar.policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def tiny() -> VARPipeline:
+    p = VARPipeline.from_random("var-tiny", seed=0)            # depth 4, 10 scales (1 … 16×16); formula layer 2
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny):
+    """(calibration, the capture summary measured independently of calibrate with the same settings)."""
+    rows = bo.summarize(bo.measure_capture(tiny, seeds=range(2), keep=0.5, scales=2))
+    logged = []
+    cal = bo.calibrate(tiny, seeds=2, keep=0.5, scales=2, log=logged.append)
+    yield cal, rows, "\n".join(logged)
+    tiny._set_sparsevar_calibration(None)
+
+
+def test_calibrate_chooses_the_layer_that_captures_most_and_the_preset_applies_it(tiny, calibrated):
+    cal, rows, logged = calibrated
+    best = max(range(len(rows)), key=lambda i: rows[i]["capture"])
+    assert (cal["granularity"], cal["block"]) == ("layer", best)
+    m = cal["measured"]
+    assert m["per_unit"] == {r["layer"]: r["capture"] for r in rows}
+    assert (m["capture"], m["random"], m["oracle"]) == (rows[best]["capture"], rows[best]["random"],
+                                                        rows[best]["oracle"])
+    assert m["formula_unit"] == "2" and m["formula_capture"] == rows[2]["capture"]
+    assert (m["seeds"], m["keep"], m["scales"]) == (2, 0.5, ["13x13", "16x16"])
+    assert f"calibrate: observe layer {best} (captures {rows[best]['capture']:.3f}" in logged
+    assert "best layer: " in logged                                    # the whole table is printed first
+
+    preset = tiny.sparsevar_preset                                      # the family preset, layer replaced
+    assert preset == SPARSEVAR_PRESETS["var"].__class__(**{**vars(SPARSEVAR_PRESETS["var"]), "block": best})
+    tiny.enable_sparsevar(keep_ratio=0.5)
+    try:
+        (policy,) = [p for p in tiny.policies if isinstance(p, SparseVARPolicy)]
+        assert policy.config.block == best and policy.config.keep_ratio == 0.5
+        tiny.enable_sparsevar(block=1)                                  # an explicit layer wins
+        (policy,) = [p for p in tiny.policies if isinstance(p, SparseVARPolicy)]
+        assert policy.config.block == 1
+    finally:
+        tiny.disable_sparsevar()
+
+
+def test_a_calibration_travels_with_the_folder(tiny, calibrated, tmp_path):
+    from diffusers import DiffusionPipeline
+    cal = calibrated[0]
+    plain = tmp_path / "plain"
+    tiny._set_sparsevar_calibration(None)
+    tiny.save_pretrained(plain)
+    tiny._set_sparsevar_calibration(cal)
+    assert json.loads((plain / "model_index.json").read_text())["sparsevar_calibration"] is None
+    assert VARPipeline.from_pretrained(plain).sparsevar_preset == SPARSEVAR_PRESETS["var"]
+
+    weights = sorted(p.name for p in plain.rglob("*.safetensors"))
+    stamp = {p: p.stat().st_mtime_ns for p in plain.rglob("*.safetensors")}
+    bo.write_calibration(plain, cal)                                    # only model_index.json changes
+    assert {p: p.stat().st_mtime_ns for p in plain.rglob("*.safetensors")} == stamp
+    assert not [p for p in plain.iterdir() if p.name.startswith(".")]  # no temporary file left
+    loaded = VARPipeline.from_pretrained(plain)
+    assert loaded.config.sparsevar_calibration == cal and loaded.sparsevar_preset.block == cal["block"]
+
+    again = tmp_path / "again"                                          # save_pretrained keeps it
+    loaded.save_pretrained(again)
+    assert json.loads((again / "model_index.json").read_text())["sparsevar_calibration"] == cal
+    assert sorted(p.name for p in again.rglob("*.safetensors")) == weights
+    generic = DiffusionPipeline.from_pretrained(again, trust_remote_code=True)
+    assert type(generic).__name__ == "VARPipeline" and generic.sparsevar_preset.block == cal["block"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"block": 3}, r"has the keys \['block'\]; it holds \['block', 'granularity'\] \(both\)"),
+    ({"block": 3, "granularity": "layer", "tau": 0.3}, r"has the keys \['block', 'granularity', 'tau'\]"),
+    ({"block": "3", "granularity": "layer"}, r"block must be an int index or None"),
+    ({"block": 3, "granularity": "chunk"}, r"granularity must be 'layer' or 'group'"),
+    ({"block": 3, "granularity": "layer", "measured": 0.9}, r"\[\"measured\"\] must be a dict"),
+    ([3, "layer"], r"must be a dict such as"),
+])
+def test_a_bad_calibration_in_a_folder_is_named_in_one_line(tiny, tmp_path, value, message):
+    folder = tmp_path / "m"
+    tiny.save_pretrained(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["sparsevar_calibration"] = value
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message) as e:
+        VARPipeline.from_pretrained(folder)
+    text = str(e.value)
+    assert text.startswith(f"{folder / 'model_index.json'}: \"sparsevar_calibration\"") and "\n" not in text
+    assert text.endswith("run `sparsevar calibrate --model FOLDER` again, or remove the key")
+
+
+def test_a_calibration_that_does_not_fit_the_model_is_refused(tiny):
+    with pytest.raises(ValueError, match=r"^sparsevar_calibration does not fit this model: block=4 is not a layer "
+                                         r"of this model: use 0\.\.3; run `sparsevar calibrate"):
+        VARPipeline(transformer=tiny.transformer, vqvae=tiny.vqvae,
+                    sparsevar_calibration={"block": 4, "granularity": "layer"})
+    with pytest.raises(ValueError, match=r"granularity='group': var has no block groups"):
+        VARPipeline(transformer=tiny.transformer, vqvae=tiny.vqvae,
+                    sparsevar_calibration={"block": 0, "granularity": "group"})
+
+
+def test_a_model_whose_residuals_all_have_one_norm_cannot_be_calibrated():
+    from sparsevar import InfinityPipeline
+    pipe = InfinityPipeline.from_random("infinity-tiny", seed=1)
+    pipe.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match=r"^calibrate: every token's residual of this infinity-2b model has the same "
+                                         r"norm, so the capture rate cannot rank its layers"):
+        bo.calibrate(pipe, seeds=1, scales=1, prompts=["w3 w4 w5"], height=256, width=256, log=lambda s: None)
+    assert pipe.config.sparsevar_calibration is None and pipe.sparsevar_preset == SPARSEVAR_PRESETS["infinity-2b"]
+
+
+# ---- the settings that start from the preset -----------------------------------------------------------------------
+def test_bench_quality_settings_start_from_the_models_calibrated_preset(tiny, calibrated):
+    cal = calibrated[0]
+    tiny._set_sparsevar_calibration(cal)
+    preset = bq.parse_setting("sparsevar-preset").on_model(tiny)
+    keep = bq.parse_setting("sparsevar-keep0.5-from-3").on_model(tiny)
+    chosen = bq.parse_setting("sparsevar-keep0.5-block1").on_model(tiny)
+    assert preset.sparsevar == tiny.sparsevar_preset and preset.sparsevar.block == cal["block"]
+    assert (keep.sparsevar.block, keep.sparsevar.keep_ratio, keep.sparsevar.start_scale) == (cal["block"], 0.5, -3)
+    assert chosen.sparsevar.block == 1                                  # the name's own layer wins
+    assert bq.parse_setting("skip-last-1").on_model(tiny) == bq.parse_setting("skip-last-1")
+
+
+def test_the_cli_sparsevar_flags_apply_over_the_calibrated_preset(tiny, calibrated):
+    from sparsevar.cli import _apply_acceleration, _policy_configs, build_parser
+    tiny._set_sparsevar_calibration(calibrated[0])
+    for flags, block in ((["--sparsevar", "--keep-ratio", "0.4"], calibrated[0]["block"]),
+                         (["--sparsevar", "--block", "0"], 0)):
+        args = build_parser().parse_args(["generate", *flags])
+        _apply_acceleration(tiny, args, _policy_configs(args, "var"))
+        try:
+            (policy,) = [p for p in tiny.policies if isinstance(p, SparseVARPolicy)]
+            assert policy.config.block == block
+        finally:
+            tiny.disable_sparsevar()
+
+
+NODE_SCRIPT = r"""
+import json, sys
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+from sparsevar import VARPipeline
+from sparsevar.nodes import var_nodes as V
+pipe = VARPipeline.from_random("var-tiny", seed=0)
+pipe._set_sparsevar_calibration({"block": 1, "granularity": "layer"})
+blocks = []
+for block in (-1, 3):
+    sv = V.SparseVARSettingsNode.execute(tau=0.6, start_scale=0, block=block, keep_ratio=0.0).result[0]
+    anchors = V.AnchorSettingsNode.execute(alpha=2, beta=0.9).result[0]
+    (policy,) = V._policies(pipe, sv, anchors, None, None)
+    blocks.append([policy.config.block, policy.config.alpha])
+print(json.dumps(blocks))
+"""
+
+
+def test_the_comfyui_settings_node_applies_over_the_calibrated_preset(tmp_path):
+    sys.path.insert(0, str(HERE / "comfyui"))
+    try:
+        from setup_comfyui import ensure
+    finally:
+        sys.path.pop(0)
+    server = ensure(Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*server["pythonpath"], str(server["main_dir"])]))
+    r = subprocess.run([sys.executable, "-c", NODE_SCRIPT], capture_output=True, text=True, timeout=900, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[1, 2], [3, 2]]   # block -1: the calibrated layer
+
+
+# ---- the command ------------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def tiny_folder(tiny, tmp_path):
+    tiny._set_sparsevar_calibration(None)
+    tiny.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_the_command_measures_and_stores_the_layer(tiny_folder, capsys):
+    before = (tiny_folder / "model_index.json").read_bytes()
+    flags = ["calibrate", "--model", str(tiny_folder), "--seeds", "2", "--scales", "2", "--device", "cpu"]
+    assert cli_main([*flags, "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert "calibrate: observe layer " in dry and "written to" not in dry
+    assert (tiny_folder / "model_index.json").read_bytes() == before   # --dry-run leaves the folder alone
+    assert cli_main(flags) == 0
+    out = capsys.readouterr().out
+    stored = json.loads((tiny_folder / "model_index.json").read_text())["sparsevar_calibration"]
+    assert f"enable_sparsevar() on this folder now observes layer {stored['block']}" in out
+    verdict = [[line for line in text.splitlines() if line.startswith("calibrate: observe")] for text in (dry, out)]
+    assert verdict[0] == verdict[1] and len(verdict[0]) == 1            # the same measurement both times
+    assert VARPipeline.from_pretrained(tiny_folder).sparsevar_preset.block == stored["block"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep", "1"], "--keep 1.0: give the fraction of tokens kept, strictly between 0 and 1"),
+    (["--seeds", "0"], "--seeds 0: give the number of seeds, at least 1"),
+    (["--scales", "0"], "--scales 0: give the number of pruned final scales, at least 1"),
+    (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: no such file"),
+])
+def test_the_command_names_a_bad_flag_before_loading(tiny_folder, flags, message, capsys):
+    before = (tiny_folder / "model_index.json").read_bytes()
+    assert cli_main(["calibrate", "--model", str(tiny_folder), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"sparsevar calibrate: error: {message}"), err
+    assert (tiny_folder / "model_index.json").read_bytes() == before
+
+
+def test_the_command_names_a_wrong_folder_before_loading(tiny_folder, tmp_path, capsys):
+    assert cli_main(["calibrate", "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a folder; give a pipeline folder" in capsys.readouterr().err
+    text = tmp_path / "t2i"
+    text.mkdir()
+    (text / "model_index.json").write_text(json.dumps({"_class_name": "InfinityPipeline"}))
+    assert cli_main(["calibrate", "--model", str(text), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a text-to-image model (InfinityPipeline): give the prompts to measure with (--prompts FILE" in err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n")
+    assert cli_main(["calibrate", "--model", str(tiny_folder), "--prompts", str(prompts), "--device", "cpu"]) == 2
+    assert "holds a class-conditional model (VARPipeline): it takes no prompts" in capsys.readouterr().err
+
+
+# ---- the shipped demo model --------------------------------------------------------------------------------------------
+def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
+    """The demo folder's calibration came from ``sparsevar calibrate --model demo/weights`` (8 seeds);
+    two seeds of the same measurement choose the same layer, far above the family formula's."""
+    demo = VARPipeline.from_demo()
+    cal = demo.config.sparsevar_calibration
+    assert cal is not None and demo.sparsevar_preset.block == cal["block"]
+    assert cal["measured"]["capture"] > cal["measured"]["formula_capture"] + 0.3
+    demo.set_progress_bar_config(disable=True)
+    again = bo.calibrate(demo, seeds=2, log=lambda s: None)
+    assert (again["granularity"], again["block"]) == (cal["granularity"], cal["block"])
+    assert abs(again["measured"]["capture"] - cal["measured"]["capture"]) < 0.1
