@@ -121,6 +121,8 @@ class FlexVARTransformer(ModelMixin, ConfigMixin):
     init_random_weights = VARTransformer.init_random_weights
     null_class = VARTransformer.null_class
     block_adaln = VARTransformer.block_adaln
+    weights_key = VARTransformer.weights_key
+    attention_constants = VARTransformer.attention_constants
     head_adaln = VARTransformer.head_adaln
     logits = VARTransformer.logits
 
@@ -176,10 +178,18 @@ class _FlexVARWorkspace(Workspace):
         self.pos_1LC = torch.zeros(1, L, C, device=device, dtype=torch.float32)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
+        self.fill_weight_constants(model, schedule)
         self.next_BLC = torch.zeros(batch, L, cfg.z_channels, device=device, dtype=torch.float32)
         # every scale's code vectors (B, c, pn, pn), written in place (a replayed scale refreshes them)
         self.codes = [torch.zeros(batch, cfg.z_channels, h, w, device=device, dtype=torch.float32)
                       for h, w in schedule.hw]
+
+    @torch.no_grad()
+    def fill_weight_constants(self, model: FlexVARTransformer, schedule: ScaleSchedule) -> None:
+        """The buffers that are functions of the weights (and this schedule) alone: positions, qkv
+        biases, q/k multipliers."""
+        self.pos_1LC.copy_(model.positions(tuple(h for h, _ in schedule.hw)))
+        model.attention_constants(self.qkv_bias_N3C, self.qk_mult_N2H1)
 
 
 class FlexVARAdapter(VARAdapter):
@@ -213,16 +223,16 @@ class FlexVARAdapter(VARAdapter):
         if tuple(h for h, _ in sch.hw) != tuple(cond.patch_nums):
             raise ValueError(f"the run's schedule {sch} is not the conditioning's {cond.patch_nums}")
         # captured graphs hold the weights' addresses: a model moved away and back has new storage
-        ws = self.workspace((B, sch.hw, self.device, self.dtype, tuple(p.data_ptr() for p in m.parameters())),
+        # (weights changed in place have a new version: the workspace holds what depends on them alone)
+        weights, versioned = m.weights_key()
+        ws = self.workspace((B, sch.hw, self.device, self.dtype, weights),
                             lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype))
+        if not versioned:
+            ws.fill_weight_constants(m, sch)
         labels_B = cond.class_labels.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))     # (2B, D)
-        ws.pos_1LC.copy_(m.positions(cond.patch_nums))
         ws.sos_R1C.copy_(cond_RD.unsqueeze(1) + m.pos_start + ws.pos_1LC[:, :1])
         ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
-        for i, blk in enumerate(m.blocks):
-            ws.qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
-            ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
         ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.kv.reset()
         run.model_state.update(llamagen_cfg=cond.llamagen_cfg, max_pn=int(cond.max_pn))

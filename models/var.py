@@ -241,8 +241,34 @@ class VARTransformer(ModelMixin, ConfigMixin):
         """Every block's modulation for the condition rows: (depth, R, 6, C) float32, in the order
         γ1, γ2, 1+s1, 1+s2, b1, b2."""
         R, C = cond_RD.shape[0], self.config.embed_dim
-        shared = self.shared_ada_lin(cond_RD).view(R, 6, C) if self.config.shared_aln else cond_RD
-        return torch.stack([blk.adaln(shared) for blk in self.blocks])
+        if self.config.shared_aln:
+            shared = self.shared_ada_lin(cond_RD).view(R, 6, C)
+            return torch.stack([blk.adaln(shared) for blk in self.blocks])
+        # every block's ada_lin is SiLU then its own Linear: the SiLU once, the products stacked, the
+        # "+ 1" of the scales once over all blocks (the per-block path launched ~6 kernels a block)
+        act_RD = F.silu(cond_RD)
+        ada_NR6C = torch.stack([F.linear(act_RD, blk.ada_lin[1].weight, blk.ada_lin[1].bias)
+                                for blk in self.blocks]).view(len(self.blocks), R, 6, C).float()
+        ada_NR6C[:, :, 2:4] += 1
+        return ada_NR6C
+
+    def weights_key(self) -> tuple[tuple, bool]:
+        """(key, versioned): what identifies the current weights — each parameter's storage address
+        and in-place version, so a model moved away and back or weights loaded in place give a new
+        key. Parameters made under ``torch.inference_mode`` (as ComfyUI loads models) keep no version:
+        then the key holds the addresses alone and ``versioned`` is False (the caller recomputes what
+        depends on the weights at every use)."""
+        try:
+            return tuple((p.data_ptr(), p._version) for p in self.parameters()), True
+        except RuntimeError:                         # "Inference tensors do not track version counter"
+            return tuple(p.data_ptr() for p in self.parameters()), False
+
+    def attention_constants(self, qkv_bias_N3C: torch.Tensor, qk_mult_N2H1: torch.Tensor) -> None:
+        """Fill every block's qkv bias (depth, 3C) and q/k multipliers (depth, 2, H, 1): functions of
+        the weights alone, computed once per workspace."""
+        for i, blk in enumerate(self.blocks):
+            qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
+            qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
 
     def head_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
         """(R, 2, C) float32: 1 + scale, shift of the head's AdaLN."""
@@ -345,7 +371,15 @@ class _VARWorkspace(Workspace):
         self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
+        self.fill_weight_constants(model)
         self.upsample_ops: dict = {}     # (h, w) → bicubic operator to the latent size (accumulate)
+
+    @torch.no_grad()
+    def fill_weight_constants(self, model: VARTransformer) -> None:
+        """The buffers that are functions of the weights alone: level + position rows, qkv biases,
+        q/k multipliers."""
+        self.lvl_pos_1LC.copy_(model.lvl_pos())
+        model.attention_constants(self.qkv_bias_N3C, self.qk_mult_N2H1)
 
 
 class VARAdapter(ModelAdapter):
@@ -386,18 +420,19 @@ class VARAdapter(ModelAdapter):
         (:meth:`~..engine.adapter.ModelAdapter.workspace`: one kept at a time)."""
         m, B = self.transformer, run.batch_size
         # captured graphs hold the weights' addresses: a model moved away and back (ComfyUI offloading,
-        # a dtype round trip) has new storage, so its old workspace and graphs must go
-        key = (B, self.device, self.dtype, tuple(p.data_ptr() for p in m.parameters()))
-        ws = self.workspace(key, lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype))
+        # a dtype round trip) has new storage, so its old workspace and graphs must go; the workspace
+        # also holds what depends on the weights alone (positions, qkv biases, q/k multipliers),
+        # so weights changed in place (a new version) make a new one too
+        weights, versioned = m.weights_key()
+        ws = self.workspace((B, self.device, self.dtype, weights),
+                            lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype))
+        if not versioned:
+            ws.fill_weight_constants(m)
         labels_B = class_labels_B.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
         first_l = self.schedule.tokens(0)
-        ws.lvl_pos_1LC.copy_(m.lvl_pos())
         ws.sos_R1C.copy_(cond_RD.unsqueeze(1).expand(-1, first_l, -1) + m.pos_start + ws.lvl_pos_1LC[:, :first_l])
         ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
-        for i, blk in enumerate(m.blocks):
-            ws.qkv_bias_N3C[i].copy_(blk.attn.qkv_bias())
-            ws.qk_mult_N2H1[i].copy_(blk.attn.qk_multiplier())
         ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.f_hat_BChw.zero_()
         ws.kv.reset()

@@ -644,3 +644,44 @@ def test_generation_stats_of_a_real_run_add_up(pipe):
     assert d["tokens_computed"] == sum(s["tokens_computed"] for s in d["scales"]) == st.tokens_computed
     assert len(st.table().splitlines()) == 1 + sched.num_scales
     assert sum("skipped" in line for line in st.table().splitlines()) == 2
+
+
+@pytest.mark.parametrize("family", ["var", "flexvar"])
+def test_weights_changed_in_place_are_used_by_the_next_call(family):
+    """The workspace holds what depends on the weights alone (positions, qkv biases, q/k multipliers)
+    and is kept between calls; weights loaded in place (same storage, new version) must still reach
+    the next generation: it equals a fresh pipeline's with those weights, not the old one's."""
+    from sparsevar import FlexVARPipeline
+    make = (lambda: VARPipeline.from_random("var-tiny", seed=0)) if family == "var" else \
+        (lambda: FlexVARPipeline.from_random("flexvar-tiny", seed=0))
+    pipe, fresh = make(), make()
+    for p in (pipe, fresh):
+        p.set_progress_bar_config(disable=True)
+    run = lambda p: p([1, 2], generator=torch.Generator().manual_seed(0), output_type="latent", guidance_scale=2.0,
+                      top_k=1).images
+    before = run(pipe)
+    changed = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+               for k, v in pipe.transformer.state_dict().items() if "bias" in k or "scale_mul" in k or "pos" in k}
+    assert changed
+    pipe.transformer.load_state_dict(changed, strict=False)              # in place: the same storage
+    fresh.transformer.load_state_dict(changed, strict=False)
+    after, want = run(pipe), run(fresh)
+    assert not torch.equal(after, before) and torch.equal(after, want)
+
+
+def test_a_model_made_under_inference_mode_still_sees_weights_changed_in_place():
+    """ComfyUI loads models under ``torch.inference_mode``: such parameters keep no version counter,
+    so the weight constants are recomputed at every call instead, and an in-place change still
+    reaches the next generation."""
+    with torch.inference_mode():
+        pipe = VARPipeline.from_random("var-tiny", seed=0)
+        fresh = VARPipeline.from_random("var-tiny", seed=0)
+        pipe.set_progress_bar_config(disable=True)
+        fresh.set_progress_bar_config(disable=True)
+        run = lambda p: p([1, 2], generator=torch.Generator().manual_seed(0), output_type="latent", top_k=1).images
+        assert pipe.transformer.weights_key()[1] is False
+        before = run(pipe)
+        for p in (pipe, fresh):
+            p.transformer.blocks[0].attn.q_bias.add_(0.5)
+        after, want = run(pipe), run(fresh)
+    assert not torch.equal(after, before) and torch.equal(after, want)
