@@ -1162,9 +1162,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "model at PATH (default: the built-in demo model)")
     i.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train-demo", help="train the demo model again on procedural scenes (about 24 min on one H100)",
-                       description=f"Train the demo model again on procedural scenes (about 24 min on one H100), "
-                                   f"into ./{DEMO_TRAIN_DIR} unless --out says otherwise.")
+    t = sub.add_parser("train-demo", help="train a demo model on procedural scenes (about 24 min on one H100 with no "
+                                          "flags; the README lists the shipped model's stages)",
+                       description=f"Train a demo model on procedural scenes (about 24 min on one H100 with no flags: "
+                                   f"the first, 256-schedule recipe; the README lists the stages of the shipped "
+                                   f"512-schedule model), into ./{DEMO_TRAIN_DIR} unless --out says otherwise.")
     t.add_argument("--out", help=f"model folder to write (default: ./{DEMO_TRAIN_DIR}); the demo model that ships "
                                  f"with the package is left as it is")
     t.add_argument("--stages", nargs="+", default=["vqvae", "decoder", "var", "classifier"],

@@ -278,3 +278,24 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nSPARSEVAR_NO_SKIP=1: {len(skipped)} test(s) skipped; here every check must run:\n"
               + "\n".join(lines))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def run_with_comfyui():
+    """``run(script, cwd) -> CompletedProcess``: a Python script run in a fresh interpreter with the
+    real ComfyUI of the tests on its path (nodes called directly, no server; set up on first use
+    under ``$SPARSEVAR_COMFY_DIR``)."""
+    import subprocess
+    import sys
+    sys.path.insert(0, str(TESTS_DIR / "comfyui"))
+    try:
+        from setup_comfyui import ensure
+    finally:
+        sys.path.pop(0)
+    server = ensure(Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*server["pythonpath"], str(server["main_dir"])]))
+
+    def run(script: str, cwd) -> "subprocess.CompletedProcess":
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env,
+                              cwd=cwd)
+    return run

@@ -6,10 +6,6 @@ never Python advice in a node."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,6 @@ import torch
 from sparsevar import VARPipeline
 from sparsevar.policies.sparsevar import SparseVARConfig, SparseVARPolicy
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -153,16 +148,8 @@ print(json.dumps(out))
 """
 
 
-def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(tmp_path):
-    sys.path.insert(0, str(HERE / "comfyui"))
-    try:
-        from setup_comfyui import ensure
-    finally:
-        sys.path.pop(0)
-    server = ensure(Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui")))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*server["pythonpath"], str(server["main_dir"])]))
-    r = subprocess.run([sys.executable, "-c", NODE_SCRIPT], capture_output=True, text=True, timeout=900, env=env,
-                       cwd=tmp_path)
+def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(run_with_comfyui, tmp_path):
+    r = run_with_comfyui(NODE_SCRIPT, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for name, msg in out.items():

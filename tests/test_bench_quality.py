@@ -19,7 +19,7 @@ from sparsevar.policies import SparseVARConfig
 from sparsevar.benchmarks.metrics import gaussian_window, mean_ci95, mse, psnr, ssim, t_quantile
 from sparsevar.demo import DEMO_MODEL_DIR
 from sparsevar.demo.classifier import SceneClassifier
-from sparsevar.engine.contract import Policy, ScalePlan
+from sparsevar.engine.contract import Policy
 
 SETTINGS = ["sparsevar-keep1.0", "skip-last-1", "skip-last-2", "sparsevar-keep0.5-from-1",
             "sparsevar-keep0.5+cond-only-last-1"]

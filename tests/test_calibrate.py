@@ -6,21 +6,14 @@ then observes that layer. The shipped demo model carries its measured layer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from sparsevar import VARPipeline
 from sparsevar.benchmarks import bench_observe as bo
 from sparsevar.benchmarks import bench_quality as bq
 from sparsevar.cli import main as cli_main
 from sparsevar.policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +171,8 @@ print(json.dumps(blocks))
 """
 
 
-def test_the_comfyui_settings_node_applies_over_the_calibrated_preset(tmp_path):
-    sys.path.insert(0, str(HERE / "comfyui"))
-    try:
-        from setup_comfyui import ensure
-    finally:
-        sys.path.pop(0)
-    server = ensure(Path(os.environ.get("SPARSEVAR_COMFY_DIR", "/tmp/sparsevar-comfyui")))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*server["pythonpath"], str(server["main_dir"])]))
-    r = subprocess.run([sys.executable, "-c", NODE_SCRIPT], capture_output=True, text=True, timeout=900, env=env,
-                       cwd=tmp_path)
+def test_the_comfyui_settings_node_applies_over_the_calibrated_preset(run_with_comfyui, tmp_path):
+    r = run_with_comfyui(NODE_SCRIPT, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [[1, 2], [3, 2]]   # block -1: the calibrated layer
 
