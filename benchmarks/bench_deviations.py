@@ -1,0 +1,128 @@
+"""What two of SparseVAR's deviations from the paper cost or gain (issue #34, item 4).
+
+    python -m sparsevar.benchmarks.bench_deviations [--seeds 16] [--model FOLDER] [--out CSV]
+
+Our SparseVAR differs from the paper in small ways (``policies/sparsevar.py``, research/accel.md §2).
+Two of them change which tokens a scale computes and can be switched off without touching the
+library, by a variant of the policy defined here:
+
+- ``no-edge-anchors``: the anchor grid is rows and columns 0, α, 2α, … only; ours also always
+  computes the last row and column (``anchor_mask``).
+- ``guided-change``: the change map is measured on the conditional rows only; ours averages the
+  conditional and unconditional rows (``sparse_ops.ref.change_map``).
+
+For every seed (class ``seed % num_classes``, one picture, the family's sampling defaults) it
+generates dense, then each setting (``keep`` ratios and ``tau`` thresholds over the model's own
+SparseVAR preset, i.e. its calibrated layer) with ours and with each variant, and reports the PSNR
+against the dense picture: the mean over seeds and the paired difference variant − ours with its
+95 % interval. The other listed deviations do not change the tokens computed on the VAR preset
+(beta 1 turns the anchor copy off, so what the similarity test reads has no effect) or need a
+change inside the model's latent update (φ's bias reaching zeroed tokens); they are described in
+``benchmarks/results/README.md`` without a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..engine.state import SamplingSettings
+from ..policies.sparsevar import SparseVARPolicy
+from .metrics import mean_ci95, psnr
+
+
+class NoEdgeAnchors(SparseVARPolicy):
+    """SparseVAR whose anchor grid leaves out the last row and column (unless they fall on the stride)."""
+
+    def _geometry(self, run, hw, prev_hw, device):
+        anchors_L, cand_L4, src_L = super()._geometry(run, hw, prev_hw, device)
+        h, w = hw
+        a = self.config.alpha
+        r, c = torch.arange(h, device=device), torch.arange(w, device=device)
+        strided_L = ((r % a == 0)[:, None] & (c % a == 0)[None, :]).reshape(h * w)     # (h, w) → (L,)
+        return strided_L, cand_L4, src_L
+
+
+class GuidedChange(SparseVARPolicy):
+    """SparseVAR whose change map is measured on the conditional rows alone."""
+
+    def observe(self, si, unit, x_in, x_out, run) -> None:
+        B = run.batch_size
+        super().observe(si, unit, x_in[:B], x_out[:B], run)
+
+
+VARIANTS = {"no-edge-anchors": NoEdgeAnchors, "guided-change": GuidedChange}
+
+
+def measure(pipe, seeds: Sequence[int], keeps: Sequence[float] = (0.5,), taus: Sequence[float] = (0.3,),
+            log: Callable[[str], None] = print) -> list[dict]:
+    """Rows ``{setting, variant, psnr_db, ci95, diff_db, diff_ci95, better}`` (variant "ours" first
+    for each setting; ``diff_*``: the variant minus ours, paired over seeds; ``better``: seeds where
+    the variant is closer to dense)."""
+    from .bench_quality import _generate
+    d = pipe.DEFAULTS
+    sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
+    base = pipe.sparsevar_preset
+    settings = [(f"keep{k:g}", base.__class__(**{**vars(base), "keep_ratio": k})) for k in keeps] + \
+        [(f"tau{t:g}", base.__class__(**{**vars(base), "tau": t, "keep_ratio": None})) for t in taus]
+    kinds = {"ours": SparseVARPolicy, **VARIANTS}
+    values = {(s, v): [] for s, _ in settings for v in kinds}
+    for seed in seeds:
+        label = seed % pipe.num_classes
+        dense = _generate(pipe, label, seed, [], sampling).image_13HW
+        for name, cfg in settings:
+            for v, cls in kinds.items():
+                img = _generate(pipe, label, seed, [cls(cfg)], sampling).image_13HW
+                values[(name, v)].append(float(psnr(img, dense)[0]))
+        log(f"  seed {seed} done")
+    rows = []
+    for name, _ in settings:
+        ours = values[(name, "ours")]
+        for v in kinds:
+            mean, ci = mean_ci95(values[(name, v)])
+            row = {"setting": name, "variant": v, "psnr_db": round(mean, 3), "ci95": round(ci, 3),
+                   "diff_db": "", "diff_ci95": "", "better": ""}
+            if v != "ours":
+                diffs = [0.0 if a == b else a - b for a, b in zip(values[(name, v)], ours)]   # inf − inf: equal
+                dm, dc = mean_ci95(diffs)
+                row.update(diff_db=round(dm, 3), diff_ci95=round(dc, 3), better=sum(x > 0 for x in diffs))
+            rows.append(row)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_deviations",
+                                description="PSNR cost of two SparseVAR deviations from the paper, paired over seeds.")
+    p.add_argument("--model", help="VARPipeline folder (default: the demo model)")
+    p.add_argument("--seeds", type=int, default=16)
+    p.add_argument("--keep", type=float, nargs="+", default=[0.5])
+    p.add_argument("--tau", type=float, nargs="+", default=[0.3])
+    p.add_argument("--out", default=None, help="CSV path")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    from ._results import write_csv
+    from .bench_quality import load_model
+    try:
+        if args.seeds < 1:
+            raise ValueError(f"--seeds {args.seeds}: give the number of seeds, at least 1 (e.g. 16)")
+        pipe, name, loaded = load_model(args.model, device=args.device)
+        pipe.set_progress_bar_config(disable=True)
+        rows = measure(pipe, range(args.seeds), keeps=args.keep, taus=args.tau)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"bench deviations: error: {e}", file=sys.stderr)
+        return 2
+    for r in rows:
+        extra = f"  variant − ours {r['diff_db']:+.2f} ± {r['diff_ci95']:.2f} dB ({r['better']}/{args.seeds} better)" \
+            if r["variant"] != "ours" else ""
+        print(f"{name} {r['setting']:<8} {r['variant']:<16} PSNR {r['psnr_db']:.2f} ± {r['ci95']:.2f} dB{extra}")
+    if args.out:
+        write_csv(rows, args.out, print)
+    return 0
+
+
+__all__ = ["GuidedChange", "NoEdgeAnchors", "VARIANTS", "main", "measure"]
+
+if __name__ == "__main__":
+    sys.exit(main())
