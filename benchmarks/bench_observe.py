@@ -340,7 +340,7 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
         measured.update(formula_unit=unit_label(formula), formula_capture=rows[p]["capture"],
                         gain_over_formula=round(diff, 4), gain_ci95=round(ci, 4))
     calibration = {"block": unit[1], "granularity": unit[0], "measured": measured}
-    pipe._set_sparsevar_calibration(calibration)
+    pipe.set_sparsevar_calibration(calibration)
     text = (f"calibrate: observe {kind} {unit[1]} (captures {rows[b]['capture']:.3f} ± {rows[b]['ci95']:.3f} of "
             f"the residual energy at keep {keep:g}; random {rows[b]['random']:.3f}, oracle {rows[b]['oracle']:.3f})")
     if "formula_unit" in measured:

@@ -337,11 +337,13 @@ class AcceleratedPipelineMixin:
         self._policies = self._policies.without(name)
         return self
 
-    def _set_sparsevar_calibration(self, calibration: Optional[dict]) -> None:
+    def set_sparsevar_calibration(self, calibration: Optional[dict]) -> "AcceleratedPipelineMixin":
         """Record a checkpoint's SparseVAR calibration in the pipeline's config (``model_index.json``
         key ``sparsevar_calibration``; checked by ``policies.sparsevar.check_calibration``, its
         layer or group against this model), so that :attr:`sparsevar_preset` applies it and
-        ``save_pretrained`` keeps it. None: the family preset as it is."""
+        ``save_pretrained`` keeps it. None: the family preset as it is. ``sparsevar calibrate``
+        (``benchmarks.bench_observe.calibrate``) measures one; a calibration is a dict
+        ``{"block": 7, "granularity": "layer"}`` plus, optionally, ``"measured"``."""
         calibration = check_calibration(calibration)
         if calibration is not None:
             try:
@@ -351,6 +353,7 @@ class AcceleratedPipelineMixin:
                 raise ValueError(f"sparsevar_calibration does not fit this model: {e}; run `sparsevar calibrate "
                                  f"--model FOLDER` on this checkpoint") from None
         self.register_to_config(sparsevar_calibration=calibration)
+        return self
 
     @property
     def sparsevar_preset(self) -> SparseVARConfig:

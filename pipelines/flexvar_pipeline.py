@@ -56,7 +56,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     def __init__(self, transformer: FlexVARTransformer, vqvae: FlexVQ16, sparsevar_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae)
-        self._set_sparsevar_calibration(sparsevar_calibration)
+        self.set_sparsevar_calibration(sparsevar_calibration)
 
     @classmethod
     def from_single_file(cls, transformer_ckpt, vae_ckpt, dtype: Union[torch.dtype, str] = torch.float32,

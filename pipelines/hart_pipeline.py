@@ -62,7 +62,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"text encoder and transformer do not match: the Qwen2 model produces {width}-channel "
                              f"states, the transformer reads {transformer.config.context_dim}; pass the text encoder "
                              f"the model was trained with (Qwen2-1.5B for the released HART)")
-        self._set_sparsevar_calibration(sparsevar_calibration)
+        self.set_sparsevar_calibration(sparsevar_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

@@ -70,7 +70,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"text encoder and transformer do not match: the T5 produces {t5_width}-channel features, "
                              f"the transformer reads {transformer.config.text_channels}; pass the T5 the model was "
                              f"trained with (Flan-T5-XL for the released Infinity models)")
-        self._set_sparsevar_calibration(sparsevar_calibration)
+        self.set_sparsevar_calibration(sparsevar_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

@@ -92,7 +92,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if id2label is not None:
             id2label = {str(k): v for k, v in check_id2label(id2label, "id2label").items()}
         self.register_to_config(id2label=id2label)
-        self._set_sparsevar_calibration(sparsevar_calibration)
+        self.set_sparsevar_calibration(sparsevar_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

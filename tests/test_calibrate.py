@@ -30,7 +30,7 @@ def calibrated(tiny):
     logged = []
     cal = bo.calibrate(tiny, seeds=2, keep=0.5, scales=2, log=logged.append)
     yield cal, rows, "\n".join(logged)
-    tiny._set_sparsevar_calibration(None)
+    tiny.set_sparsevar_calibration(None)
 
 
 def test_calibrate_chooses_the_layer_that_captures_most_and_the_preset_applies_it(tiny, calibrated):
@@ -63,9 +63,9 @@ def test_a_calibration_travels_with_the_folder(tiny, calibrated, tmp_path):
     from diffusers import DiffusionPipeline
     cal = calibrated[0]
     plain = tmp_path / "plain"
-    tiny._set_sparsevar_calibration(None)
+    tiny.set_sparsevar_calibration(None)
     tiny.save_pretrained(plain)
-    tiny._set_sparsevar_calibration(cal)
+    tiny.set_sparsevar_calibration(cal)
     assert json.loads((plain / "model_index.json").read_text())["sparsevar_calibration"] is None
     assert VARPipeline.from_pretrained(plain).sparsevar_preset == SPARSEVAR_PRESETS["var"]
 
@@ -129,7 +129,7 @@ def test_a_model_whose_residuals_all_have_one_norm_cannot_be_calibrated():
 # ---- the settings that start from the preset -----------------------------------------------------------------------
 def test_bench_quality_settings_start_from_the_models_calibrated_preset(tiny, calibrated):
     cal = calibrated[0]
-    tiny._set_sparsevar_calibration(cal)
+    tiny.set_sparsevar_calibration(cal)
     preset = bq.parse_setting("sparsevar-preset").on_model(tiny)
     keep = bq.parse_setting("sparsevar-keep0.5-from-3").on_model(tiny)
     chosen = bq.parse_setting("sparsevar-keep0.5-block1").on_model(tiny)
@@ -141,7 +141,7 @@ def test_bench_quality_settings_start_from_the_models_calibrated_preset(tiny, ca
 
 def test_the_cli_sparsevar_flags_apply_over_the_calibrated_preset(tiny, calibrated):
     from sparsevar.cli import _apply_acceleration, _policy_configs, build_parser
-    tiny._set_sparsevar_calibration(calibrated[0])
+    tiny.set_sparsevar_calibration(calibrated[0])
     for flags, block in ((["--sparsevar", "--keep-ratio", "0.4"], calibrated[0]["block"]),
                          (["--sparsevar", "--block", "0"], 0)):
         args = build_parser().parse_args(["generate", *flags])
@@ -160,7 +160,7 @@ comfy.cli_args.args.cpu = True
 from sparsevar import VARPipeline
 from sparsevar.nodes import var_nodes as V
 pipe = VARPipeline.from_random("var-tiny", seed=0)
-pipe._set_sparsevar_calibration({"block": 1, "granularity": "layer"})
+pipe.set_sparsevar_calibration({"block": 1, "granularity": "layer"})
 blocks = []
 for block in (-1, 3):
     sv = V.SparseVARSettingsNode.execute(tau=0.6, start_scale=0, block=block, keep_ratio=0.0).result[0]
@@ -180,7 +180,7 @@ def test_the_comfyui_settings_node_applies_over_the_calibrated_preset(run_with_c
 # ---- the command ------------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def tiny_folder(tiny, tmp_path):
-    tiny._set_sparsevar_calibration(None)
+    tiny.set_sparsevar_calibration(None)
     tiny.save_pretrained(tmp_path / "tiny")
     return tmp_path / "tiny"
 
