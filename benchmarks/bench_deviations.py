@@ -107,6 +107,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.seeds < 1:
             raise ValueError(f"--seeds {args.seeds}: give the number of seeds, at least 1 (e.g. 16)")
+        for k in args.keep:                         # the ranges, before the model loads
+            if not 0.0 < k <= 1.0:
+                raise ValueError(f"--keep {k}: give fractions of tokens kept in (0, 1], e.g. --keep 0.5")
+        for t in args.tau:
+            if not 0.0 <= t < 1.0:
+                raise ValueError(f"--tau {t}: give change thresholds in [0, 1), e.g. --tau 0.3")
         pipe, name, loaded = load_model(args.model, device=args.device)
         pipe.set_progress_bar_config(disable=True)
         rows = measure(pipe, range(args.seeds), keeps=args.keep, taus=args.tau)

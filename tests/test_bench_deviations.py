@@ -65,3 +65,14 @@ def test_measure_pairs_each_variant_with_ours(tiny):
             ours = next(o for o in rows if o["setting"] == r["setting"] and o["variant"] == "ours")
             assert r["diff_db"] == pytest.approx(r["psnr_db"] - ours["psnr_db"], abs=2e-3)
             assert 0 <= r["better"] <= 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep", "1.5"], "--keep 1.5: give fractions of tokens kept in (0, 1]"),
+    (["--tau", "1"], "--tau 1.0: give change thresholds in [0, 1)"),
+    (["--seeds", "0"], "--seeds 0: give the number of seeds, at least 1"),
+])
+def test_command_line_names_a_bad_flag_before_loading(flags, message, capsys):
+    assert bd.main(["--model", "/nonexistent/folder", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"bench deviations: error: {message}"), err
