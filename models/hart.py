@@ -413,11 +413,14 @@ class HARTTransformer(ModelMixin, ConfigMixin):
 
     def set_block_dtype(self, dtype: torch.dtype) -> "HARTTransformer":
         """The blocks and the diffusion head's net in ``dtype`` (bf16 on GPUs; the reference runs
-        everything under fp16 autocast); the embeddings, the head, ``decoder_norm`` and the diffusion
-        sampler's arithmetic stay float32."""
+        everything under fp16 autocast); with a half-precision ``dtype`` the head's product in float16
+        (as under the reference's autocast), its AdaLN norm in float32; the embeddings,
+        ``decoder_norm`` and the diffusion sampler's arithmetic stay float32."""
         torch.nn.Module.to(self, torch.float32)
         torch.nn.Module.to(self.blocks, dtype)
         torch.nn.Module.to(self.diffloss, dtype)
+        if dtype in (torch.float16, torch.bfloat16):
+            torch.nn.Module.to(self.head, torch.float16)
         return self
 
     @staticmethod
@@ -450,8 +453,9 @@ class HARTTransformer(ModelMixin, ConfigMixin):
         return self.head_nm.modulation(cond_BTC.float().max(1, keepdim=True).values)
 
     def logits(self, x_BLC: torch.Tensor, head_mod: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Float32 logits (B, L, V) with the head's AdaLN ``head_mod`` (:meth:`head_modulation`)."""
-        return self.head(self.head_nm(x_BLC.float(), head_mod).float()).float()
+        """Float32 logits (B, L, V) with the head's AdaLN ``head_mod`` (:meth:`head_modulation`), the
+        product in the head's dtype."""
+        return self.head(self.head_nm(x_BLC.float(), head_mod).to(self.head.weight.dtype)).float()
 
     def image_rope(self, scales: Sequence[int], offset_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (B, n, d) of the image tokens of ``scales``, positions offset by each row's last

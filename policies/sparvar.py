@@ -345,9 +345,11 @@ class SparVARPolicy(Policy):
                                                          backend=backend)
             hS, wS = run.schedule.hw[si]
             H, d = q_RHld.shape[1], q_RHld.shape[3]
-            # what the unselected keys contributed, kept in q's dtype as (R·H, d, hS, wS) for the upsampling
+            # what the unselected keys contributed, kept in q's dtype as (R·H, d, hS, wS) channels-last for
+            # the upsampling: on a channels-first map the bilinear kernel loops over the R·H·d planes in
+            # each thread
             o_cache = (o_dense.float() - o_sparse.float()).to(q_RHld.dtype).reshape(R * H, hS, wS, d) \
-                .permute(0, 3, 1, 2).contiguous()
+                .permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, idx=idx_RHGK, si=si, width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
@@ -377,10 +379,11 @@ class SparVARPolicy(Policy):
         st["keys"] = st["keys"] + [(n_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
         o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
                                                      band_arg, backend=backend)
-        o_cache = entry["o_cache"]                                                       # (R·H, d, hS, wS)
+        o_cache = entry["o_cache"]                                       # (R·H, d, hS, wS), channels-last
         H, d = q_RHld.shape[1], q_RHld.shape[3]
-        up = F.interpolate(o_cache[:R * H], size=(h, w), mode="bilinear", align_corners=False)  # (R·H, d, h, w)
-        return o_sparse + up.view(R, H, d, h * w).transpose(-1, -2).to(o_sparse.dtype)
+        up = F.interpolate(o_cache[:R * H], size=(h, w), mode="bilinear", align_corners=False)  # channels-last
+        # (R·H, d, h, w) channels-last = (R·H, h, w, d) in memory → (R, H, h·w, d)
+        return o_sparse + up.permute(0, 2, 3, 1).reshape(R, H, h * w, d).to(o_sparse.dtype)
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""

@@ -248,3 +248,42 @@ def test_stats_count_the_keys_read_and_flop_speedup_follows(pipe):
     assert s.keys_read == pytest.approx((n_cs4a * 2.5 * L + (depth - n_cs4a) * L) / depth)
     assert out.stats[0].scales[-1].keys_read == pytest.approx(sum(p * p for p in pipe.transformer.config.patch_nums))
     assert pipe.flop_speedup(out.stats[0]) < 1.0
+
+
+def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_decision_scales_remainder(
+        pipe, monkeypatch):
+    """At a sparse scale a CS4A layer returns its sparse pass plus O_cache (the decision scale's
+    dense − sparse output, per row and head) bilinearly resized to the scale: recomputed here from
+    the recorded pieces, with O_cache laid out channels-first in float64 for the resize."""
+    from sparsevar.policies import sparvar as sparvar_mod
+
+    sparse_out, seen = [], []
+    real = sparvar_mod.sparse_ops.group_sparse_attention
+
+    def recording(*a, **kw):
+        o = real(*a, **kw)
+        sparse_out.append(o)
+        return o
+
+    monkeypatch.setattr(sparvar_mod.sparse_ops, "group_sparse_attention", recording)
+
+    class Recorder(sparvar_mod.SparVARPolicy):
+        def _cs4a(self, ctx, q, k, v, run, st):
+            out = super()._cs4a(ctx, q, k, v, run, st)
+            entry = run.policy_state[self.name]["cs4a"][ctx.layer]
+            seen.append((ctx.si, run.schedule.hw[ctx.si], entry["si"], entry["o_cache"].clone(), sparse_out[-1], out))
+            return out
+
+    pipe.add_policy(Recorder(SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)))
+    _run(pipe, [1, 4])
+    S = len(pipe.transformer.config.patch_nums)
+    later = [r for r in seen if r[0] > r[2]]
+    assert {r[0] for r in later} == {S - 2, S - 1} and all(r[2] == S - 3 for r in later)
+    for si, (h, w), _, o_cache, o_sparse, out in later:
+        R, H, l, d = out.shape
+        # (R·H, d, hS, wS), made contiguous channels-first here whatever layout the policy keeps
+        planes = o_cache[:R * H].double().contiguous()
+        up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
+        want = o_sparse.double() + up.reshape(R, H, d, h * w).transpose(-1, -2)
+        assert (out.double() - o_sparse.double()).abs().amax() > 1e-4           # the remainder is not zero
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
