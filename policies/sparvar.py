@@ -48,6 +48,8 @@ from ..sparse_ops.attention import attention, dense_attention
 from .scale_skip import resolve_scale_index
 
 MAPPINGS = ("relative", "verbatim")
+# compiled CSLA shapes a process may hold (see SparVARPolicy._csla_block_mask)
+FLEX_RECOMPILE_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -270,10 +272,15 @@ class SparVARPolicy(Policy):
         S = run.policy_state[self.name]["decision"]
         if S is None or si < S:
             return ScalePlan(hooks=frozenset())
+        # static: every hook does tensor work of shapes fixed by the settings and the schedule, with no
+        # host read (the bounds are host numbers, the shape constants made at the first call), so the
+        # engine may replay the scale from a CUDA graph; "keys" (the counts after_scale reads) and
+        # "cs4a" (the selection later scales read) are set by assignment and put back after a replay
+        hooks = frozenset({"attention", "after_scale"})
         if si == S:                   # attends densely while it picks each layer's keys for later scales
-            return ScalePlan(hooks=frozenset({"attention", "after_scale"}), writes=("cs4a",))
+            return ScalePlan(hooks=hooks, static=True, writes=("cs4a", "keys"))
         chained = self.config.mapping == "verbatim"      # each scale's keys feed the next
-        return ScalePlan(hooks=frozenset({"attention", "after_scale"}), writes=("cs4a",) if chained else (),
+        return ScalePlan(hooks=hooks, static=True, writes=("cs4a", "keys") if chained else ("keys",),
                          reads=("cs4a",))
 
     def attention(self, ctx, q_RHld, k_RHLd, v_RHLd, run):
@@ -326,7 +333,14 @@ class SparVARPolicy(Policy):
         c = self.config
         cache = run.shape_cache
         if "sparvar.flex" not in cache:
-            cache["sparvar.flex"] = torch.compile(flex_attention, dynamic=False)
+            # one compile per (scale, batch) shape: past dynamo's per-function recompile limit (8, shared
+            # by every compiled flex_attention of the process) it would run flex_attention eagerly,
+            # which cannot be captured into the scale's CUDA graph; the limit is raised for these
+            # calls only
+            dynamo = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+            cache["sparvar.flex"] = dynamo.patch(**{limit: FLEX_RECOMPILE_LIMIT})(
+                torch.compile(flex_attention, dynamic=False))
         key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         if key not in cache:
             cache[key] = csla_block_mask(run.schedule.hw, si, c.sink_scales, c.windows, device)

@@ -233,3 +233,34 @@ def test_sparvar_on_the_triton_backend_draws_the_torch_backends_codes():
     assert all(torch.equal(a, b) for a, b in zip(neutral, dense))
     assert all(torch.equal(a, b) for a, b in zip(on_triton, on_torch))
     assert any(not torch.equal(a, b) for a, b in zip(on_triton, dense))
+
+
+@pytest.mark.parametrize("mapping", ["relative", "verbatim"])
+def test_sparvar_scales_replay_from_graphs_with_the_eager_codes_and_key_counts(mapping):
+    """SparVAR's plans are static: its scales (the decision scale's selection, the sparse scales'
+    gathered kernel and FlexAttention) replay whole from CUDA graphs, drawing the eager run's bits and
+    counting the same keys, at the capturing call and at a replaying one."""
+    pipe = _tiny_bf16()
+    pipe.set_kernels("triton")
+    pipe.enable_sparvar(windows=(3, 1), sink_scales=2, top_keys=0.1, mapping=mapping)
+    prompts = ["w3 w4 w5 w6", "w7 w8"]
+
+    def run(graphs):
+        got = []
+        out = pipe(prompts, height=256, width=256, generator=torch.Generator("cuda").manual_seed(3),
+                   use_cuda_graphs=graphs, output_type="latent",
+                   callback_on_step_end=lambda p, si, t, d: got.append(d["codes"].clone()))
+        return got, [s.keys_read for s in out.stats[0].scales]
+
+    eager, eager_keys = run(False)
+    captured, captured_keys = run(True)
+    ws = pipe.adapter()._workspace
+    n_graphs = len(ws.graphs)
+    replayed, replayed_keys = run(True)
+    assert len(ws.graphs) == n_graphs
+    S = len(eager)
+    assert {k[1] for k in ws.graphs} == set(range(S))                    # a graph at every scale, SparVAR's too
+    assert sum(k is not None for k in eager_keys) == 3
+    assert captured_keys == pytest.approx(eager_keys) and replayed_keys == pytest.approx(eager_keys)
+    for a, b, c in zip(eager, captured, replayed):
+        assert torch.equal(a, b) and torch.equal(a, c)
