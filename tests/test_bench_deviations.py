@@ -47,10 +47,78 @@ def test_guided_change_reads_each_images_conditional_rows(tiny):
     assert all(torch.equal(both[si][1], alone[si][0]) for si in alone)
 
 
+def test_quiet_anchors_zero_the_change_of_anchors_with_no_kept_neighbour_only(tiny):
+    """At the first pruned scale (selected from the same unpruned map by both), the variant's change
+    map equals ours except at anchors none of whose 8 neighbours was kept, found here by a loop."""
+    from sparsevar.policies.sparsevar import TOKEN_KEPT
+
+    def recording(cls):
+        class Rec(cls):
+            maps = {}
+
+            def after_scale(self, si, guided, run):
+                super().after_scale(si, guided, run)
+                change = run.policy_state[self.name]["change"]
+                if change is not None:
+                    Rec.maps[si] = change.clone()
+        return Rec
+
+    ours_cls, quiet_cls = recording(SparseVARPolicy), recording(bd.QuietAnchors)
+    out = _run(tiny, ours_cls(CFG))
+    _run(tiny, quiet_cls(CFG))
+    first = min(out.stats[0].token_maps)                              # the first pruned scale
+    roles = out.stats[0].token_maps[first][0]
+    h, w = roles.shape
+    quiet = torch.zeros(h, w, dtype=torch.bool)
+    for y in range(h):
+        for x in range(w):
+            if roles[y, x] == TOKEN_ANCHOR:
+                quiet[y, x] = not any(roles[v, u] == TOKEN_KEPT for v in range(max(0, y - 1), min(h, y + 2))
+                                      for u in range(max(0, x - 1), min(w, x + 2)))
+    ours_map, quiet_map = ours_cls.maps[first][0], quiet_cls.maps[first][0]
+    assert quiet.any() and (ours_map[quiet] > 0).all()               # there are such anchors, and they changed
+    assert (quiet_map[quiet] == 0).all()
+    torch.testing.assert_close(quiet_map[~quiet], ours_map[~quiet], rtol=0, atol=0)
+
+
+def test_no_phi_bias_on_zeroed_takes_r_bias_back_where_the_residual_was_zeroed(tiny):
+    """After the first pruned scale's latent update the variant's latent is ours minus r·bias at the
+    latent positions whose nearest token was zeroed, and equal elsewhere."""
+    def recording(cls, *extra):
+        class Rec(cls):
+            latents, zeros = {}, {}
+
+            def after_scale(self, si, guided, run):
+                super().after_scale(si, guided, run)
+                z = run.plan.tensors.get("sparsevar.zero")
+                if z is not None:
+                    Rec.latents[si] = run.workspace.f_hat_BChw.clone()
+                    Rec.zeros[si] = z.clone()
+        return Rec
+
+    ours_cls, var_cls = recording(SparseVARPolicy), recording(bd.NoPhiBiasOnZeroed)
+    _run(tiny, ours_cls(CFG))
+    _run(tiny, var_cls(CFG, tiny.vqvae))
+    first = min(ours_cls.latents)
+    zero = ours_cls.zeros[first][0]
+    assert torch.equal(zero, var_cls.zeros[first][0]) and zero.any()
+    S = len(tiny.transformer.config.patch_nums)
+    h = w = tiny.transformer.config.patch_nums[first]
+    _, bias, r = tiny.vqvae.phi_parameters(first, S)
+    assert (r * bias).abs().amax() > 1e-4                  # something to take back
+    H, W = ours_cls.latents[first].shape[-2:]
+    rows = [(y * h) // H for y in range(H)]                 # nearest: latent position → token of the scale
+    cols = [(x * w) // W for x in range(W)]
+    mask = torch.tensor([[bool(zero.view(h, w)[rows[y], cols[x]]) for x in range(W)] for y in range(H)])
+    want = ours_cls.latents[first][0] - r * bias.float().view(-1, 1, 1) * mask.float()
+    torch.testing.assert_close(var_cls.latents[first][0], want, rtol=0, atol=1e-6)
+
+
 def test_measure_pairs_each_variant_with_ours(tiny):
     rows = bd.measure(tiny, seeds=[0, 1], keeps=(0.5, 0.3), taus=(), log=lambda s: None)
     assert [(r["setting"], r["variant"]) for r in rows] == [
-        (s, v) for s in ("keep0.5", "keep0.3") for v in ("ours", "no-edge-anchors", "guided-change")]
+        (s, v) for s in ("keep0.5", "keep0.3") for v in ("ours", "no-edge-anchors", "guided-change", "quiet-anchors",
+                                                        "no-phi-bias-on-zeroed")]
     # the first row's PSNR, by hand: seed 0 and 1 against their dense pictures
     from sparsevar.benchmarks.bench_quality import _generate
     from sparsevar.engine.state import SamplingSettings
@@ -71,6 +139,7 @@ def test_measure_pairs_each_variant_with_ours(tiny):
     (["--keep", "1.5"], "--keep 1.5: give fractions of tokens kept in (0, 1]"),
     (["--tau", "1"], "--tau 1.0: give change thresholds in [0, 1)"),
     (["--seeds", "0"], "--seeds 0: give the number of seeds, at least 1"),
+    (["--variants", "quiet"], "--variants quiet: unknown variant; choose from no-edge-anchors, guided-change"),
 ])
 def test_command_line_names_a_bad_flag_before_loading(flags, message, capsys):
     assert bd.main(["--model", "/nonexistent/folder", *flags]) == 2
