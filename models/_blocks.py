@@ -36,6 +36,18 @@ def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True) -> torch
     return F.silu(y) if silu else y
 
 
+
+def weights_key(module: nn.Module) -> tuple[tuple, bool]:
+    """(key, versioned): what identifies ``module``'s current weights — each parameter's storage
+    address and in-place version, so a model moved away and back or weights loaded in place give a
+    new key. Parameters made under ``torch.inference_mode`` (as ComfyUI loads models) keep no
+    version: then the key holds the addresses alone and ``versioned`` is False (the caller recomputes
+    what depends on the weights at every use)."""
+    try:
+        return tuple((p.data_ptr(), p._version) for p in module.parameters()), True
+    except RuntimeError:                         # "Inference tensors do not track version counter"
+        return tuple(p.data_ptr() for p in module.parameters()), False
+
 class TanhGeluFFN(nn.Module):
     """fc1 → GELU (tanh approximation) → fc2; keys ``fc1``, ``fc2``."""
 

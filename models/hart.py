@@ -31,7 +31,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.adapter import ModelAdapter
-from ._blocks import trunc_normal_init_
+from ._blocks import trunc_normal_init_, weights_key
 from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.graphs import persistent_copy
 from ..engine.kv_cache import KVCache
@@ -423,6 +423,8 @@ class HARTTransformer(ModelMixin, ConfigMixin):
             torch.nn.Module.to(self.head, torch.float16)
         return self
 
+    weights_key = weights_key                    # (models/_blocks.py)
+
     @staticmethod
     def official_extra_keys(depth: int) -> set:
         """Official buffers this module rebuilds instead of loading."""
@@ -539,6 +541,7 @@ class _HARTWorkspace(Workspace):
         self.head_mod: Optional[tuple] = None
         self.levels_SC: Optional[torch.Tensor] = None
         self.qkv_bias: list = []       # per layer, [q_bias, 0, v_bias] (held)
+        self.weights = None            # the weights_key qkv_bias and levels_SC were computed from
         self.held: dict = {}           # (name, shape) → the buffer the fields above point into (graphs read them)
         self.last_hidden: dict = {}    # rows → the last scale's hidden states (the diffusion head's condition)
 
@@ -611,8 +614,14 @@ class HARTAdapter(ModelAdapter):
                    tuple(ws.hold(("mod", i, j), t) for j, t in enumerate(blk.modulation(pooled.to(self.dtype))))
                    for i, blk in enumerate(m.blocks)]
         ws.head_mod = tuple(ws.hold(("head", j), t) for j, t in enumerate(m.head_modulation(ws.cond_RTC)))
-        ws.qkv_bias = [ws.hold(("qkv_bias", i), blk.attn.qkv_bias()) for i, blk in enumerate(m.blocks)]
-        ws.levels_SC = ws.hold("levels", m.level_embedding(torch.arange(self.schedule.num_scales, device=dev)).float())
+        # what depends on the weights alone is computed again only when they changed (a new in-place
+        # version; parameters made under inference mode keep no version: every call)
+        weights, versioned = m.weights_key()
+        if not versioned or ws.weights != weights:
+            ws.qkv_bias = [ws.hold(("qkv_bias", i), blk.attn.qkv_bias()) for i, blk in enumerate(m.blocks)]
+            ws.levels_SC = ws.hold("levels", m.level_embedding(torch.arange(self.schedule.num_scales,
+                                                                            device=dev)).float())
+            ws.weights = weights if versioned else None
         ws.f_hat.zero_()
         ws.kv.reset()
         if not run.cfg_active:

@@ -38,7 +38,7 @@ from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
 from ..sparse_ops.kernels import TORCH_KERNELS, Kernels
-from ._blocks import CosineSelfAttentionWeights, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_
+from ._blocks import CosineSelfAttentionWeights, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_, weights_key
 from .vqvae import bicubic_operator
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
@@ -252,16 +252,7 @@ class VARTransformer(ModelMixin, ConfigMixin):
         ada_NR6C[:, :, 2:4] += 1
         return ada_NR6C
 
-    def weights_key(self) -> tuple[tuple, bool]:
-        """(key, versioned): what identifies the current weights — each parameter's storage address
-        and in-place version, so a model moved away and back or weights loaded in place give a new
-        key. Parameters made under ``torch.inference_mode`` (as ComfyUI loads models) keep no version:
-        then the key holds the addresses alone and ``versioned`` is False (the caller recomputes what
-        depends on the weights at every use)."""
-        try:
-            return tuple((p.data_ptr(), p._version) for p in self.parameters()), True
-        except RuntimeError:                         # "Inference tensors do not track version counter"
-            return tuple(p.data_ptr() for p in self.parameters()), False
+    weights_key = weights_key                    # (models/_blocks.py)
 
     def attention_constants(self, qkv_bias_N3C: torch.Tensor, qk_mult_N2H1: torch.Tensor) -> None:
         """Fill every block's qkv bias (depth, 3C) and q/k multipliers (depth, 2, H, 1): functions of

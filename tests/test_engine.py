@@ -646,22 +646,37 @@ def test_generation_stats_of_a_real_run_add_up(pipe):
     assert sum("skipped" in line for line in st.table().splitlines()) == 2
 
 
-@pytest.mark.parametrize("family", ["var", "flexvar"])
-def test_weights_changed_in_place_are_used_by_the_next_call(family):
-    """The workspace holds what depends on the weights alone (positions, qkv biases, q/k multipliers)
-    and is kept between calls; weights loaded in place (same storage, new version) must still reach
-    the next generation: it equals a fresh pipeline's with those weights, not the old one's."""
-    from sparsevar import FlexVARPipeline
+def _tiny_of(family):
+    """(make a tiny random pipeline of ``family``, one seeded generation → its latent)."""
+    from sparsevar import FlexVARPipeline, HARTPipeline, InfinityPipeline
+    if family == "hart":
+        return (lambda: HARTPipeline.from_random("hart-tiny", seed=0)), \
+            lambda p: p(["w3 w4 w5", "w6"], generator=[torch.Generator().manual_seed(k) for k in (0, 1)],
+                        output_type="latent", guidance_scale=2.0, top_k=1).images
+    if family == "infinity":
+        return (lambda: InfinityPipeline.from_random("infinity-tiny", seed=0)), \
+            lambda p: p(["w3 w4 w5", "w6"], height=256, width=256, generator=torch.Generator().manual_seed(0),
+                        output_type="latent", guidance_scale=2.0, top_k=1).images
     make = (lambda: VARPipeline.from_random("var-tiny", seed=0)) if family == "var" else \
         (lambda: FlexVARPipeline.from_random("flexvar-tiny", seed=0))
+    return make, lambda p: p([1, 2], generator=torch.Generator().manual_seed(0), output_type="latent",
+                             guidance_scale=2.0, top_k=1).images
+
+
+@pytest.mark.parametrize("family", ["var", "flexvar", "infinity", "hart"])
+def test_weights_changed_in_place_are_used_by_the_next_call(family):
+    """The workspace holds what depends on the weights alone (positions, qkv biases, q/k multipliers,
+    Infinity's per-block AdaLN offsets) and is kept between calls; weights loaded in place (same
+    storage, new version) must still reach the next generation: it equals a fresh pipeline's with
+    those weights, not the old one's. (HART: qkv biases and level embeddings.)"""
+    make, run = _tiny_of(family)
     pipe, fresh = make(), make()
     for p in (pipe, fresh):
         p.set_progress_bar_config(disable=True)
-    run = lambda p: p([1, 2], generator=torch.Generator().manual_seed(0), output_type="latent", guidance_scale=2.0,
-                      top_k=1).images
     before = run(pipe)
     changed = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
-               for k, v in pipe.transformer.state_dict().items() if "bias" in k or "scale_mul" in k or "pos" in k}
+               for k, v in pipe.transformer.state_dict().items()
+               if "bias" in k or "scale_mul" in k or "pos" in k or "ada_gss" in k or "lvl_embed" in k}
     assert changed
     pipe.transformer.load_state_dict(changed, strict=False)              # in place: the same storage
     fresh.transformer.load_state_dict(changed, strict=False)
@@ -669,19 +684,22 @@ def test_weights_changed_in_place_are_used_by_the_next_call(family):
     assert not torch.equal(after, before) and torch.equal(after, want)
 
 
-def test_a_model_made_under_inference_mode_still_sees_weights_changed_in_place():
+@pytest.mark.parametrize("family", ["var", "infinity"])
+def test_a_model_made_under_inference_mode_still_sees_weights_changed_in_place(family):
     """ComfyUI loads models under ``torch.inference_mode``: such parameters keep no version counter,
     so the weight constants are recomputed at every call instead, and an in-place change still
     reaches the next generation."""
+    make, run = _tiny_of(family)
     with torch.inference_mode():
-        pipe = VARPipeline.from_random("var-tiny", seed=0)
-        fresh = VARPipeline.from_random("var-tiny", seed=0)
+        pipe, fresh = make(), make()
         pipe.set_progress_bar_config(disable=True)
         fresh.set_progress_bar_config(disable=True)
-        run = lambda p: p([1, 2], generator=torch.Generator().manual_seed(0), output_type="latent", top_k=1).images
         assert pipe.transformer.weights_key()[1] is False
         before = run(pipe)
         for p in (pipe, fresh):
-            p.transformer.blocks[0].attn.q_bias.add_(0.5)
+            blk = p.transformer.blocks[0]
+            (blk.attn.q_bias if family == "var" else blk.sa.q_bias).add_(0.5)
+            if family == "infinity":
+                blk.ada_gss.add_(0.5)
         after, want = run(pipe), run(fresh)
     assert not torch.equal(after, before) and torch.equal(after, want)

@@ -79,6 +79,8 @@ class _InfinityWorkspace(Workspace):
         self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
         self.qkv_bias_N3C = torch.zeros(N, 3 * C, device=device, dtype=dtype)
         self.q_mult_NH1 = torch.zeros(N, cfg.num_heads, 1, device=device, dtype=torch.float32)
+        self.ada_gss_N6C = torch.zeros(N, 6, C, device=device, dtype=torch.float32)
+        self.weights = None                   # the weights_key the three buffers above were filled from
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, model.head_dim)
         self.cos_LD, self.sin_LD = cos.to(device), sin.to(device)
         # the text memory of every layer's cross-attention (set_text), padded to a bucket of TEXT_BUCKET
@@ -249,13 +251,18 @@ class InfinityAdapter(ModelAdapter):
         R = text.batch
         cond_RD, ca_RTC, mask_RT = m.encode_text(text.to(self.device, torch.float32))
         ws.sos_R1C[:R].copy_(cond_RD.unsqueeze(1) + m.pos_start + m.lvl_embed.weight[0].float())
-        shared = m.shared_adaln(cond_RD)
-        blocks = m.blocks
-        for i, blk in enumerate(blocks):
-            ws.ada_NR6C[i, :R].copy_(blk.modulation(shared))
-            ws.qkv_bias_N3C[i].copy_(blk.sa.qkv_bias())
-            ws.q_mult_NH1[i].copy_(blk.sa.q_multiplier())
-        ws.set_text(blocks, ca_RTC, text.lens, self.absorb_cross_attention)
+        # what depends on the weights alone is filled again only when they changed (a new storage or
+        # in-place version; parameters made under inference mode keep no version: every call)
+        weights, versioned = m.weights_key()
+        if not versioned or ws.weights != weights:
+            m.weight_constants(ws.qkv_bias_N3C, ws.q_mult_NH1, ws.ada_gss_N6C)
+            ws.weights = weights if versioned else None
+        # every block's modulation (InfinityBlock.modulation) in two launches: ada_gss + shared, then
+        # the "+1" of the two scales
+        ada_NR6C = ws.ada_NR6C[:, :R]
+        torch.add(ws.ada_gss_N6C[:, None], m.shared_adaln(cond_RD)[None], out=ada_NR6C)
+        ada_NR6C[:, :, 2:4] += 1
+        ws.set_text(m.blocks, ca_RTC, text.lens, self.absorb_cross_attention)
         ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
         run.model_state.update(temperature=float(cond.temperature))
         ws.summed_BdHW.zero_()

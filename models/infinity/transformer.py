@@ -39,7 +39,8 @@ from ...engine.layers import LayerCall
 from ...sparse_ops.attention import dense_attention
 from ...sparse_ops.kernels import TORCH_KERNELS, Kernels, dense_linear
 from .._blocks import (AbsorbedCrossMemory, CosineSelfAttentionWeights, CrossMemory, TanhGeluFFN,
-                       absorb_cross_attention, absorbed_cross_attention, layer_norm_no_affine, trunc_normal_init_)
+                       absorb_cross_attention, absorbed_cross_attention, layer_norm_no_affine, trunc_normal_init_,
+                       weights_key)
 from ..text_encoder import TextFeatures
 from .resolution import InfinityResolution, level_index, rope_at, rope_cos_sin
 
@@ -388,6 +389,18 @@ class InfinityTransformer(ModelMixin, ConfigMixin):
         if taps is not None:
             taps.update(text_norm_out=x_NC, cond_BD=cond_RD, ca_kv=ca_NC)
         return cond_RD, ca_RTC, mask_RT
+
+    weights_key = weights_key                    # (models/_blocks.py)
+
+    def weight_constants(self, qkv_bias_N3C: torch.Tensor, q_mult_NH1: torch.Tensor,
+                         ada_gss_N6C: torch.Tensor) -> None:
+        """Fill every block's qkv bias (depth, 3C), q multiplier (depth, H, 1) and learned AdaLN
+        offset ``ada_gss`` as float32 (depth, 6, C): functions of the weights alone, computed once
+        per workspace and set of weights."""
+        for i, blk in enumerate(self.blocks):
+            qkv_bias_N3C[i].copy_(blk.sa.qkv_bias())
+            q_mult_NH1[i].copy_(blk.sa.q_multiplier())
+            ada_gss_N6C[i].copy_(blk.ada_gss[0, 0])
 
     def shared_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
         """(R, 6, C) float32 shared AdaLN projection (γ1, γ2, s1, s2, b1, b2) before each block's ``ada_gss``."""
