@@ -932,10 +932,11 @@ def cmd_bench_observe(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .benchmarks.bench_observe import check_settings, run_calibrate
+    from .benchmarks.bench_observe import TAU_CANDIDATES, check_settings, check_taus, run_calibrate
     _device(args.device)
     try:
         check_settings(args.keep, args.scales, args.seeds)
+        check_taus(args.taus)
     except ValueError as e:
         flag = str(e).split("=")[0]
         raise CLIError(f"--{flag} {str(e)[len(flag) + 1:]}") from None
@@ -950,7 +951,8 @@ def cmd_calibrate(args) -> int:
         raise CLIError(f"--model {args.model}: the folder is not writable, so the calibration cannot be stored in "
                        f"it; copy the folder somewhere writable, or pass --dry-run to only measure")
     run_calibrate(args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, prompts=prompts,
-                  device=args.device, write=not args.dry_run)
+                  device=args.device, write=not args.dry_run,
+                  taus=() if args.layer_only else (args.taus or TAU_CANDIDATES))
     return 0
 
 
@@ -1195,8 +1197,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_demo)
 
-    k = sub.add_parser("calibrate", help="measure which layer SparseVAR should observe on a model and store it in "
-                                         "the model folder (enable_sparsevar() then uses it)")
+    k = sub.add_parser("calibrate", help="measure which layer SparseVAR should observe on a model and which "
+                                         "threshold beats the baselines, and store them in the model folder "
+                                         "(enable_sparsevar() then uses them)")
     k.add_argument("--model", required=True, help="pipeline folder (written by save_pretrained / `sparsevar convert`)")
     k.add_argument("--seeds", type=int, default=8, metavar="N", help="seeds 0..N-1, one image each (default 8)")
     k.add_argument("--keep", type=float, default=0.5, help="fraction of each pruned scale's tokens kept (default 0.5)")
@@ -1204,6 +1207,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                    help="text-to-image models: one prompt per line (repeated to --seeds)")
     k.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
+    k.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
+                   help="thresholds to try (default 0.2 … 0.8): the largest whose pictures are at least as close to "
+                        "dense as the baselines (scale skipping, cond-only, FastVAR) at its FLOP speed-up is stored")
+    k.add_argument("--layer-only", action="store_true", help="measure the observed layer only; keep the family's tau")
     k.add_argument("--dry-run", action="store_true", help="measure and print; leave the folder as it is")
     k.set_defaults(func=cmd_calibrate)
 

@@ -147,6 +147,13 @@ def preset_unit(info, family: str, cfg=None) -> Optional[tuple[str, int]]:
     return ("layer", first)
 
 
+def check_taus(taus) -> None:
+    """The thresholds ``calibrate`` may try: each in [0, 1) (ValueError naming the value)."""
+    for t in taus or ():
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise ValueError(f"taus={t!r}: give change thresholds in [0, 1), e.g. 0.3")
+
+
 def check_settings(keep, scales, seeds) -> None:
     """The settings that need no model: one-line ValueError / TypeError naming the bad one."""
     for v, name, what in ((keep, "keep", "a fraction"), (scales, "scales", "an int"), (seeds, "seeds", "an int")):
@@ -303,16 +310,29 @@ def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, 
     return rows
 
 
-# ---- calibration: the measured layer, stored with the model ------------------------------------------------------
+# ---- calibration: the measured layer and threshold, stored with the model ---------------------------------------
+# The thresholds `calibrate` tries, and the settings it compares them with (`bench quality` names): the
+# static methods and their combinations that cost no calibration of their own.
+TAU_CANDIDATES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+TAU_BASELINES = ("cond-only-last-1", "cond-only-last-2", "fastvar-preset", "skip-last-1",
+                 "fastvar-preset+cond-only-last-2", "skip-last-2")
+# the PSNR a picture identical to dense counts as (instead of inf), so that means stay finite JSON numbers
+IDENTICAL_PSNR_DB = 99.0
+
+
 def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
-              log: Callable[[str], None] = print, **call_kwargs) -> dict:
+              log: Callable[[str], None] = print, taus: Optional[Sequence[float]] = TAU_CANDIDATES,
+              **call_kwargs) -> dict:
     """Measure the capture rate of every layer (or block group, for a family whose preset observes
     groups) of ``pipe``'s model over seeds 0..``seeds``−1 (:func:`measure_capture`), choose the best
     one and set it as the pipeline's SparseVAR calibration (``pipe.sparsevar_preset`` applies it;
     ``save_pretrained`` keeps it; :func:`write_calibration` stores it in a folder). Text-to-image
-    pipelines need ``prompts``, one per seed. Returns the calibration: ``{"block", "granularity",
-    "measured": {...}}``. A model whose residuals all have the same norm (Infinity's bits) cannot be
-    ranked by this measure: ValueError, and the pipeline keeps its preset."""
+    pipelines need ``prompts``, one per seed. Then, for class-conditional models and unless ``taus``
+    is empty, choose the threshold over the same seeds (:func:`calibrate_tau`): the largest of
+    ``taus`` at which SparseVAR observing that layer beats the baselines' front. Returns the
+    calibration: ``{"block", "granularity"[, "tau"], "measured": {...}}``. A model whose residuals
+    all have the same norm (Infinity's bits) cannot be ranked by this measure: ValueError, and the
+    pipeline keeps its preset."""
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales, prompts=prompts, **call_kwargs)
     family = pipe.PRESET_FAMILY
     if m["constant_energy"]:
@@ -347,7 +367,89 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
         text += (f"; the family's formula {kind} {measured['formula_unit']} captures {measured['formula_capture']:.3f}"
                  f" (best − formula {measured['gain_over_formula']:+.3f} ± {measured['gain_ci95']:.3f}, paired)")
     log(text)
+    if taus and prompts is None:
+        found = calibrate_tau(pipe, seeds=seeds, taus=taus, log=log)
+        measured["tau"] = {k: v for k, v in found.items() if k != "tau"}
+        if found["tau"] is not None:
+            calibration["tau"] = found["tau"]
+        pipe.set_sparsevar_calibration(calibration)
+    elif taus:
+        log("calibrate: the threshold is not calibrated for text-to-image models (the comparison with the baselines "
+            "draws class-conditional pictures); the family's tau stays")
     return calibration
+
+
+def baseline_front(points: Sequence[tuple[float, float]]):
+    """(front, psnr_at): the Pareto front of the baselines' (FLOP speed-up, PSNR) ``points``,
+    ascending in speed-up (each point faster and lower in PSNR than the one before), and the PSNR
+    that mixing the two front points around a speed-up x reaches (linear between them; the first
+    point's PSNR below it; None beyond the fastest point: nothing there to compare with)."""
+    front: list[tuple[float, float]] = []
+    for sp, ps in sorted(points, key=lambda t: (-t[0], -t[1])):                    # fastest first
+        if not front or ps > front[-1][1]:
+            front.append((sp, ps))
+    front.reverse()
+
+    def psnr_at(x: float) -> Optional[float]:
+        if not front or x > front[-1][0]:
+            return None
+        if x <= front[0][0]:
+            return front[0][1]
+        for (s0, p0), (s1, p1) in zip(front, front[1:]):
+            if s0 <= x <= s1:
+                return p0 + (p1 - p0) * (x - s0) / (s1 - s0)
+        return None
+    return front, psnr_at
+
+
+def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
+                  baselines: Sequence[str] = TAU_BASELINES, log: Callable[[str], None] = print) -> dict:
+    """SparseVAR's threshold for a class-conditional ``pipe``, by measurement: for seeds 0..``seeds``−1
+    (class seed % num_classes, the pipeline's sampling defaults) the dense picture, then SparseVAR at
+    each of ``taus`` (over ``pipe.sparsevar_preset``: its observed layer) and each of ``baselines``;
+    per setting the mean PSNR against dense (a picture identical to dense counts as
+    :data:`IDENTICAL_PSNR_DB`) and the mean FLOP speed-up. The chosen tau is the
+    largest whose PSNR is at least the baselines' front at its speed-up (:func:`baseline_front`):
+    no mix of the baselines is both as fast and closer to dense. None when no tau reaches it.
+    Returns ``{"tau", "what", "seeds", "settings": {name: [flop speed-up, psnr]}, "front"}``."""
+    from dataclasses import replace
+
+    from ..engine.state import SamplingSettings
+    from .bench_quality import _generate, parse_setting
+    from .metrics import psnr
+    d = pipe.DEFAULTS
+    sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
+    base = pipe.sparsevar_preset
+    runs = [(f"tau{t:g}", [SparseVARPolicy(replace(base, tau=float(t), keep_ratio=None))]) for t in taus]
+    runs += [(name, parse_setting(name).on_model(pipe).policies()) for name in baselines]
+    values = {name: ([], []) for name, _ in runs}
+    for seed in range(seeds):
+        label = seed % pipe.num_classes
+        dense = _generate(pipe, label, seed, [], sampling).image_13HW
+        for name, policies in runs:
+            got = _generate(pipe, label, seed, policies, sampling)
+            values[name][0].append(got.flop_speedup)
+            values[name][1].append(min(float(psnr(got.image_13HW, dense)[0]), IDENTICAL_PSNR_DB))
+    settings = {name: [round(statistics.fmean(sp), 3), round(statistics.fmean(ps), 3)]
+                for name, (sp, ps) in values.items()}
+    front, psnr_at = baseline_front([tuple(settings[name]) for name in baselines])
+    chosen = None
+    for t in sorted(taus, reverse=True):
+        sp, ps = settings[f"tau{t:g}"]
+        bar = psnr_at(sp)
+        verdict = "faster than every baseline: not compared" if bar is None else \
+            f"the baselines' front there {bar:.2f} dB: {'reached' if ps >= bar else 'not reached'}"
+        log(f"calibrate: tau {t:g}: FLOP speed-up {sp:.2f}x, PSNR {ps:.2f} dB; {verdict}")
+        if chosen is None and bar is not None and ps >= bar:
+            chosen = float(t)
+    log("calibrate: baselines " + ", ".join(f"{name} {settings[name][0]:.2f}x {settings[name][1]:.2f} dB"
+                                             for name in baselines))
+    log(f"calibrate: tau {chosen:g} (the largest that reaches the baselines' front)" if chosen is not None else
+        "calibrate: no tau reaches the baselines' front; the family's tau stays")
+    return {"tau": chosen, "what": "mean PSNR against dense and FLOP speed-up per setting; the chosen tau is the "
+                                   "largest at least as close to dense as the baselines' Pareto front (linear "
+                                   "between its points) at its speed-up",
+            "seeds": seeds, "settings": settings, "front": [list(p) for p in front]}
 
 
 def write_calibration(folder, calibration: dict) -> Path:
@@ -364,12 +466,14 @@ def write_calibration(folder, calibration: dict) -> Path:
 
 
 def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
-                  device: str = "auto", write: bool = True, log: Callable[[str], None] = print) -> dict:
+                  device: str = "auto", write: bool = True, log: Callable[[str], None] = print,
+                  taus: Optional[Sequence[float]] = TAU_CANDIDATES) -> dict:
     """``sparsevar calibrate``: load the pipeline folder ``model`` (any family this package loads; in
     bfloat16 on CUDA, float32 on the CPU), :func:`calibrate` it and, when ``write``, store the
     result in the folder. The table of every layer is printed first (as ``bench observe`` prints
     it). Returns the calibration."""
     check_settings(keep, scales, seeds)
+    check_taus(taus)
     cls, path = folder_pipeline(model)
     text = cls.__name__ in ("InfinityPipeline", "HARTPipeline")
     if text:
@@ -384,10 +488,11 @@ def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, pro
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)
-    calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log)
+    calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log, taus=taus)
     if write:
+        tau = f" with tau {calibration['tau']:g}" if "tau" in calibration else ""
         log(f"calibrate: written to {write_calibration(model, calibration)} (sparsevar_calibration); "
-            f"enable_sparsevar() on this folder now observes {calibration['granularity']} {calibration['block']}")
+            f"enable_sparsevar() on this folder now observes {calibration['granularity']} {calibration['block']}{tau}")
     return calibration
 
 

@@ -366,13 +366,16 @@ def sparsevar_config_for(family: str, calibration: Optional[dict] = None, **over
 
 
 # What `sparsevar calibrate` measures per checkpoint and stores in the pipeline's config
-# (model_index.json "sparsevar_calibration"): the observed layer or block group.
-CALIBRATED_FIELDS = ("block", "granularity")
+# (model_index.json "sparsevar_calibration"): the observed layer or block group (always), and the
+# threshold (where one was found; text-to-image models keep the family's).
+CALIBRATED_FIELDS = ("block", "granularity", "tau")
+REQUIRED_CALIBRATED_FIELDS = ("block", "granularity")
 
 
 def check_calibration(calibration, where: str = "sparsevar_calibration") -> Optional[dict]:
     """A checkpoint's SparseVAR calibration, checked: None, or a dict holding the
-    :data:`CALIBRATED_FIELDS` (the preset fields the measurement chose) and optionally ``"measured"``
+    :data:`REQUIRED_CALIBRATED_FIELDS`, optionally the rest of :data:`CALIBRATED_FIELDS` (the preset
+    fields the measurement chose) and optionally ``"measured"``
     (a dict: what was measured, how, and the numbers; informational). Anything else is a ValueError
     naming ``where``, the key or value and the fix. Returns a plain-dict copy."""
     if calibration is None:
@@ -382,9 +385,9 @@ def check_calibration(calibration, where: str = "sparsevar_calibration") -> Opti
         raise ValueError(f"{where} must be a dict such as {{\"block\": 7, \"granularity\": \"layer\"}}, got "
                          f"{type(calibration).__name__} {str(calibration)[:60]}; {fix}")
     keys = set(calibration) - {"measured"}
-    if keys != set(CALIBRATED_FIELDS):
-        raise ValueError(f"{where} has the keys {sorted(calibration)}; it holds {list(CALIBRATED_FIELDS)} (both) "
-                         f"and optionally 'measured'; {fix}")
+    if not set(REQUIRED_CALIBRATED_FIELDS) <= keys <= set(CALIBRATED_FIELDS):
+        raise ValueError(f"{where} has the keys {sorted(calibration)}; it holds {list(REQUIRED_CALIBRATED_FIELDS)} "
+                         f"(both), optionally 'tau' and 'measured'; {fix}")
     if "measured" in calibration and not isinstance(calibration["measured"], dict):
         raise ValueError(f"{where}[\"measured\"] must be a dict of what was measured, got "
                          f"{type(calibration['measured']).__name__}; {fix}")

@@ -28,7 +28,7 @@ def calibrated(tiny):
     """(calibration, the capture summary measured independently of calibrate with the same settings)."""
     rows = bo.summarize(bo.measure_capture(tiny, seeds=range(2), keep=0.5, scales=2))
     logged = []
-    cal = bo.calibrate(tiny, seeds=2, keep=0.5, scales=2, log=logged.append)
+    cal = bo.calibrate(tiny, seeds=2, keep=0.5, scales=2, log=logged.append, taus=())
     yield cal, rows, "\n".join(logged)
     tiny.set_sparsevar_calibration(None)
 
@@ -87,7 +87,8 @@ def test_a_calibration_travels_with_the_folder(tiny, calibrated, tmp_path):
 
 @pytest.mark.parametrize("value, message", [
     ({"block": 3}, r"has the keys \['block'\]; it holds \['block', 'granularity'\] \(both\)"),
-    ({"block": 3, "granularity": "layer", "tau": 0.3}, r"has the keys \['block', 'granularity', 'tau'\]"),
+    ({"block": 3, "granularity": "layer", "keep_ratio": 0.3}, r"has the keys \['block', 'granularity', 'keep_ratio'\]"),
+    ({"block": 3, "granularity": "layer", "tau": 1.5}, r"tau"),
     ({"block": "3", "granularity": "layer"}, r"block must be an int index or None"),
     ({"block": 3, "granularity": "chunk"}, r"granularity must be 'layer' or 'group'"),
     ({"block": 3, "granularity": "layer", "measured": 0.9}, r"\[\"measured\"\] must be a dict"),
@@ -188,14 +189,16 @@ def tiny_folder(tiny, tmp_path):
 def test_the_command_measures_and_stores_the_layer(tiny_folder, capsys):
     before = (tiny_folder / "model_index.json").read_bytes()
     flags = ["calibrate", "--model", str(tiny_folder), "--seeds", "2", "--scales", "2", "--device", "cpu"]
-    assert cli_main([*flags, "--dry-run"]) == 0
+    assert cli_main([*flags, "--dry-run", "--layer-only"]) == 0
     dry = capsys.readouterr().out
-    assert "calibrate: observe layer " in dry and "written to" not in dry
+    assert "calibrate: observe layer " in dry and "written to" not in dry and "calibrate: tau" not in dry
     assert (tiny_folder / "model_index.json").read_bytes() == before   # --dry-run leaves the folder alone
-    assert cli_main(flags) == 0
+    assert cli_main([*flags, "--taus", "0.3"]) == 0
     out = capsys.readouterr().out
     stored = json.loads((tiny_folder / "model_index.json").read_text())["sparsevar_calibration"]
-    assert f"enable_sparsevar() on this folder now observes layer {stored['block']}" in out
+    tau = f" with tau {stored['tau']:g}" if "tau" in stored else ""
+    assert f"enable_sparsevar() on this folder now observes layer {stored['block']}{tau}" in out
+    assert list(stored["measured"]["tau"]["settings"])[0] == "tau0.3" and "calibrate: tau 0.3: " in out
     verdict = [[line for line in text.splitlines() if line.startswith("calibrate: observe")] for text in (dry, out)]
     assert verdict[0] == verdict[1] and len(verdict[0]) == 1            # the same measurement both times
     assert VARPipeline.from_pretrained(tiny_folder).sparsevar_preset.block == stored["block"]
@@ -205,6 +208,7 @@ def test_the_command_measures_and_stores_the_layer(tiny_folder, capsys):
     (["--keep", "1"], "--keep 1.0: give the fraction of tokens kept, strictly between 0 and 1"),
     (["--seeds", "0"], "--seeds 0: give the number of seeds, at least 1"),
     (["--scales", "0"], "--scales 0: give the number of pruned final scales, at least 1"),
+    (["--taus", "0.3", "1.5"], "--taus 1.5: give change thresholds in [0, 1)"),
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: no such file"),
 ])
 def test_the_command_names_a_bad_flag_before_loading(tiny_folder, flags, message, capsys):
@@ -230,6 +234,71 @@ def test_the_command_names_a_wrong_folder_before_loading(tiny_folder, tmp_path, 
     assert "holds a class-conditional model (VARPipeline): it takes no prompts" in capsys.readouterr().err
 
 
+# ---- the threshold ---------------------------------------------------------------------------------------------------
+def test_the_baselines_front_is_their_pareto_front_linear_between_its_points():
+    points = [(1.5, 20.0), (2.0, 22.0), (3.0, 18.0), (2.5, 17.0), (1.2, 19.0), (3.0, 17.5)]
+    front, at = bo.baseline_front(points)
+    assert front == [(2.0, 22.0), (3.0, 18.0)]            # the others are slower and farther, or equal and farther
+    assert at(1.0) == 22.0 and at(2.0) == 22.0 and at(2.5) == pytest.approx(20.0) and at(3.0) == 18.0
+    assert at(3.01) is None                                # faster than every baseline: nothing to compare with
+
+
+def test_calibrate_tau_stores_the_largest_tau_that_reaches_the_baselines_front(tiny):
+    """Each setting's numbers are the mean PSNR against dense and FLOP speed-up over the seeds (one
+    recomputed here by a plain pipeline call); the chosen tau is the largest whose PSNR reaches the
+    front of the two baselines at its speed-up (the rule worked here on the reported numbers)."""
+    import torch
+    from sparsevar.benchmarks.metrics import psnr
+    from sparsevar.policies import ScaleSkipConfig, ScaleSkipPolicy
+    logged = []
+    taus, baselines = (0.3, 0.6, 0.9), ("cond-only-last-1", "skip-last-1")
+    found = bo.calibrate_tau(tiny, seeds=2, taus=taus, baselines=baselines, log=logged.append)
+    table = found["settings"]
+    assert set(table) == {"tau0.3", "tau0.6", "tau0.9", *baselines} and found["seeds"] == 2
+    d = tiny.DEFAULTS
+
+    def picture(seed, policies):
+        return tiny([seed % tiny.num_classes], guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p,
+                    generator=torch.Generator().manual_seed(seed), output_type="pt", policies=policies)
+
+    by_hand = []
+    for seed in (0, 1):
+        dense = picture(seed, []).images.float().clamp(0, 1)
+        skip = picture(seed, [ScaleSkipPolicy(ScaleSkipConfig(skip_last=1))])
+        by_hand.append((tiny.flop_speedup(skip.stats[0]), float(psnr(skip.images.float().clamp(0, 1), dense)[0])))
+    assert table["skip-last-1"] == pytest.approx([sum(x for x, _ in by_hand) / 2, sum(y for _, y in by_hand) / 2],
+                                                 abs=2e-3)
+    (s0, p0), (s1, p1) = sorted(table[b] for b in baselines)
+    front = [(s0, p0), (s1, p1)] if p0 > p1 else [(s1, p1)]
+
+    def reaches(sp, ps):
+        if sp > front[-1][0]:
+            return False
+        if sp <= front[0][0]:
+            return ps >= front[0][1]
+        return ps >= p0 + (p1 - p0) * (sp - s0) / (s1 - s0)
+    want = next((t for t in sorted(taus, reverse=True) if reaches(*table[f"tau{t:g}"])), None)
+    assert found["tau"] == want
+    assert sum(line.startswith("calibrate: tau ") for line in logged) == len(taus) + 1
+
+
+def test_a_calibrated_tau_is_stored_checked_and_applied(tiny, tmp_path):
+    from sparsevar.policies.sparsevar import check_calibration
+    cal = {"block": 1, "granularity": "layer", "tau": 0.35}
+    assert check_calibration(cal) == cal
+    with pytest.raises(ValueError, match=r"tau must be|tau"):
+        check_calibration({**cal, "tau": 1.5})
+    with pytest.raises(ValueError, match=r"it holds \['block', 'granularity'\] \(both\), optionally 'tau'"):
+        check_calibration({"block": 1, "granularity": "layer", "keep_ratio": 0.5})
+    tiny.set_sparsevar_calibration(cal)
+    try:
+        assert (tiny.sparsevar_preset.block, tiny.sparsevar_preset.tau) == (1, 0.35)
+        tiny.save_pretrained(tmp_path / "saved")
+        assert VARPipeline.from_pretrained(tmp_path / "saved").sparsevar_preset.tau == 0.35
+    finally:
+        tiny.set_sparsevar_calibration(None)
+
+
 # ---- the shipped demo model --------------------------------------------------------------------------------------------
 def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
     """The demo folder's calibration came from ``sparsevar calibrate --model demo/weights`` (8 seeds);
@@ -239,6 +308,6 @@ def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
     assert cal is not None and demo.sparsevar_preset.block == cal["block"]
     assert cal["measured"]["capture"] > cal["measured"]["formula_capture"] + 0.3
     demo.set_progress_bar_config(disable=True)
-    again = bo.calibrate(demo, seeds=2, log=lambda s: None)
+    again = bo.calibrate(demo, seeds=2, log=lambda s: None, taus=())
     assert (again["granularity"], again["block"]) == (cal["granularity"], cal["block"])
     assert abs(again["measured"]["capture"] - cal["measured"]["capture"]) < 0.1
