@@ -184,16 +184,17 @@ class VARModelLoader(io.ComfyNode):
 class SparseVARChoice:
     """What the SparseVAR Settings node set. The sampler applies it over the preset of the model's
     family (``SPARSEVAR_PRESETS``: VAR, Infinity-2B …), so one node serves every family.
-    start_scale / block None keep the preset's first pruned scale / observed layer or block group
-    (VAR: −2, Infinity-2B: −3); keep_ratio None uses tau."""
+    tau / start_scale / block None keep the model's preset threshold (calibrated or the family's) /
+    first pruned scale (VAR: −2, Infinity-2B: −3) / observed layer or block group; keep_ratio None
+    uses tau."""
 
-    tau: float
+    tau: float | None
     start_scale: int | None
     block: int | None
     keep_ratio: float | None
 
     def overrides(self) -> dict:
-        out = {"tau": self.tau, "keep_ratio": self.keep_ratio}
+        out = {"keep_ratio": self.keep_ratio} if self.tau is None else {"tau": self.tau, "keep_ratio": self.keep_ratio}
         if self.start_scale is not None:
             out["start_scale"] = self.start_scale
         return out if self.block is None else {**out, "block": self.block}
@@ -208,8 +209,10 @@ class SparseVARSettingsNode(io.ComfyNode):
             description="Frequency-aware token exclusion (SparseVAR), applied over the preset of the model's "
                         "family (VAR, Infinity). Connect to the sampler's 'sparsevar' input.",
             inputs=[
-                io.Float.Input("tau", default=d.tau, min=0.0, max=0.99, step=0.01,
-                               tooltip=field_doc(SparseVARConfig, "tau")),
+                io.Float.Input("tau", default=-1.0, min=-1.0, max=0.99, step=0.01,
+                               tooltip=f"-1 = the model's preset: the tau `sparsevar calibrate` measured for this "
+                                       f"checkpoint, else the family's ({d.tau:g}). "
+                                       + field_doc(SparseVARConfig, "tau")),
                 io.Int.Input("start_scale", default=0, min=-16, max=16,
                              tooltip="0 = the model family's preset (VAR -2, Infinity -3). "
                                      + field_doc(SparseVARConfig, "start_scale")),
@@ -224,7 +227,7 @@ class SparseVARSettingsNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, tau, start_scale, block, keep_ratio) -> io.NodeOutput:
-        choice = SparseVARChoice(tau=tau, start_scale=None if start_scale == 0 else start_scale,
+        choice = SparseVARChoice(tau=None if tau < 0 else tau, start_scale=None if start_scale == 0 else start_scale,
                                  block=None if block < 0 else block,
                                  keep_ratio=None if keep_ratio == 0 else keep_ratio)
         SparseVARConfig(**choice.overrides())            # a bad value is named here, at this node

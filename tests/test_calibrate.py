@@ -161,13 +161,13 @@ comfy.cli_args.args.cpu = True
 from sparsevar import VARPipeline
 from sparsevar.nodes import var_nodes as V
 pipe = VARPipeline.from_random("var-tiny", seed=0)
-pipe.set_sparsevar_calibration({"block": 1, "granularity": "layer"})
+pipe.set_sparsevar_calibration({"block": 1, "granularity": "layer", "tau": 0.35})
 blocks = []
-for block in (-1, 3):
-    sv = V.SparseVARSettingsNode.execute(tau=0.6, start_scale=0, block=block, keep_ratio=0.0).result[0]
+for block, tau in ((-1, -1.0), (3, 0.6)):
+    sv = V.SparseVARSettingsNode.execute(tau=tau, start_scale=0, block=block, keep_ratio=0.0).result[0]
     anchors = V.AnchorSettingsNode.execute(alpha=2, beta=0.9).result[0]
     (policy,) = V._policies(pipe, sv, anchors, None, None)
-    blocks.append([policy.config.block, policy.config.alpha])
+    blocks.append([policy.config.block, policy.config.tau, policy.config.alpha])
 print(json.dumps(blocks))
 """
 
@@ -175,7 +175,8 @@ print(json.dumps(blocks))
 def test_the_comfyui_settings_node_applies_over_the_calibrated_preset(run_with_comfyui, tmp_path):
     r = run_with_comfyui(NODE_SCRIPT, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[1, 2], [3, 2]]   # block -1: the calibrated layer
+    # block -1 / tau -1: the calibrated layer and tau; set values win
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[1, 0.35, 2], [3, 0.6, 2]]
 
 
 # ---- the command ------------------------------------------------------------------------------------------------------
