@@ -152,12 +152,22 @@ def _sparsevar(**chosen) -> dict:
     return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], **chosen), "sparsevar_fields": tuple(chosen)}
 
 
+def _alpha(m) -> dict:
+    """The anchor stride an ``-alpha<A>`` suffix names; none: the preset's."""
+    if m[4] is None:
+        return {}
+    a = int(m[4])
+    if a < 1:
+        raise ValueError(f"-alpha{a}: the anchor stride is a number of tokens, at least 1")
+    return {"alpha": a}
+
+
 def _sparsevar_keep(m) -> dict:
-    return _sparsevar(keep_ratio=float(m[1]), **_start(m), **_block(m))
+    return _sparsevar(keep_ratio=float(m[1]), **_start(m), **_block(m), **_alpha(m))
 
 
 def _sparsevar_tau(m) -> dict:
-    return _sparsevar(tau=float(m[1]), **_start(m), **_block(m))
+    return _sparsevar(tau=float(m[1]), **_start(m), **_block(m), **_alpha(m))
 
 
 def _fastvar_ratios(m) -> dict:
@@ -180,15 +190,18 @@ def _cond_only_last(m) -> dict:
 SETTING_FORMS: tuple = (
     (re.compile(r"sparsevar-preset"), "sparsevar-preset",
      "SparseVAR, the model's preset (pipe.sparsevar_preset: the VAR family's, tau 0.6 from the second-to-last "
-     "scale, observing the layer `sparsevar calibrate` measured for the checkpoint)",
+     "scale, with the layer and tau `sparsevar calibrate` measured for the checkpoint)",
      lambda m: _sparsevar()),
-    (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-keep<R>[-from-<N>][-block<L>]",
+    (re.compile(rf"sparsevar-keep{_NUM}(?:-from-(\d+))?(?:-block(\d+))?(?:-alpha(\d+))?"),
+     "sparsevar-keep<R>[-from-<N>][-block<L>][-alpha<A>]",
      "SparseVAR preset keeping a fixed share R in (0, 1] of each pruned scale (1.0 = neutral); from the "
      "preset's start scale, or with -from-N from the N-th scale from the end; observing the model's preset layer, or "
-     "with -block<L> layer L (the one `bench observe` ranks first)", _sparsevar_keep),
-    (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?(?:-block(\d+))?"), "sparsevar-tau<T>[-from-<N>][-block<L>]",
-     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale and "
-     "observed layer as for keep", _sparsevar_tau),
+     "with -block<L> layer L (the one `bench observe` ranks first); anchors every 4 tokens (the preset's), or with "
+     "-alpha<A> every A", _sparsevar_keep),
+    (re.compile(rf"sparsevar-tau{_NUM}(?:-from-(\d+))?(?:-block(\d+))?(?:-alpha(\d+))?"),
+     "sparsevar-tau<T>[-from-<N>][-block<L>][-alpha<A>]",
+     "SparseVAR preset with change threshold T in [0, 1) (0 keeps every changing token); start scale, "
+     "observed layer and anchor stride as for keep", _sparsevar_tau),
     (re.compile(r"fastvar-preset"), "fastvar-preset",
      "FastVAR, the VAR family preset (FASTVAR_PRESETS['var']: prune 50 % / 75 % of the last two scales)",
      lambda m: {"fastvar": FASTVAR_PRESETS[FAMILY]}),

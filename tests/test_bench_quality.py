@@ -130,6 +130,9 @@ def test_parse_settings_families_and_combinations():
         SparseVARConfig(**{**vars(preset), "keep_ratio": 0.5, "start_scale": -3, "block": 7})
     assert bq.parse_setting("sparsevar-tau0.6-block2").sparsevar == SparseVARConfig(**{**vars(preset), "tau": 0.6,
                                                                                         "block": 2})
+    assert bq.parse_setting("sparsevar-tau0.5-from-3-alpha2").sparsevar == \
+        SparseVARConfig(**{**vars(preset), "tau": 0.5, "start_scale": -3, "alpha": 2})
+    assert bq.parse_setting("sparsevar-keep0.5-alpha8").sparsevar_fields == ("keep_ratio", "alpha")
     assert s.scale_skip.skip_last == 1 and s.fastvar is None
     assert [type(p).__name__ for p in s.policies()] == ["SparseVARPolicy", "ScaleSkipPolicy"]
     both = bq.parse_setting("skip-last-1+cond-only-last-2")       # one ScaleSkipConfig with both fields
@@ -150,6 +153,7 @@ def test_parse_settings_families_and_combinations():
     (["dense"], r"'dense' is the reference"),
     (["sparsevar-keep1.5"], r"setting 'sparsevar-keep1.5'.*keep_ratio must be in \(0, 1\]"),
     (["sparsevar-keep0.5-from-0"], r"setting 'sparsevar-keep0.5-from-0'.*-from-0: .*give N >= 1"),
+    (["sparsevar-tau0.5-alpha0"], r"setting 'sparsevar-tau0.5-alpha0'.*-alpha0: the anchor stride .* at least 1"),
     (["sparsevar-tau0.5-from-x"], r"unknown setting 'sparsevar-tau0.5-from-x'"),
     (["sparsevar-preset+fastvar-preset"], r"combines SparseVAR with FastVAR"),
     (["skip-last-1+skip-last-2"], r"sets skip_last twice"),
