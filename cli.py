@@ -932,11 +932,11 @@ def cmd_bench_observe(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .benchmarks.bench_observe import TAU_CANDIDATES, check_settings, check_taus, run_calibrate
+    from .benchmarks.bench_observe import START_CANDIDATES, TAU_CANDIDATES, check_settings, check_taus, run_calibrate
     _device(args.device)
     try:
         check_settings(args.keep, args.scales, args.seeds)
-        check_taus(args.taus)
+        check_taus(args.taus, args.starts)
     except ValueError as e:
         flag = str(e).split("=")[0]
         raise CLIError(f"--{flag} {str(e)[len(flag) + 1:]}") from None
@@ -952,7 +952,8 @@ def cmd_calibrate(args) -> int:
                        f"it; copy the folder somewhere writable, or pass --dry-run to only measure")
     run_calibrate(args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, prompts=prompts,
                   device=args.device, write=not args.dry_run,
-                  taus=() if args.layer_only else (args.taus or TAU_CANDIDATES))
+                  taus=() if args.layer_only else (args.taus or TAU_CANDIDATES),
+                  starts=args.starts or START_CANDIDATES)
     return 0
 
 
@@ -1208,9 +1209,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text-to-image models: one prompt per line (repeated to --seeds)")
     k.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
     k.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
-                   help="thresholds to try (default 0.2 … 0.8): the largest whose pictures are at least as close to "
-                        "dense as the baselines (scale skipping, cond-only, FastVAR) at its FLOP speed-up is stored")
-    k.add_argument("--layer-only", action="store_true", help="measure the observed layer only; keep the family's tau")
+                   help="thresholds to try (default 0.2 … 0.8), each from each of --starts: the fastest setting whose "
+                        "pictures are at least as close to dense as the baselines (scale skipping, cond-only, FastVAR) "
+                        "at its FLOP speed-up is stored")
+    k.add_argument("--starts", type=int, nargs="+", default=None, metavar="S",
+                   help="first pruned scales to try, counted from the end (default -1 -2 -3)")
+    k.add_argument("--layer-only", action="store_true",
+                   help="measure the observed layer only; keep the family's tau and start scale")
     k.add_argument("--dry-run", action="store_true", help="measure and print; leave the folder as it is")
     k.set_defaults(func=cmd_calibrate)
 

@@ -147,11 +147,15 @@ def preset_unit(info, family: str, cfg=None) -> Optional[tuple[str, int]]:
     return ("layer", first)
 
 
-def check_taus(taus) -> None:
-    """The thresholds ``calibrate`` may try: each in [0, 1) (ValueError naming the value)."""
+def check_taus(taus, starts=()) -> None:
+    """The thresholds and start scales ``calibrate`` may try: each tau in [0, 1), each start a
+    negative int (ValueError naming the value)."""
     for t in taus or ():
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ValueError(f"taus={t!r}: give change thresholds in [0, 1), e.g. 0.3")
+    for s in starts or ():
+        if isinstance(s, bool) or not isinstance(s, int) or s >= 0:
+            raise ValueError(f"starts={s!r}: give first pruned scales counted from the end, e.g. -2")
 
 
 def check_settings(keep, scales, seeds) -> None:
@@ -252,15 +256,18 @@ def best_unit(m: dict, kind: str = "layer") -> Optional[int]:
     return max(idx, key=lambda i: float(means[i]))
 
 
-def format_report(m: dict, rows: list[dict], preset: Optional[tuple[str, int]], title: str) -> str:
-    """The table and the verdict: best layer (and group) against the preset's, paired over seeds."""
+def format_report(m: dict, rows: list[dict], preset: Optional[tuple[str, int]], title: str,
+                  label: str = "preset") -> str:
+    """The table and the verdict: best layer (and group) against ``preset`` (the unit marked
+    ``label``: the model's preset in ``bench observe``, the family's formula in ``calibrate``),
+    paired over seeds."""
     scale_names = [f"{h}x{w}" for _, (h, w) in m["scales"]]
     head = f"{'layer':>8}  {'capture ± 95% CI':>17}  {'- random':>8}  {'of oracle gain':>14}  " + \
         "  ".join(f"{s:>7}" for s in scale_names)
     lines = [title, head]
     for unit, r in zip(m["units"], rows):
         gain = (r["capture"] - r["random"]) / (r["oracle"] - r["random"]) if r["oracle"] > r["random"] else math.nan
-        mark = " preset" if unit == preset else ""
+        mark = f" {label}" if unit == preset else ""
         lines.append(f"{r['layer']:>8}  {r['capture']:>8.3f} ± {r['ci95']:<6.3f}  "
                      f"{r['capture'] - r['random']:>+8.3f}  {gain:>14.0%}  "
                      + "  ".join(f"{r['capture_' + s]:>7.3f}" for s in scale_names) + mark)
@@ -282,8 +289,8 @@ def format_report(m: dict, rows: list[dict], preset: Optional[tuple[str, int]], 
         if preset is not None and preset[0] == kind:
             p = m["units"].index(preset)
             diff, ci = mean_ci95((per_seed[:, b] - per_seed[:, p]).tolist())
-            text += f"; preset {kind} {rows[p]['layer']}: {rows[p]['capture']:.3f} ± {rows[p]['ci95']:.3f}; " \
-                    f"best − preset {diff:+.3f} ± {ci:.3f} (paired over seeds)"
+            text += f"; {label} {kind} {rows[p]['layer']}: {rows[p]['capture']:.3f} ± {rows[p]['ci95']:.3f}; " \
+                    f"best − {label} {diff:+.3f} ± {ci:.3f} (paired over seeds)"
         lines.append(text)
     return "\n".join(lines)
 
@@ -314,6 +321,7 @@ def run_observe(model=None, seeds: int = 8, keep: float = 0.5, scales: int = 3, 
 # The thresholds `calibrate` tries, and the settings it compares them with (`bench quality` names): the
 # static methods and their combinations that cost no calibration of their own.
 TAU_CANDIDATES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+START_CANDIDATES = (-1, -2, -3)          # first pruned scale, counted from the end
 TAU_BASELINES = ("cond-only-last-1", "cond-only-last-2", "fastvar-preset", "skip-last-1",
                  "fastvar-preset+cond-only-last-2", "skip-last-2")
 # the PSNR a picture identical to dense counts as (instead of inf), so that means stay finite JSON numbers
@@ -322,15 +330,15 @@ IDENTICAL_PSNR_DB = 99.0
 
 def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
               log: Callable[[str], None] = print, taus: Optional[Sequence[float]] = TAU_CANDIDATES,
-              **call_kwargs) -> dict:
+              starts: Sequence[int] = START_CANDIDATES, **call_kwargs) -> dict:
     """Measure the capture rate of every layer (or block group, for a family whose preset observes
     groups) of ``pipe``'s model over seeds 0..``seeds``−1 (:func:`measure_capture`), choose the best
     one and set it as the pipeline's SparseVAR calibration (``pipe.sparsevar_preset`` applies it;
     ``save_pretrained`` keeps it; :func:`write_calibration` stores it in a folder). Text-to-image
     pipelines need ``prompts``, one per seed. Then, for class-conditional models and unless ``taus``
-    is empty, choose the threshold over the same seeds (:func:`calibrate_tau`): the largest of
-    ``taus`` at which SparseVAR observing that layer beats the baselines' front. Returns the
-    calibration: ``{"block", "granularity"[, "tau"], "measured": {...}}``. A model whose residuals
+    is empty, choose the threshold and first pruned scale over the same seeds (:func:`calibrate_tau`):
+    the fastest of ``taus`` × ``starts`` at which SparseVAR observing that layer reaches the baselines'
+    front. Returns the calibration: ``{"block", "granularity"[, "tau", "start_scale"], "measured": {...}}``. A model whose residuals
     all have the same norm (Infinity's bits) cannot be ranked by this measure: ValueError, and the
     pipeline keeps its preset."""
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales, prompts=prompts, **call_kwargs)
@@ -344,7 +352,8 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
     formula = preset_unit(m["info"], family)
     scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
     log(format_report(m, rows, formula, f"calibrate: {seeds} seeds, keep {keep:g}, pruned scales {scale_names}; "
-                                        f"capture = share of the scale's residual energy in the kept tokens"))
+                                        f"capture = share of the scale's residual energy in the kept tokens",
+                      label="formula"))
     per_seed = m["capture"].mean(2)                                                     # (N, U, S) → (N, U)
     measured = {
         "what": "capture rate: share of a pruned scale's residual energy held by the kept tokens chosen by the "
@@ -368,10 +377,10 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
                  f" (best − formula {measured['gain_over_formula']:+.3f} ± {measured['gain_ci95']:.3f}, paired)")
     log(text)
     if taus and prompts is None:
-        found = calibrate_tau(pipe, seeds=seeds, taus=taus, log=log)
-        measured["tau"] = {k: v for k, v in found.items() if k != "tau"}
+        found = calibrate_tau(pipe, seeds=seeds, taus=taus, log=log, starts=starts)
+        measured["tau"] = {k: v for k, v in found.items() if k not in ("tau", "start_scale")}
         if found["tau"] is not None:
-            calibration["tau"] = found["tau"]
+            calibration.update(tau=found["tau"], start_scale=found["start_scale"])
         pipe.set_sparsevar_calibration(calibration)
     elif taus:
         log("calibrate: the threshold is not calibrated for text-to-image models (the comparison with the baselines "
@@ -403,15 +412,18 @@ def baseline_front(points: Sequence[tuple[float, float]]):
 
 
 def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
-                  baselines: Sequence[str] = TAU_BASELINES, log: Callable[[str], None] = print) -> dict:
-    """SparseVAR's threshold for a class-conditional ``pipe``, by measurement: for seeds 0..``seeds``−1
-    (class seed % num_classes, the pipeline's sampling defaults) the dense picture, then SparseVAR at
-    each of ``taus`` (over ``pipe.sparsevar_preset``: its observed layer) and each of ``baselines``;
-    per setting the mean PSNR against dense (a picture identical to dense counts as
-    :data:`IDENTICAL_PSNR_DB`) and the mean FLOP speed-up. The chosen tau is the
-    largest whose PSNR is at least the baselines' front at its speed-up (:func:`baseline_front`):
-    no mix of the baselines is both as fast and closer to dense. None when no tau reaches it.
-    Returns ``{"tau", "what", "seeds", "settings": {name: [flop speed-up, psnr]}, "front"}``."""
+                  baselines: Sequence[str] = TAU_BASELINES, log: Callable[[str], None] = print,
+                  starts: Sequence[int] = START_CANDIDATES) -> dict:
+    """SparseVAR's threshold and first pruned scale for a class-conditional ``pipe``, by measurement:
+    for seeds 0..``seeds``−1 (class seed % num_classes, the pipeline's sampling defaults) the dense
+    picture, then SparseVAR at each of ``taus`` from each of ``starts`` (over ``pipe.sparsevar_preset``:
+    its observed layer; starts the model cannot take are left out) and each of ``baselines``; per
+    setting the mean PSNR against dense (a picture identical to dense counts as
+    :data:`IDENTICAL_PSNR_DB`) and the mean FLOP speed-up. The chosen setting is the fastest whose
+    PSNR is at least the baselines' front at its speed-up (:func:`baseline_front`): no mix of the
+    baselines is both as fast and closer to dense. Returns ``{"tau", "start_scale"`` (None when no
+    setting reaches the front)``, "what", "seeds", "settings": {name: [flop speed-up, psnr]},
+    "front"}``; SparseVAR settings are named as ``bench quality`` names them (``tau0.5-from-2``)."""
     from dataclasses import replace
 
     from ..engine.state import SamplingSettings
@@ -420,7 +432,21 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
     d = pipe.DEFAULTS
     sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
     base = pipe.sparsevar_preset
-    runs = [(f"tau{t:g}", [SparseVARPolicy(replace(base, tau=float(t), keep_ratio=None))]) for t in taus]
+    info = pipe.adapter().model_info()
+    candidates, runs = {}, []
+    for start in starts:
+        for t in taus:
+            policy = SparseVARPolicy(replace(base, tau=float(t), keep_ratio=None, start_scale=int(start)))
+            try:
+                policy.validate(info)
+            except ValueError:
+                continue                                   # a start scale this schedule cannot take
+            name = f"tau{t:g}-from-{-int(start)}"
+            candidates[name] = (float(t), int(start))
+            runs.append((name, [policy]))
+    if not candidates:
+        raise ValueError(f"calibrate: none of the start scales {list(starts)} fits this model's "
+                         f"{info.schedule.num_scales} scales")
     runs += [(name, parse_setting(name).on_model(pipe).policies()) for name in baselines]
     values = {name: ([], []) for name, _ in runs}
     for seed in range(seeds):
@@ -434,21 +460,26 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
                 for name, (sp, ps) in values.items()}
     front, psnr_at = baseline_front([tuple(settings[name]) for name in baselines])
     chosen = None
-    for t in sorted(taus, reverse=True):
-        sp, ps = settings[f"tau{t:g}"]
+    for name in sorted(candidates, key=lambda n: -settings[n][0]):                    # fastest first
+        sp, ps = settings[name]
         bar = psnr_at(sp)
         verdict = "faster than every baseline: not compared" if bar is None else \
             f"the baselines' front there {bar:.2f} dB: {'reached' if ps >= bar else 'not reached'}"
-        log(f"calibrate: tau {t:g}: FLOP speed-up {sp:.2f}x, PSNR {ps:.2f} dB; {verdict}")
+        t, start = candidates[name]
+        log(f"calibrate: tau {t:g} from scale {start}: FLOP speed-up {sp:.2f}x, PSNR {ps:.2f} dB; {verdict}")
         if chosen is None and bar is not None and ps >= bar:
-            chosen = float(t)
+            chosen = name
     log("calibrate: baselines " + ", ".join(f"{name} {settings[name][0]:.2f}x {settings[name][1]:.2f} dB"
                                              for name in baselines))
-    log(f"calibrate: tau {chosen:g} (the largest that reaches the baselines' front)" if chosen is not None else
-        "calibrate: no tau reaches the baselines' front; the family's tau stays")
-    return {"tau": chosen, "what": "mean PSNR against dense and FLOP speed-up per setting; the chosen tau is the "
-                                   "largest at least as close to dense as the baselines' Pareto front (linear "
-                                   "between its points) at its speed-up",
+    if chosen is not None:
+        log(f"calibrate: tau {candidates[chosen][0]:g} from scale {candidates[chosen][1]} (the fastest setting that "
+            f"reaches the baselines' front)")
+    else:
+        log("calibrate: no setting reaches the baselines' front; the family's tau and start scale stay")
+    tau, start = candidates[chosen] if chosen is not None else (None, None)
+    return {"tau": tau, "start_scale": start,
+            "what": "mean PSNR against dense and FLOP speed-up per setting; the chosen one is the fastest at least "
+                    "as close to dense as the baselines' Pareto front (linear between its points) at its speed-up",
             "seeds": seeds, "settings": settings, "front": [list(p) for p in front]}
 
 
@@ -467,13 +498,13 @@ def write_calibration(folder, calibration: dict) -> Path:
 
 def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
                   device: str = "auto", write: bool = True, log: Callable[[str], None] = print,
-                  taus: Optional[Sequence[float]] = TAU_CANDIDATES) -> dict:
+                  taus: Optional[Sequence[float]] = TAU_CANDIDATES, starts: Sequence[int] = START_CANDIDATES) -> dict:
     """``sparsevar calibrate``: load the pipeline folder ``model`` (any family this package loads; in
     bfloat16 on CUDA, float32 on the CPU), :func:`calibrate` it and, when ``write``, store the
     result in the folder. The table of every layer is printed first (as ``bench observe`` prints
     it). Returns the calibration."""
     check_settings(keep, scales, seeds)
-    check_taus(taus)
+    check_taus(taus, starts)
     cls, path = folder_pipeline(model)
     text = cls.__name__ in ("InfinityPipeline", "HARTPipeline")
     if text:
@@ -488,9 +519,10 @@ def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, pro
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)
-    calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log, taus=taus)
+    calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log, taus=taus,
+                            starts=starts)
     if write:
-        tau = f" with tau {calibration['tau']:g}" if "tau" in calibration else ""
+        tau = f" with tau {calibration['tau']:g} from scale {calibration['start_scale']}" if "tau" in calibration else ""
         log(f"calibrate: written to {write_calibration(model, calibration)} (sparsevar_calibration); "
             f"enable_sparsevar() on this folder now observes {calibration['granularity']} {calibration['block']}{tau}")
     return calibration

@@ -367,8 +367,8 @@ def sparsevar_config_for(family: str, calibration: Optional[dict] = None, **over
 
 # What `sparsevar calibrate` measures per checkpoint and stores in the pipeline's config
 # (model_index.json "sparsevar_calibration"): the observed layer or block group (always), and the
-# threshold (where one was found; text-to-image models keep the family's).
-CALIBRATED_FIELDS = ("block", "granularity", "tau")
+# threshold and first pruned scale (where a setting was found; text-to-image models keep the family's).
+CALIBRATED_FIELDS = ("block", "granularity", "tau", "start_scale")
 REQUIRED_CALIBRATED_FIELDS = ("block", "granularity")
 
 
@@ -387,7 +387,7 @@ def check_calibration(calibration, where: str = "sparsevar_calibration") -> Opti
     keys = set(calibration) - {"measured"}
     if not set(REQUIRED_CALIBRATED_FIELDS) <= keys <= set(CALIBRATED_FIELDS):
         raise ValueError(f"{where} has the keys {sorted(calibration)}; it holds {list(REQUIRED_CALIBRATED_FIELDS)} "
-                         f"(both), optionally 'tau' and 'measured'; {fix}")
+                         f"(both), optionally 'tau', 'start_scale' and 'measured'; {fix}")
     if "measured" in calibration and not isinstance(calibration["measured"], dict):
         raise ValueError(f"{where}[\"measured\"] must be a dict of what was measured, got "
                          f"{type(calibration['measured']).__name__}; {fix}")

@@ -44,7 +44,7 @@ def test_calibrate_chooses_the_layer_that_captures_most_and_the_preset_applies_i
     assert m["formula_unit"] == "2" and m["formula_capture"] == rows[2]["capture"]
     assert (m["seeds"], m["keep"], m["scales"]) == (2, 0.5, ["13x13", "16x16"])
     assert f"calibrate: observe layer {best} (captures {rows[best]['capture']:.3f}" in logged
-    assert "best layer: " in logged                                    # the whole table is printed first
+    assert "best layer: " in logged and "; formula layer 2: " in logged       # the whole table is printed first
 
     preset = tiny.sparsevar_preset                                      # the family preset, layer replaced
     assert preset == SPARSEVAR_PRESETS["var"].__class__(**{**vars(SPARSEVAR_PRESETS["var"]), "block": best})
@@ -194,12 +194,13 @@ def test_the_command_measures_and_stores_the_layer(tiny_folder, capsys):
     dry = capsys.readouterr().out
     assert "calibrate: observe layer " in dry and "written to" not in dry and "calibrate: tau" not in dry
     assert (tiny_folder / "model_index.json").read_bytes() == before   # --dry-run leaves the folder alone
-    assert cli_main([*flags, "--taus", "0.3"]) == 0
+    assert cli_main([*flags, "--taus", "0.3", "--starts", "-1", "-2"]) == 0
     out = capsys.readouterr().out
     stored = json.loads((tiny_folder / "model_index.json").read_text())["sparsevar_calibration"]
-    tau = f" with tau {stored['tau']:g}" if "tau" in stored else ""
+    tau = f" with tau {stored['tau']:g} from scale {stored['start_scale']}" if "tau" in stored else ""
     assert f"enable_sparsevar() on this folder now observes layer {stored['block']}{tau}" in out
-    assert "tau0.3" in stored["measured"]["tau"]["settings"] and "calibrate: tau 0.3: " in out
+    assert set(stored["measured"]["tau"]["settings"]) >= {"tau0.3-from-1", "tau0.3-from-2"}
+    assert "calibrate: tau 0.3 from scale -2: " in out
     verdict = [[line for line in text.splitlines() if line.startswith("calibrate: observe")] for text in (dry, out)]
     assert verdict[0] == verdict[1] and len(verdict[0]) == 1            # the same measurement both times
     assert VARPipeline.from_pretrained(tiny_folder).sparsevar_preset.block == stored["block"]
@@ -210,6 +211,7 @@ def test_the_command_measures_and_stores_the_layer(tiny_folder, capsys):
     (["--seeds", "0"], "--seeds 0: give the number of seeds, at least 1"),
     (["--scales", "0"], "--scales 0: give the number of pruned final scales, at least 1"),
     (["--taus", "0.3", "1.5"], "--taus 1.5: give change thresholds in [0, 1)"),
+    (["--starts", "-2", "1"], "--starts 1: give first pruned scales counted from the end"),
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: no such file"),
 ])
 def test_the_command_names_a_bad_flag_before_loading(tiny_folder, flags, message, capsys):
@@ -244,18 +246,21 @@ def test_the_baselines_front_is_their_pareto_front_linear_between_its_points():
     assert at(3.01) is None                                # faster than every baseline: nothing to compare with
 
 
-def test_calibrate_tau_stores_the_largest_tau_that_reaches_the_baselines_front(tiny):
+def test_calibrate_tau_stores_the_fastest_setting_that_reaches_the_baselines_front(tiny):
     """Each setting's numbers are the mean PSNR against dense and FLOP speed-up over the seeds (one
-    recomputed here by a plain pipeline call); the chosen tau is the largest whose PSNR reaches the
-    front of the two baselines at its speed-up (the rule worked here on the reported numbers)."""
+    recomputed here by a plain pipeline call); the chosen (tau, start scale) is the fastest whose PSNR
+    reaches the front of the two baselines at its speed-up (the rule worked here on the reported
+    numbers); a start scale the schedule cannot take is left out."""
     import torch
     from sparsevar.benchmarks.metrics import psnr
     from sparsevar.policies import ScaleSkipConfig, ScaleSkipPolicy
     logged = []
     taus, baselines = (0.3, 0.6, 0.9), ("cond-only-last-1", "skip-last-1")
-    found = bo.calibrate_tau(tiny, seeds=2, taus=taus, baselines=baselines, log=logged.append)
+    S = len(tiny.transformer.config.patch_nums)
+    found = bo.calibrate_tau(tiny, seeds=2, taus=taus, baselines=baselines, log=logged.append, starts=(-1, -2, -S))
     table = found["settings"]
-    assert set(table) == {"tau0.3", "tau0.6", "tau0.9", *baselines} and found["seeds"] == 2
+    names = [f"tau{t:g}-from-{n}" for n in (1, 2) for t in taus]
+    assert set(table) == {*names, *baselines} and found["seeds"] == 2            # from -S: no previous scale
     d = tiny.DEFAULTS
 
     def picture(seed, policies):
@@ -278,22 +283,25 @@ def test_calibrate_tau_stores_the_largest_tau_that_reaches_the_baselines_front(t
         if sp <= front[0][0]:
             return ps >= front[0][1]
         return ps >= p0 + (p1 - p0) * (sp - s0) / (s1 - s0)
-    want = next((t for t in sorted(taus, reverse=True) if reaches(*table[f"tau{t:g}"])), None)
-    assert found["tau"] == want
-    assert sum(line.startswith("calibrate: tau ") for line in logged) == len(taus) + 1
+    ok = [n for n in names if reaches(*table[n])]
+    want = max(ok, key=lambda n: table[n][0]) if ok else None
+    got = None if found["tau"] is None else f"tau{found['tau']:g}-from-{-found['start_scale']}"
+    assert got == want
+    assert sum(line.startswith("calibrate: tau ") for line in logged) == len(names) + (want is not None)
 
 
 def test_a_calibrated_tau_is_stored_checked_and_applied(tiny, tmp_path):
     from sparsevar.policies.sparsevar import check_calibration
-    cal = {"block": 1, "granularity": "layer", "tau": 0.35}
+    cal = {"block": 1, "granularity": "layer", "tau": 0.35, "start_scale": -1}
     assert check_calibration(cal) == cal
     with pytest.raises(ValueError, match=r"tau must be|tau"):
         check_calibration({**cal, "tau": 1.5})
-    with pytest.raises(ValueError, match=r"it holds \['block', 'granularity'\] \(both\), optionally 'tau'"):
+    with pytest.raises(ValueError, match=r"it holds \['block', 'granularity'\] \(both\), optionally 'tau', 'start_scale'"):
         check_calibration({"block": 1, "granularity": "layer", "keep_ratio": 0.5})
     tiny.set_sparsevar_calibration(cal)
     try:
-        assert (tiny.sparsevar_preset.block, tiny.sparsevar_preset.tau) == (1, 0.35)
+        assert (tiny.sparsevar_preset.block, tiny.sparsevar_preset.tau, tiny.sparsevar_preset.start_scale) == \
+            (1, 0.35, -1)
         tiny.save_pretrained(tmp_path / "saved")
         assert VARPipeline.from_pretrained(tmp_path / "saved").sparsevar_preset.tau == 0.35
     finally:
@@ -308,12 +316,13 @@ def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
     cal = demo.config.sparsevar_calibration
     assert cal is not None and demo.sparsevar_preset.block == cal["block"]
     assert cal["measured"]["capture"] > cal["measured"]["formula_capture"] + 0.3
-    # the stored tau is the largest of the measured ones that reached the baselines' front (8 seeds)
+    # the stored (tau, start scale) is the fastest measured setting that reached the baselines' front (8 seeds)
     found = cal["measured"]["tau"]
     _, at = bo.baseline_front([tuple(found["settings"][b]) for b in bo.TAU_BASELINES])
-    reached = [float(k[3:]) for k, (sp, ps) in found["settings"].items()
+    reached = [(sp, k) for k, (sp, ps) in found["settings"].items()
                if k.startswith("tau") and at(sp) is not None and ps >= at(sp)]
-    assert found["seeds"] == 8 and cal["tau"] == max(reached) and demo.sparsevar_preset.tau == cal["tau"]
+    assert found["seeds"] == 8 and max(reached)[1] == f"tau{cal['tau']:g}-from-{-cal['start_scale']}"
+    assert (demo.sparsevar_preset.tau, demo.sparsevar_preset.start_scale) == (cal["tau"], cal["start_scale"])
     demo.set_progress_bar_config(disable=True)
     again = bo.calibrate(demo, seeds=2, log=lambda s: None, taus=())
     assert (again["granularity"], again["block"]) == (cal["granularity"], cal["block"])

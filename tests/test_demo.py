@@ -191,9 +191,10 @@ def test_sparsevar_preset_stays_close_to_dense(demo_pipe):
     assert value >= PRESET_PSNR_DB, f"SparseVAR preset: median PSNR {value:.1f} dB against dense"
 
 
-# Measured on the 512-schedule model (Session 26), at its calibrated preset (layer 7, tau 0.5): 23.3 dB
-# median (min 19.9, max 30.5) over these 24 images (one generator per image) on a CPU, with 46 % of the
-# tokens computed (a batch drawn from one generator seeded 0: 24.3 dB; the family's tau 0.6: 23.1 dB).
+# Measured on the 512-schedule model (Session 26), at its calibrated preset (layer 7, tau 0.5 from the
+# second-to-last scale): 23.3 dB median (min 19.9, max 30.5) over these 24 images (one generator per
+# image) on a CPU, with 46 % of the tokens computed (a batch drawn from one generator seeded 0: 24.3 dB;
+# the family's tau 0.6: 23.1 dB).
 # Images of the same classes from other seeds are 12.0 dB apart (median), so 19 dB means "the same
 # picture, slightly changed"; once one sampled token differs, later scales diverge, which is why the
 # bound sits about 4 dB under the measurement.
