@@ -46,7 +46,7 @@ from ..engine.contract import Policy, ScalePlan
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
 from ..sparse_ops.ref import change_map
 from ._results import atomic_write, write_csv
-from .bench_quality import _resolve_device
+from .bench_quality import resolve_device
 from .metrics import mean_ci95
 
 
@@ -515,7 +515,7 @@ def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, pro
     elif prompts:
         raise ValueError(f"{path} holds a class-conditional model ({cls.__name__}): it takes no prompts; seed s "
                          f"draws class s % num_classes")
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)

@@ -325,7 +325,9 @@ def parse_settings(settings: Optional[Sequence[str]]) -> list[QualitySetting]:
 
 
 # ---- model, seeds, classes ---------------------------------------------------------------------------------
-def _resolve_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """The harnesses' device rule: "auto" is CUDA when available, else the CPU; anything else must name
+    a device this machine has (ValueError naming the value otherwise)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -347,10 +349,10 @@ def load_model(model=None, device="auto", dtype: Optional[torch.dtype] = None):
             raise ValueError(f"dtype={dtype} applies when the harness loads the model; convert a VARPipeline you "
                              f"pass yourself (pipe.transformer.to(dtype)) and leave dtype=None")
         if device != "auto":
-            model.to(_resolve_device(device))
+            model.to(resolve_device(device))
         cfg = model.transformer.config
         return model, f"var-d{cfg.depth}-w{cfg.embed_dim}-{16 * cfg.patch_nums[-1]}px", False
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if model is None:
