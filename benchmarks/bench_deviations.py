@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..engine.state import SamplingSettings
 from ..policies.sparsevar import TOKEN_ANCHOR, TOKEN_KEPT, SparseVARPolicy
-from .metrics import mean_ci95, psnr
+from .metrics import mean_ci95
 
 
 class NoEdgeAnchors(SparseVARPolicy):
@@ -109,22 +109,14 @@ def measure(pipe, seeds: Sequence[int], keeps: Sequence[float] = (0.5,), taus: S
     """Rows ``{setting, variant, psnr_db, ci95, diff_db, diff_ci95, better}`` (variant "ours" first
     for each setting; ``diff_*``: the variant minus ours, paired over seeds; ``better``: seeds where
     the variant is closer to dense). ``variants``: names from :data:`VARIANTS` (default: all)."""
-    from .bench_quality import _generate
-    d = pipe.DEFAULTS
-    sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
+    from .bench_quality import against_dense
     base = pipe.sparsevar_preset
-    settings = [(f"keep{k:g}", base.__class__(**{**vars(base), "keep_ratio": k})) for k in keeps] + \
-        [(f"tau{t:g}", base.__class__(**{**vars(base), "tau": t, "keep_ratio": None})) for t in taus]
+    settings = [(f"keep{k:g}", replace(base, keep_ratio=k)) for k in keeps] + \
+        [(f"tau{t:g}", replace(base, tau=t, keep_ratio=None)) for t in taus]
     kinds = {"ours": SparseVARPolicy, **{v: VARIANTS[v] for v in (VARIANTS if variants is None else variants)}}
-    values = {(s, v): [] for s, _ in settings for v in kinds}
-    for seed in seeds:
-        label = seed % pipe.num_classes
-        dense = _generate(pipe, label, seed, [], sampling).image_13HW
-        for name, cfg in settings:
-            for v, cls in kinds.items():
-                img = _generate(pipe, label, seed, [_policy(cls, cfg, pipe)], sampling).image_13HW
-                values[(name, v)].append(float(psnr(img, dense)[0]))
-        log(f"  seed {seed} done")
+    drawn = against_dense(pipe, seeds, [((name, v), [_policy(cls, cfg, pipe)])
+                                        for name, cfg in settings for v, cls in kinds.items()], log)
+    values = {key: [p for _, p in per_seed] for key, per_seed in drawn.items()}
     rows = []
     for name, _ in settings:
         ours = values[(name, "ours")]
@@ -142,7 +134,7 @@ def measure(pipe, seeds: Sequence[int], keeps: Sequence[float] = (0.5,), taus: S
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparsevar.benchmarks.bench_deviations",
-                                description="PSNR cost of two SparseVAR deviations from the paper, paired over seeds.")
+                                description="PSNR cost of four SparseVAR deviations from the paper, paired over seeds.")
     p.add_argument("--model", help="VARPipeline folder (default: the demo model)")
     p.add_argument("--seeds", type=int, default=16)
     p.add_argument("--keep", type=float, nargs="+", default=[0.5])

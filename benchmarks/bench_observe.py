@@ -426,11 +426,7 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
     "front"}``; SparseVAR settings are named as ``bench quality`` names them (``tau0.5-from-2``)."""
     from dataclasses import replace
 
-    from ..engine.state import SamplingSettings
-    from .bench_quality import _generate, parse_setting
-    from .metrics import psnr
-    d = pipe.DEFAULTS
-    sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
+    from .bench_quality import against_dense, parse_setting
     base = pipe.sparsevar_preset
     info = pipe.adapter().model_info()
     candidates, runs = {}, []
@@ -448,14 +444,9 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
         raise ValueError(f"calibrate: none of the start scales {list(starts)} fits this model's "
                          f"{info.schedule.num_scales} scales")
     runs += [(name, parse_setting(name).on_model(pipe).policies()) for name in baselines]
-    values = {name: ([], []) for name, _ in runs}
-    for seed in range(seeds):
-        label = seed % pipe.num_classes
-        dense = _generate(pipe, label, seed, [], sampling).image_13HW
-        for name, policies in runs:
-            got = _generate(pipe, label, seed, policies, sampling)
-            values[name][0].append(got.flop_speedup)
-            values[name][1].append(min(float(psnr(got.image_13HW, dense)[0]), IDENTICAL_PSNR_DB))
+    drawn = against_dense(pipe, range(seeds), runs)
+    values = {name: ([sp for sp, _ in per_seed], [min(ps, IDENTICAL_PSNR_DB) for _, ps in per_seed])
+              for name, per_seed in drawn.items()}
     settings = {name: [round(statistics.fmean(sp), 3), round(statistics.fmean(ps), 3)]
                 for name, (sp, ps) in values.items()}
     front, psnr_at = baseline_front([tuple(settings[name]) for name in baselines])

@@ -444,6 +444,26 @@ def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSet
                    scales=list(st.scales), latents=kept)
 
 
+def against_dense(pipe, seeds: Sequence[int], runs: Sequence[tuple],
+                  log: Optional[Callable[[str], None]] = None) -> dict:
+    """For every seed (class ``seed % num_classes``, the pipeline's sampling defaults) the dense
+    picture, then one picture per ``(key, policies)`` of ``runs``: ``{key: [(FLOP speed-up, PSNR
+    against dense in dB), one per seed]}`` (PSNR inf where the picture equals dense). The policy
+    objects are reused across seeds, as every call starts a fresh run. ``log`` hears of each seed."""
+    d = pipe.DEFAULTS
+    sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
+    out: dict = {key: [] for key, _ in runs}
+    for seed in seeds:
+        label = seed % pipe.num_classes
+        dense = _generate(pipe, label, seed, [], sampling).image_13HW
+        for key, policies in runs:
+            got = _generate(pipe, label, seed, policies, sampling)
+            out[key].append((got.flop_speedup, float(psnr(got.image_13HW, dense)[0])))
+        if log is not None:
+            log(f"  seed {seed} done")
+    return out
+
+
 # ---- the teacher-forced measure -------------------------------------------------------------------------------
 _OUTPUT_HOOKS = frozenset({"attention", "post_hidden", "post_residual"})      # change their scale's output only
 
