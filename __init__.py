@@ -17,8 +17,9 @@ from .models.flexvar_vq import FlexVQ16
 from .models.infinity import InfinityTransformer
 from .models.bsq_vae import BSQVAE
 from .models.loading import load_hart_tokenizer, load_hart_transformer, load_infinity_transformer, load_infinity_vae
-from .policies import (FastVARConfig, Policy, PolicyStack, ScalePlan, ScaleSkipConfig, SparseVARConfig,
-                       SparVARConfig, FASTVAR_PRESETS, SPARSEVAR_PRESETS, SPARVAR_PRESETS)
+from .policies import (FastVARConfig, Policy, PolicyStack, ScaleKVConfig, ScalePlan, ScaleSkipConfig,
+                       SparseVARConfig, SparVARConfig, FASTVAR_PRESETS, SCALEKV_PRESETS, SPARSEVAR_PRESETS,
+                       SPARVAR_PRESETS)
 
 # diffusers resolves saved components by looking up its loading base classes on the library module
 # named in model_index.json ("sparsevar"); exposing them here keeps such folders loadable by
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = ["VARPipeline", "VARPipelineOutput", "VARTransformer", "MultiScaleVQVAE", "load_var_transformer",
            "load_var_vqvae", "GenerationStats", "SamplingSettings", "ScaleSchedule", "Policy", "PolicyStack",
            "ScalePlan", "SparseVARConfig", "FastVARConfig", "ScaleSkipConfig", "SparVARConfig", "SPARSEVAR_PRESETS",
-           "FASTVAR_PRESETS", "SPARVAR_PRESETS", "__version__",
+           "FASTVAR_PRESETS", "SPARVAR_PRESETS", "ScaleKVConfig", "SCALEKV_PRESETS", "__version__",
            "InfinityPipeline", "InfinityPipelineOutput", "InfinityTransformer", "BSQVAE", "load_infinity_transformer",
            "load_infinity_vae", "HARTPipeline", "HARTPipelineOutput", "HARTTransformer", "load_hart_transformer",
            "load_hart_tokenizer", "FlexVARPipeline", "FlexVARPipelineOutput", "FlexVARTransformer", "FlexVQ16"]

@@ -246,6 +246,10 @@ def _check_generate_args(args, text: bool) -> None:
         other = "--sparsevar" if args.sparsevar else "--fastvar"
         raise CLIError(f"--sparvar and {other} cannot be combined (SparVAR selects keys among every token of the "
                        f"cache; {other} computes a subset of the tokens): give one of them")
+    if args.scalekv is not None and (args.sparsevar or args.fastvar is not None or args.sparvar is not None):
+        other = "--sparsevar" if args.sparsevar else "--fastvar" if args.fastvar is not None else "--sparvar"
+        raise CLIError(f"--scalekv and {other} cannot be combined (ScaleKV compacts each layer's cache per head "
+                       f"after a scale; {other} needs the whole cache or runs token subsets): give one of them")
     count = (len(args.prompt) if text else len(args.class_labels or ["0"])) * args.num
     _at_least(args.batch_size, 1, "--batch-size", "give the number of images per pipeline call, 1 or more")
     _at_least(args.num_processes, 1, "--num-processes", "give the number of processes, 1 or more")
@@ -321,6 +325,16 @@ def _policy_configs(args, family: str) -> list:
         flags = "--sparvar" + ("" if preset else f" {args.sparvar:g}")
         try:
             out.append((flags, "enable_sparvar", replace(SPARVAR_PRESETS.get(family, SparVARConfig()), **fields)))
+        except ValueError as e:
+            raise CLIError(f"{flags}: {e}") from None
+    if args.scalekv is not None:
+        from .policies.scalekv import ScaleKVConfig
+        preset = args.scalekv is True                   # the flag alone: the model's preset (scalekv_preset)
+        flags = "--scalekv" + ("" if preset else f" {args.scalekv:g}")
+        try:
+            if not preset:
+                ScaleKVConfig(budget=args.scalekv)                            # the range, before loading
+            out.append((flags, "enable_scalekv", {} if preset else {"budget": args.scalekv}))   # over the preset
         except ValueError as e:
             raise CLIError(f"{flags}: {e}") from None
     if args.skip_last or args.cond_only_from is not None:
@@ -594,7 +608,7 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
                 **{k: getattr(args, k) for k in ("cfg", "top_k", "top_p", "temperature", "height", "width", "steps",
                                                  "negative_prompt", "sparsevar", "tau", "keep_ratio", "start_scale",
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
-                                                 "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
+                                                 "scalekv", "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
     out = Path(args.out)
     try:
         run = FolderRun(out, settings)
@@ -1137,6 +1151,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--sparvar", type=float, nargs="?", const=True, metavar="TOP_KEYS",
                    help="SparVAR sparse attention (family preset); optionally the fraction of keys CS4A keeps, "
                         "(0, 1]; not with --sparsevar or --fastvar")
+    a.add_argument("--scalekv", type=float, nargs="?", const=True, metavar="BUDGET",
+                   help="ScaleKV KV-cache compression (less memory; the model's preset, Infinity: the release's "
+                        "10%% budgets); optionally the fraction of the cached tokens each refiner layer keeps after "
+                        "every scale, (0, 1]; not with --sparsevar, --fastvar or --sparvar")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
     a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")

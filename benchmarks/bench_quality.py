@@ -75,6 +75,7 @@ from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
+from ..policies.scalekv import SCALEKV_PRESETS, ScaleKVConfig, ScaleKVPolicy
 from ._results import atomic_write, write_csv
 from .metrics import mean_ci95, psnr, ssim
 
@@ -89,7 +90,8 @@ class QualitySetting:
     """One point of the sweep: the policy configs a named setting enables (None = that method off).
 
     name: the setting as written ("sparsevar-keep0.5+skip-last-1"); family: "sparsevar", "fastvar",
-    "sparvar", "skip" (scale skipping and cond-only scales) or "combo" (parts from several families).
+    "sparvar", "scalekv", "skip" (scale skipping and cond-only scales) or "combo" (parts from several
+    families).
     """
 
     name: str
@@ -98,6 +100,7 @@ class QualitySetting:
     fastvar: Optional[FastVARConfig] = None
     scale_skip: Optional[ScaleSkipConfig] = None
     sparvar: Optional[SparVARConfig] = None
+    scalekv: Optional[ScaleKVConfig] = None
     sparsevar_fields: tuple = ()             # the SparseVAR fields the name sets; the rest are the preset's
 
     def on_model(self, pipe) -> "QualitySetting":
@@ -117,6 +120,8 @@ class QualitySetting:
             out.append(FastVARPolicy(self.fastvar))
         if self.sparvar is not None:
             out.append(SparVARPolicy(self.sparvar))
+        if self.scalekv is not None:
+            out.append(ScaleKVPolicy(self.scalekv))
         if self.scale_skip is not None:
             out.append(ScaleSkipPolicy(self.scale_skip))
         return out
@@ -124,7 +129,7 @@ class QualitySetting:
     def describe(self) -> str:
         parts = []
         for label, cfg in (("sparsevar", self.sparsevar), ("fastvar", self.fastvar), ("sparvar", self.sparvar),
-                           ("scale_skip", self.scale_skip)):
+                           ("scalekv", self.scalekv), ("scale_skip", self.scale_skip)):
             if cfg is not None:
                 fields = ", ".join(f"{k}={v}" for k, v in vars(cfg).items() if k != "backend")
                 parts.append(f"{label}({fields})")
@@ -214,6 +219,13 @@ SETTING_FORMS: tuple = (
     (re.compile(rf"sparvar-top{_NUM}"), "sparvar-top<K>",
      "SparVAR preset keeping the share K in (0, 1] of the keys at the decision scale (CS4A's top_keys)",
      lambda m: {"sparvar": replace(SPARVAR_PRESETS[FAMILY], top_keys=float(m[1]))}),
+    (re.compile(r"scalekv-preset"), "scalekv-preset",
+     "ScaleKV, the VAR family preset (SCALEKV_PRESETS['var']: Infinity-2B's released budgets on the last five "
+     "scale boundaries, the first layer a drafter)",
+     lambda m: {"scalekv": SCALEKV_PRESETS[FAMILY]}),
+    (re.compile(rf"scalekv-b{_NUM}"), "scalekv-b<B>",
+     "ScaleKV keeping the share B in (0, 1] of the cached tokens after every scale past 650 cached tokens "
+     "(1.0 = neutral)", lambda m: {"scalekv": replace(SCALEKV_PRESETS[FAMILY], budget=float(m[1]))}),
     (re.compile(r"skip-last-(\d+)"), "skip-last-<N>", "skip the last N scales", _skip_last),
     (re.compile(r"cond-only-last-(\d+)"), "cond-only-last-<N>",
      "run the last N scales without the unconditional CFG half", _cond_only_last),
@@ -293,6 +305,9 @@ def parse_setting(name: str) -> QualitySetting:
     if "sparsevar" in configs and "fastvar" in configs:
         raise ValueError(f"setting {name!r} combines SparseVAR with FastVAR, which prune the same tokens and cannot "
                          f"be stacked; combine either with skip-last-N or cond-only-last-N")
+    if "scalekv" in configs and len(configs) > 1:
+        raise ValueError(f"setting {name!r} combines ScaleKV with another method; ScaleKV combines with skip-last-N "
+                         f"and cond-only-last-N only")
     if "sparvar" in configs and ("sparsevar" in configs or "fastvar" in configs):
         raise ValueError(f"setting {name!r} combines SparVAR with a method that computes a token subset, which "
                          f"leaves holes in the cache SparVAR selects keys from; combine it with skip-last-N or "
@@ -301,6 +316,7 @@ def parse_setting(name: str) -> QualitySetting:
     family = next(iter(families)) if len(families) == 1 else "combo"
     return QualitySetting(name=name, family=family, sparsevar=configs.get("sparsevar"),
                           fastvar=configs.get("fastvar"), scale_skip=scale_skip, sparvar=configs.get("sparvar"),
+                          scalekv=configs.get("scalekv"),
                           sparsevar_fields=configs.get("sparsevar_fields", ()))
 
 
@@ -712,11 +728,12 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
             raise ValueError(f"setting {s.name!r} does not fit this model: {e}") from None
         policies[s.name] = ps
 
-    untaught = [s.name for s in parsed if s.sparvar is not None] if teacher else []
+    untaught = [s.name for s in parsed if s.sparvar is not None or s.scalekv is not None] if teacher else []
     dev = pipe.transformer.device
     if untaught:
         log(f"quality: no teacher-forced measure for {', '.join(untaught)} (SparVAR's decision scale both changes "
-            f"the output and stores what later scales read)")
+            f"the output and stores what later scales read; ScaleKV changes a scale only through the cache earlier "
+            f"scales compressed)")
     log(f"quality: {name} on {_device_name(dev)} ({dev.type}), {len(seed_list)} seeds, {len(parsed)} settings, "
         f"cfg {sampling.guidance_scale} top_k {sampling.top_k} top_p {sampling.top_p}"
         f"{', teacher-forced' if teacher else ''}{', classifier' if judge is not None else ''}")
@@ -822,6 +839,7 @@ FAMILY_STYLE = {            # family → (legend label, RGB, marker)
     "sparsevar": ("SparseVAR", (31, 119, 180), "circle"),
     "fastvar": ("FastVAR", (255, 127, 14), "square"),
     "sparvar": ("SparVAR", (148, 103, 189), "circle"),
+    "scalekv": ("ScaleKV", (140, 86, 75), "square"),
     "skip": ("scale skip / cond-only", (44, 160, 44), "triangle"),
     "combo": ("combinations", (214, 39, 40), "diamond"),
 }

@@ -61,6 +61,12 @@ METHODS = {
                         "SparVARConfig.dense(): every key through the sparse machinery"),
     "sparvar+skip-last-2": (lambda pipe: (pipe.enable_scale_skip(skip_last=2), pipe.enable_sparvar()), {}, "triton",
                             "skip_last=2 + SparVAR preset (decision scale the third-last computed)"),
+    "scalekv-preset": (lambda pipe: pipe.enable_scalekv(), {}, "triton",
+                       "ScaleKV preset (SCALEKV_PRESETS; Infinity: the release's 10 % budgets)"),
+    "scalekv-0.1": (lambda pipe: pipe.enable_scalekv(budget=0.1), {}, "triton",
+                    "ScaleKV budget 0.1 after every scale past 650 cached tokens"),
+    "scalekv+cond-only-last-3": (lambda pipe: (pipe.enable_scalekv(), pipe.enable_scale_skip(cond_only_from=-3)), {},
+                                 "triton", "ScaleKV preset + the last 3 scales without the unconditional half"),
 }
 POLICY_METHODS = [m for m in METHODS if not m.startswith("dense")]
 

@@ -160,6 +160,14 @@ class Policy:
         reads the stack's minimum (``PolicyStack.scales_run``) in ``begin``."""
         return num_scales
 
+    def kv_slots(self, info: "ModelInfo", scales_run: int) -> Optional[tuple[tuple[int, ...], ...]]:
+        """For a policy that compresses the KV cache: per layer, the slots it holds after each of
+        the first ``scales_run`` scales of ``info.schedule`` (the stack's, see :meth:`scales_run`;
+        the dense count is the schedule's cumulative tokens), so that the adapters allocate no more
+        (``engine.kv_cache.layer_capacities``). The policy's hooks must leave exactly these
+        lengths. None: it does not change them."""
+        return None
+
     def plan_scale(self, si: int, run: "RunState") -> Optional[ScalePlan]:
         """What to do at scale ``si`` and what this policy's hooks do there; None: nothing to plan
         (every token runs; the policy acts through every hook it overrides)."""
@@ -281,7 +289,8 @@ class PolicyStack:
             if other.name == policy.name:
                 raise ValueError(f"{policy.name} is already enabled; disable it first or enable it once")
             if policy.name in other.incompatible or other.name in policy.incompatible:
-                why = policy.incompatible_why or other.incompatible_why
+                # the reason of the policy that declares the conflict
+                why = policy.incompatible_why if other.name in policy.incompatible else other.incompatible_why
                 raise ValueError(f"{policy.name} cannot be combined with {other.name}"
                                  f"{f' ({why})' if why else ''}: call disable_{other.name}() first")
         self.policies = self.policies + (policy,)
@@ -316,6 +325,14 @@ class PolicyStack:
     def scales_run(self, num_scales: int) -> int:
         """The number of scales that run: the fewest any policy allows."""
         return min([num_scales] + [p.scales_run(num_scales) for p in self.policies])
+
+    def kv_slots(self, info) -> Optional[tuple[tuple[int, ...], ...]]:
+        """The one compressing policy's :meth:`Policy.kv_slots`, or None."""
+        n = self.scales_run(info.schedule.num_scales)
+        declared = [(p, s) for p in self.policies for s in [p.kv_slots(info, n)] if s is not None]
+        if len(declared) > 1:
+            raise ValueError(f"two policies compress the KV cache: {[p.name for p, _ in declared]}; disable one")
+        return declared[0][1] if declared else None
 
     def begin(self, run) -> None:
         run.hooks = ScaleHooks([(p, None) for p in self.policies])

@@ -1,41 +1,60 @@
 """A KV cache preallocated once and written in place (no ``torch.cat`` growth).
 
-One buffer holds every layer: ``k_NRHTd`` = (layers, rows, heads, capacity, head_dim). Each layer
-keeps its own fill length on the host, because per-layer pruning (FastVAR) lets layers append
-different token counts at the same scale. Attention reads the sequence-sliced view
-``k[layer, :, :, :length]``, which keeps the last dimension contiguous as SDPA / flash need.
+One buffer holds every layer: ``k_NRHTd`` = (layers, rows, heads, capacity, head_dim) — or one per
+capacity, when a policy that compresses the cache (ScaleKV) gives the layers different ones
+(``capacities``; :func:`layer_capacities`). Each layer keeps its own fill length on the host,
+because per-layer pruning (FastVAR) lets layers append different token counts at the same scale.
+Attention reads the sequence-sliced view ``k[layer, :, :, :length]``, which keeps the last
+dimension contiguous as SDPA / flash need.
 The buffers keep their addresses for the life of the cache, a precondition for CUDA graphs.
 
 Every slot also records the absolute token position it holds, per row (``pos_NRT``; -1 = empty),
 so policies can build position-based masks whatever subset each row kept. Rows of a batch whose
 images keep different token counts are padded: the padding slots are marked invalid in
-``valid_NRT`` (allocated at the first padded write) and masked out of every later attention.
+a per-slot validity (allocated at the first padded write) and masked out of every later attention.
 
 ``transient``: slots that only the current layer needs. Nothing attends to the last scale's keys
 after that scale, so a model may size the per-layer buffers for everything but the last scale and
-give the last scale a transient tail: when a layer's write runs past ``capacity``, the layer's
-contents move into one buffer shared by all layers (``capacity + transient`` slots) and attention
+give the last scale a transient tail: when a layer's write runs past its capacity, the layer's
+contents move into one buffer shared by all layers (``capacity + transient`` slots, ``capacity``
+the largest layer's) and attention
 reads them there, until the next layer takes the buffer over. For Infinity-2B at 2048 × 2048 this
 holds the K/V of 19.7k tokens per layer instead of 36.1k (8.0 GB less in bf16, net of the 0.6 GB
 tail), at the price of one copy of each layer's cache at the last scale.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 
+COMPACTED = -2     # position recorded for slots a compression filled: each head kept its own keys
+
+
 class KVCache:
     def __init__(self, num_layers: int, rows: int, heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, transient: int = 0):
-        shape = (num_layers, rows, heads, capacity, head_dim)
-        # uninitialised: only written slots (below each layer's length) are ever read, and a 3.5 GB
-        # memset would cost a millisecond at every (re)allocation
-        self.k_NRHTd = torch.empty(shape, dtype=dtype, device=device)
-        self.v_NRHTd = torch.empty(shape, dtype=dtype, device=device)
-        self.pos_NRT = torch.full((num_layers, rows, capacity), -1, dtype=torch.long, device=device)
-        self.valid_NRT: Optional[torch.Tensor] = None
+                 dtype: torch.dtype, device: torch.device | str, transient: int = 0,
+                 capacities: Optional[Sequence[int]] = None):
+        caps = tuple(int(c) for c in capacities) if capacities is not None else (capacity,) * num_layers
+        assert len(caps) == num_layers and max(caps) <= capacity, (caps, num_layers, capacity)
+        self.capacities = caps
+        self._k: list = [None] * num_layers
+        self._v: list = [None] * num_layers
+        self._pos: list = [None] * num_layers
+        self._groups: list = []            # (layers, k, v, pos) per capacity, the largest first
+        for c in sorted(set(caps), reverse=True):
+            layers = [i for i, x in enumerate(caps) if x == c]
+            shape = (len(layers), rows, heads, c, head_dim)
+            # uninitialised: only written slots (below each layer's length) are ever read, and a 3.5 GB
+            # memset would cost a millisecond at every (re)allocation
+            k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+            pos = torch.full((len(layers), rows, c), -1, dtype=torch.long, device=device)
+            self._groups.append((layers, k, v, pos))
+            for j, i in enumerate(layers):
+                self._k[i], self._v[i], self._pos[i] = k[j], v[j], pos[j]
+        self._valid: Optional[list] = None          # per layer (rows, slots) bool, once a padded write happened
+        self._valid_groups: list = []
         self.capacity = capacity
         self.lengths = [0] * num_layers   # host ints: fill length per layer
         self.rows = rows
@@ -48,6 +67,37 @@ class KVCache:
             self.tail_pos_RT = torch.full((rows, capacity + transient), -1, dtype=torch.long, device=device)
             self.tail_valid_RT: Optional[torch.Tensor] = None
 
+    @classmethod
+    def for_schedule(cls, num_layers: int, rows: int, heads: int, head_dim: int, token_counts: Sequence[int],
+                     dtype: torch.dtype, device, slots: Optional[Sequence[Sequence[int]]] = None,
+                     tail: bool = False) -> "KVCache":
+        """The cache of a generation whose scales have ``token_counts`` tokens: every layer holds
+        them all, or with ``slots`` (a compressing policy's ``kv_slots``, over the scales that
+        run) what it keeps; with ``tail`` the last scale's K/V go to a transient tail shared by the
+        layers."""
+        if slots is not None:
+            token_counts = token_counts[:len(slots[0])]
+        L, last = sum(token_counts), token_counts[-1]
+        capacity = L - last if tail else L
+        caps = layer_capacities(slots, token_counts, tail)
+        if caps is not None:
+            capacity = max(caps)
+        return cls(num_layers, rows, heads, head_dim, capacity, dtype, device, transient=last if tail else 0,
+                   capacities=caps)
+
+    # the buffers of the layers of the largest capacity (every layer's, unless capacities differ)
+    @property
+    def k_NRHTd(self) -> torch.Tensor:
+        return self._groups[0][1]
+
+    @property
+    def v_NRHTd(self) -> torch.Tensor:
+        return self._groups[0][2]
+
+    @property
+    def pos_NRT(self) -> torch.Tensor:
+        return self._groups[0][3]
+
     @property
     def num_layers(self) -> int:
         return len(self.lengths)
@@ -55,45 +105,56 @@ class KVCache:
     @property
     def masked(self) -> bool:
         """True once a padded (partly invalid) write happened in this generation."""
-        return self.valid_NRT is not None
+        return self._valid is not None
 
     def reset(self) -> None:
         """Forget the contents (no memory is freed)."""
         self.lengths = [0] * self.num_layers
-        self.rows = self.k_NRHTd.shape[1]
-        self.pos_NRT.fill_(-1)
-        self.valid_NRT = None
+        self.rows = self._groups[0][1].shape[1]
+        for _, _, _, pos in self._groups:
+            pos.fill_(-1)
+        self._valid, self._valid_groups = None, []
         self.tail_owner = None
         if self.transient:
             self.tail_pos_RT.fill_(-1)
             self.tail_valid_RT = None
 
-    def _in_tail(self, end: int) -> bool:
-        if end <= self.capacity:
+    def _make_valid(self) -> None:
+        """Per-slot validity for every layer (all valid so far): the first padded write needs it."""
+        self._valid = [None] * self.num_layers
+        for layers, _, _, pos in self._groups:
+            valid = torch.ones_like(pos, dtype=torch.bool)
+            self._valid_groups.append(valid)
+            for j, i in enumerate(layers):
+                self._valid[i] = valid[j]
+
+    def _in_tail(self, layer: int, end: int) -> bool:
+        if end <= self.capacities[layer]:
             return False
-        if end > self.capacity + self.transient:
-            raise AssertionError(f"KV cache overflow: {end} > {self.capacity} + transient {self.transient}")
+        if not self.transient or end > self.capacity + self.transient:
+            raise AssertionError(f"KV cache overflow at layer {layer}: {end} > {self.capacities[layer]} + transient "
+                                 f"{self.transient}")
         return True
 
     def _take_tail(self, layer: int, start: int) -> None:
         """Move ``layer``'s first ``start`` slots into the shared tail (its last scale begins)."""
         R = self.rows
-        self.tail_k_RHTd[:R, :, :start].copy_(self.k_NRHTd[layer, :R, :, :start])
-        self.tail_v_RHTd[:R, :, :start].copy_(self.v_NRHTd[layer, :R, :, :start])
-        self.tail_pos_RT[:R, :start].copy_(self.pos_NRT[layer, :R, :start])
-        if self.valid_NRT is not None:
+        self.tail_k_RHTd[:R, :, :start].copy_(self._k[layer][:R, :, :start])
+        self.tail_v_RHTd[:R, :, :start].copy_(self._v[layer][:R, :, :start])
+        self.tail_pos_RT[:R, :start].copy_(self._pos[layer][:R, :start])
+        if self._valid is not None:
             if self.tail_valid_RT is None:
                 self.tail_valid_RT = torch.ones_like(self.tail_pos_RT, dtype=torch.bool)
-            self.tail_valid_RT[:R, :start].copy_(self.valid_NRT[layer, :R, :start])
+            self.tail_valid_RT[:R, :start].copy_(self._valid[layer][:R, :start])
         self.tail_owner = layer
 
     def _buffers(self, layer: int, end: int):
         """(k, v, pos, valid-or-None) of ``layer``, each with the row dim first, for slots < end."""
-        if self._in_tail(end):
+        if self._in_tail(layer, end):
             assert self.tail_owner == layer, f"layer {layer}'s last-scale keys were overwritten by layer {self.tail_owner}"
             return self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT, self.tail_valid_RT
-        valid = self.valid_NRT[layer] if self.valid_NRT is not None else None
-        return self.k_NRHTd[layer], self.v_NRHTd[layer], self.pos_NRT[layer], valid
+        valid = self._valid[layer] if self._valid is not None else None
+        return self._k[layer], self._v[layer], self._pos[layer], valid
 
     def reserve(self, layer: int, n: int, pos: Optional[torch.Tensor] = None,
                 valid_Rn: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,15 +168,15 @@ class KVCache:
         start = self.lengths[layer]
         end = start + n
         R = self.rows
-        if self._in_tail(end):
+        if self._in_tail(layer, end):
             if self.tail_owner != layer:
                 self._take_tail(layer, start)
-            if valid_Rn is not None and self.valid_NRT is None:
-                self.valid_NRT = torch.ones_like(self.pos_NRT, dtype=torch.bool)
-            if self.valid_NRT is not None and self.tail_valid_RT is None:
+            if valid_Rn is not None and self._valid is None:
+                self._make_valid()
+            if self._valid is not None and self.tail_valid_RT is None:
                 self.tail_valid_RT = torch.ones_like(self.tail_pos_RT, dtype=torch.bool)
-        elif valid_Rn is not None and self.valid_NRT is None:
-            self.valid_NRT = torch.ones_like(self.pos_NRT, dtype=torch.bool)
+        elif valid_Rn is not None and self._valid is None:
+            self._make_valid()
         k_RHTd, v_RHTd, pos_RT, valid_RT = self._buffers(layer, end)
         if pos is not None:
             pos_RT[:R, start:end].copy_(pos.expand(R, n))
@@ -136,11 +197,26 @@ class KVCache:
 
     def record_positions(self, start: int, pos_l: torch.Tensor) -> None:
         """Record positions ``pos_l`` — (l,) shared by all rows or (R, l) per row — for slots
-        [start, start + l) of every layer (one write)."""
+        [start, start + l) of every layer (one write per capacity)."""
         end = start + pos_l.shape[-1]
-        self.pos_NRT[:, :self.rows, start:end] = pos_l[..., :max(0, self.capacity - start)]
-        if end > self.capacity and self.transient:          # every layer's tail holds the same positions
+        for _, k, _, pos in self._groups:
+            pos[:, :self.rows, start:end] = pos_l[..., :max(0, k.shape[3] - start)]
+        if end > min(self.capacities) and self.transient:     # every layer's tail holds the same positions
             self.tail_pos_RT[:self.rows, start:end] = pos_l
+
+    def compact(self, layer: int, idx_RHn: torch.Tensor) -> None:
+        """Keep only the slots ``idx_RHn`` (R, H, n) of ``layer`` — each row and head its own, in
+        increasing order — moved to its first ``n`` slots (KV-cache compression). Their position
+        becomes ``COMPACTED`` (heads kept different tokens). Not after a padded write."""
+        assert self._valid is None, "compressing a cache with padding slots"
+        R, end, n = self.rows, self.lengths[layer], idx_RHn.shape[-1]
+        k_RHTd, v_RHTd, pos_RT, _ = self._buffers(layer, end)
+        take_RHnd = idx_RHn[..., None].expand(-1, -1, -1, k_RHTd.shape[-1])
+        # gather reads every kept slot into a new tensor before the front slots are overwritten
+        k_RHTd[:R, :, :n] = k_RHTd[:R, :, :end].gather(2, take_RHnd)
+        v_RHTd[:R, :, :n] = v_RHTd[:R, :, :end].gather(2, take_RHnd)
+        pos_RT[:R, :n] = COMPACTED
+        self.lengths[layer] = n
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         R, end = self.rows, self.lengths[layer]
@@ -149,7 +225,7 @@ class KVCache:
 
     def key_mask(self, layer: int) -> Optional[torch.Tensor]:
         """(R, 1, 1, length) bool (True = attend) once padding exists, else None (no mask)."""
-        if self.valid_NRT is None:
+        if self._valid is None:
             return None
         end = self.lengths[layer]
         valid_RT = self._buffers(layer, end)[3]
@@ -166,7 +242,7 @@ class KVCache:
 
     def storage_ptrs(self) -> tuple:
         """Addresses of every buffer, which captured graphs hold (a re-allocated cache invalidates them)."""
-        bufs = [self.k_NRHTd, self.v_NRHTd, self.pos_NRT]
+        bufs = [t for _, k, v, pos in self._groups for t in (k, v, pos)]
         if self.transient:
             bufs += [self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT]
         return tuple(b.data_ptr() for b in bufs)
@@ -178,11 +254,24 @@ class KVCache:
         self.rows = n
 
     def nbytes(self) -> int:
-        extra = self.valid_NRT.nbytes if self.valid_NRT is not None else 0
+        total = sum(t.nbytes for _, k, v, pos in self._groups for t in (k, v, pos))
+        total += sum(v.nbytes for v in self._valid_groups)
         if self.transient:
-            extra += self.tail_k_RHTd.nbytes + self.tail_v_RHTd.nbytes + self.tail_pos_RT.nbytes
-            extra += self.tail_valid_RT.nbytes if self.tail_valid_RT is not None else 0
-        return self.k_NRHTd.nbytes + self.v_NRHTd.nbytes + self.pos_NRT.nbytes + extra
+            total += self.tail_k_RHTd.nbytes + self.tail_v_RHTd.nbytes + self.tail_pos_RT.nbytes
+            total += self.tail_valid_RT.nbytes if self.tail_valid_RT is not None else 0
+        return total
+
+
+def layer_capacities(slots_after: Optional[Sequence[Sequence[int]]], token_counts: Sequence[int],
+                     tail: bool) -> Optional[tuple[int, ...]]:
+    """The slots each layer's cache needs when a policy compresses it (``Policy.kv_slots``):
+    ``slots_after[layer][si]``, what the layer holds after scale ``si``, plus the next scale's
+    ``token_counts``, at its largest; with ``tail`` the last scale goes to the shared transient tail
+    and is left out. None (no compression): None."""
+    if slots_after is None:
+        return None
+    S = len(token_counts) - (1 if tail else 0)
+    return tuple(max((after[si - 1] if si else 0) + token_counts[si] for si in range(S)) for after in slots_after)
 
 
 # The full KV cache (no shared last-scale tail) is kept up to this size: the tail costs one copy of

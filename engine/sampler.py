@@ -119,6 +119,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
     ok = False
     try:
         policies.validate(run.info)
+        run.kv_slots = policies.kv_slots(run.info)
         adapter.begin(run, conditioning)
         policies.begin(run)
         timer = _ScaleTimer(run.device)

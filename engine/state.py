@@ -158,6 +158,7 @@ class RunState:
     model_state: dict[str, Any] = field(default_factory=dict)
     policy_state: dict[str, Any] = field(default_factory=dict)
     workspace: Optional[Any] = None
+    kv_slots: Optional[tuple] = None               # per layer, its cache's slots after each scale (PolicyStack.kv_slots)
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
     keys_read: Optional[float] = None              # set by a policy that narrows attention (ScaleStats.keys_read)
     cuda_graphs: bool = False                       # the engine replays scales from CUDA graphs this run

@@ -167,11 +167,13 @@ class _FlexVARWorkspace(Workspace):
     """The buffers of one batch size and schedule: the KV cache, the per-row AdaLN and head
     modulation, the positions of every token, the next scales' inputs and the last codes."""
 
-    def __init__(self, model: FlexVARTransformer, batch: int, schedule: ScaleSchedule, device, dtype):
+    def __init__(self, model: FlexVARTransformer, batch: int, schedule: ScaleSchedule, device, dtype, kv_slots=None):
         cfg = model.config
         super().__init__(device, schedule.total_tokens)
         R, C, L = 2 * batch, cfg.embed_dim, schedule.total_tokens
-        self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, L, dtype, device)
+        self.kv = KVCache.for_schedule(cfg.depth, R, cfg.num_heads, C // cfg.num_heads,
+                                       [schedule.tokens(si) for si in range(schedule.num_scales)], dtype, device,
+                                       kv_slots)
         self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
         self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
@@ -225,8 +227,8 @@ class FlexVARAdapter(VARAdapter):
         # captured graphs hold the weights' addresses: a model moved away and back has new storage
         # (weights changed in place have a new version: the workspace holds what depends on them alone)
         weights, versioned = m.weights_key()
-        ws = self.workspace((B, sch.hw, self.device, self.dtype, weights),
-                            lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype))
+        ws = self.workspace((B, sch.hw, self.device, self.dtype, weights, run.kv_slots),
+                            lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype, run.kv_slots))
         if not versioned:
             ws.fill_weight_constants(m, sch)
         labels_B = cond.class_labels.to(self.device, torch.long)

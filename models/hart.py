@@ -526,11 +526,13 @@ class _HARTWorkspace(Workspace):
     the next scale's input, the text embeddings, every row's RoPE tables and the last scale's hidden
     states (the diffusion head's condition)."""
 
-    def __init__(self, model: HARTTransformer, batch: int, schedule: ScaleSchedule, device, dtype):
+    def __init__(self, model: HARTTransformer, batch: int, schedule: ScaleSchedule, device, dtype, kv_slots=None):
         super().__init__(device, schedule.total_tokens)
         cfg = model.config
         R, L = 2 * batch, schedule.total_tokens
-        self.kv = KVCache(cfg.depth, R, cfg.num_heads, model.head_dim, L, dtype, device)
+        self.kv = KVCache.for_schedule(cfg.depth, R, cfg.num_heads, model.head_dim,
+                                       [schedule.tokens(si) for si in range(schedule.num_scales)], dtype, device,
+                                       kv_slots)
         P = cfg.patch_nums[-1]
         self.f_hat = torch.zeros(batch, cfg.z_channels, P, P, device=device, dtype=torch.float32)
         self.next_BLC = torch.zeros(batch, L, cfg.z_channels, device=device, dtype=torch.float32)
@@ -592,8 +594,8 @@ class HARTAdapter(ModelAdapter):
         if tuple(cond.context_BTD.shape[:2]) != (B, T):
             raise ValueError(f"context of shape {tuple(cond.context_BTD.shape)}: need ({B}, {T}, D) for {B} images")
         # captured graphs hold the weights' addresses: a model moved away and back has new storage
-        key = (B, dev, self.dtype, tuple(p.data_ptr() for p in m.parameters()))
-        ws = self.workspace(key, lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype))
+        key = (B, dev, self.dtype, tuple(p.data_ptr() for p in m.parameters()), run.kv_slots)
+        ws = self.workspace(key, lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype, run.kv_slots))
         run.cfg_active = float(run.settings.guidance_scale) != 0.0
         ctx = cond.context_BTD.to(dev, torch.float32)
         pos_BT = cond.position_ids_BT.to(dev)

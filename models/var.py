@@ -349,11 +349,12 @@ class _VARWorkspace(Workspace):
     per image on the demo model in float32), the latent, the per-row conditioning, and — once the
     engine replays from CUDA graphs — the graphs with their memory pool (engine/graphs.py)."""
 
-    def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype):
+    def __init__(self, model: VARTransformer, vae_channels: int, batch: int, device, dtype, kv_slots=None):
         cfg, sch = model.config, model.schedule
         super().__init__(device, sch.total_tokens)
         R, C = 2 * batch, cfg.embed_dim
-        self.kv = KVCache(cfg.depth, R, cfg.num_heads, C // cfg.num_heads, sch.total_tokens, dtype, device)
+        self.kv = KVCache.for_schedule(cfg.depth, R, cfg.num_heads, C // cfg.num_heads,
+                                       [sch.tokens(si) for si in range(sch.num_scales)], dtype, device, kv_slots)
         H, W = sch.latent_hw
         self.f_hat_BChw = torch.zeros(batch, vae_channels, H, W, device=device, dtype=torch.float32)
         self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
@@ -415,8 +416,9 @@ class VARAdapter(ModelAdapter):
         # also holds what depends on the weights alone (positions, qkv biases, q/k multipliers),
         # so weights changed in place (a new version) make a new one too
         weights, versioned = m.weights_key()
-        ws = self.workspace((B, self.device, self.dtype, weights),
-                            lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype))
+        ws = self.workspace((B, self.device, self.dtype, weights, run.kv_slots),
+                            lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype,
+                                                  run.kv_slots))
         if not versioned:
             ws.fill_weight_constants(m)
         labels_B = class_labels_B.to(self.device, torch.long)

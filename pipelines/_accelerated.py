@@ -20,6 +20,7 @@ from ..engine.sampler import generate
 from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
+from ..policies.scalekv import ScaleKVConfig, ScaleKVPolicy, scalekv_preset
 from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace, check_calibration,
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
@@ -399,6 +400,26 @@ class AcceleratedPipelineMixin:
     def disable_sparvar(self):
         return self.remove_policy(SparVARPolicy.name)
 
+    @property
+    def scalekv_preset(self) -> ScaleKVConfig:
+        """What ``enable_scalekv()`` uses: the family's preset (``SCALEKV_PRESETS``; Infinity-2B and
+        8B: the release's budgets and drafter layers)."""
+        return scalekv_preset(self.PRESET_FAMILY, self.adapter().num_layers)
+
+    def enable_scalekv(self, config: Optional[ScaleKVConfig] = None, **overrides):
+        """Scale-aware KV-cache compression (memory, not speed): after each scale, refiner layers keep
+        a budget of their cached keys, drafter layers everything, and the cache is allocated for
+        what they keep. ``config`` defaults to :attr:`scalekv_preset`; e.g. ``budget=0.1``
+        (1 keeps everything). Combines with scale skipping and cond-only; cannot be combined with
+        SparVAR, SparseVAR or FastVAR."""
+        if config is None:
+            config = self.scalekv_preset
+        cfg = self._config(config, ScaleKVConfig, {}, overrides, "enable_scalekv")
+        return self.add_policy(ScaleKVPolicy(cfg))
+
+    def disable_scalekv(self):
+        return self.remove_policy(ScaleKVPolicy.name)
+
     def enable_scale_skip(self, config: Optional[ScaleSkipConfig] = None, *, skip_last: Optional[int] = None,
                           cond_only_from: Optional[int] = None):
         """Skip the last ``skip_last`` scales and/or run scales from ``cond_only_from`` (negative =
@@ -457,7 +478,8 @@ class AcceleratedPipelineMixin:
             if wrong or not listed:
                 q = wrong[0] if wrong else policies
                 wrap = {SparseVARConfig: "SparseVARPolicy", FastVARConfig: "FastVARPolicy",
-                        ScaleSkipConfig: "ScaleSkipPolicy"}.get(type(q), "SparseVARPolicy")
+                        ScaleSkipConfig: "ScaleSkipPolicy", ScaleKVConfig: "ScaleKVPolicy",
+                        SparVARConfig: "SparVARPolicy"}.get(type(q), "SparseVARPolicy")
                 got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
         check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"

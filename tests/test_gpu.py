@@ -126,7 +126,9 @@ def test_interrupt_and_release_leave_no_gpu_memory_behind():
     lambda p: p.enable_sparsevar(tau=0.5, start_scale=-3),
     lambda p: p.enable_fastvar(),
     lambda p: p.enable_scale_skip(skip_last=1, cond_only_from=-3),
-], ids=["sparsevar-keep", "sparsevar-tau", "fastvar", "skip+cond-only"])
+    lambda p: p.enable_scalekv(budget=0.3, min_tokens=0),
+    lambda p: p.enable_scalekv(budget=0.3, min_tokens=0).enable_scale_skip(skip_last=1, cond_only_from=-3),
+], ids=["sparsevar-keep", "sparsevar-tau", "fastvar", "skip+cond-only", "scalekv", "scalekv+skip+cond-only"])
 def test_policies_with_cuda_graphs_match_eager(enable):
     """Graphs replay only the scales no policy touches; the result must not depend on them."""
     pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)

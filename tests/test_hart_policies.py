@@ -15,6 +15,7 @@ from sparsevar.policies import FastVARConfig, ScaleSkipConfig, SparseVARConfig, 
 from sparsevar.policies.fastvar import FastVARPolicy
 from sparsevar.policies.scale_skip import ScaleSkipPolicy
 from sparsevar.policies.sparsevar import SparseVARPolicy
+from sparsevar.policies.scalekv import ScaleKVConfig, ScaleKVPolicy
 from sparsevar.policies.sparvar import SparVARPolicy
 
 
@@ -49,7 +50,8 @@ def dense(adapter, inputs):
     FastVARPolicy(FastVARConfig(ratios=(0.0, 0.0))),
     ScaleSkipPolicy(ScaleSkipConfig()),
     SparVARPolicy(SparVARConfig.dense()),
-], ids=["sparsevar", "fastvar", "scale_skip", "sparvar"])
+    ScaleKVPolicy(ScaleKVConfig.dense()),
+], ids=["sparsevar", "fastvar", "scale_skip", "sparvar", "scalekv"])
 def test_neutral_settings_reproduce_dense(adapter, inputs, dense, policy):
     out, codes = _run(adapter, inputs, policy)
     (want, want_codes) = dense
@@ -63,15 +65,17 @@ def test_neutral_settings_reproduce_dense(adapter, inputs, dense, policy):
     SparseVARPolicy(SparseVARConfig(keep_ratio=0.3, block=1)),
     FastVARPolicy(FastVARConfig(ratios=(0.5, 0.75))),
     SparVARPolicy(SparVARConfig(decision_scale=-4, top_keys=0.2, windows=(3, 1), sink_scales=1, query_group=4)),
-], ids=["sparsevar", "fastvar", "sparvar"])
+    ScaleKVPolicy(ScaleKVConfig(budget=0.3, min_tokens=0, window=4)),
+], ids=["sparsevar", "fastvar", "sparvar", "scalekv"])
 def test_active_settings_act_and_the_diffusion_head_gets_the_full_map(adapter, inputs, dense, policy):
     out, codes = _run(adapter, inputs, policy)
     want, want_codes = dense
     assert (out.images - want.images).abs().max() > 1e-4
     assert torch.isfinite(out.images).all() and out.images.shape == want.images.shape
     stats = out.stats.scales
-    if isinstance(policy, SparVARPolicy):
+    if isinstance(policy, (SparVARPolicy, ScaleKVPolicy)):
         assert all(s.keys_read is not None for s in stats[-3:])
+        assert stats[-1].keys_read < sum(s.tokens for s in stats)                  # fewer than every key
     else:
         assert sum(s.tokens_computed for s in stats) < sum(s.tokens_computed for s in want.stats.scales)
 

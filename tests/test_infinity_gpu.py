@@ -123,7 +123,8 @@ def _codes(pipe, prompts, graphs, seed=3, **kw):
     lambda p: p,
     lambda p: p.enable_sparsevar(keep_ratio=0.5, start_scale=-3, block=0),      # the tiny model has 2 groups
     lambda p: p.enable_scale_skip(skip_last=1),
-], ids=["dense", "sparsevar-keep", "skip"])
+    lambda p: p.enable_scalekv(budget=0.3, min_tokens=50, drafters=(1,)),
+], ids=["dense", "sparsevar-keep", "skip", "scalekv"])
 def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
     """Dense scales replay whole from graphs, SparseVAR's subsets replay their layer stacks: the sampled
     bits equal the eager run's bit for bit, at the capturing call and at a replaying one; with the

@@ -116,3 +116,38 @@ def test_sparvar_on_infinity_neutral_matches_dense_and_the_preset_reads_fewer_ke
     assert [s.keys_read is None for s in stats] == [True] * (len(SCALES) - 3) + [False] * 3
     assert all(s.keys_read < p for s, p in zip(stats[-2:], prefix[-2:]))
     assert pipe.flop_speedup(out.stats[0], height=256, width=256) > 1.0
+
+
+def test_scalekv_on_infinity_neutral_is_dense_and_a_budget_keeps_the_last_scale_in_the_tail(pipe):
+    """ScaleKV through Infinity's RoPE self-attention: ``ScaleKVConfig.dense()`` is dense bit for bit;
+    a budget changes the codes, reads fewer keys, and allocates each refiner layer for its kept keys
+    only, the last scale going to the tail the layers share (a compressed cache always takes it)."""
+    from sparsevar import ScaleKVConfig
+    from sparsevar.policies import Policy
+
+    class KVSeen(Policy):                           # the cache after the last scale (freed before the decode)
+        name = "kv_seen"
+
+        def after_scale(self, si, guided_logits_BLV, run):
+            kv = run.workspace.kv
+            self.seen = (list(kv.lengths), kv.capacities, kv.transient)
+
+    seen = KVSeen()
+    pipe.add_policy(seen)
+    dense, dense_codes = _run(pipe)
+    assert seen.seen[2] == 0                                       # a small cache: no tail
+    pipe.enable_scalekv(ScaleKVConfig.dense())
+    out, codes = _run(pipe)
+    _assert_same_codes(codes, dense_codes, len(SCALES))
+    assert torch.equal(out.images, dense.images)
+    pipe.disable_scalekv().enable_scalekv(budget=0.2, drafters=(0,), min_tokens=100)
+    out, codes = _run(pipe)
+    assert any(not torch.equal(a, b) for a, b in zip(codes, dense_codes))
+    prefix = [sum(s * s for s in SCALES[:k + 1]) for k in range(len(SCALES))]          # 1, 5, …, 265, 521
+    # after 8x8 (121 cached > 100) and 12x12 the refiners keep a fifth of what was generated
+    keep = [int(0.2 * prefix[4] + 0.5), int(0.2 * prefix[5] + 0.5)]                    # 24, 53
+    lengths, capacities, transient = seen.seen
+    assert transient == SCALES[-1] ** 2 and capacities == (prefix[-2],) + (keep[0] + SCALES[5] ** 2,) * 3
+    assert lengths == [prefix[-1]] + [keep[1] + SCALES[-1] ** 2] * 3
+    reads = [s.keys_read for s in out.stats[0].scales]
+    assert reads[-1] == pytest.approx((prefix[-1] + 3 * (keep[1] + SCALES[-1] ** 2)) / 4)

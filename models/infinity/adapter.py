@@ -45,26 +45,25 @@ class _InfinityWorkspace(Workspace):
     keeps one at a time (``InfinityAdapter.begin``): a call of another shape frees it first."""
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
-                 patchify: bool, device, dtype, kv_tail="auto"):
+                 patchify: bool, device, dtype, kv_tail="auto", kv_slots=None):
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
         super().__init__(device, L)
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
-        last = hw[-1][0] * hw[-1][1]
         if kv_tail not in ("auto", True, False):
             raise ValueError(f"kv_tail={kv_tail!r}: choose 'auto', True (a last-scale tail shared by the layers) "
                              f"or False (the whole cache per layer)")
         full_bytes = 2 * N * R * L * C * torch.empty((), dtype=dtype).element_size()
-        self.kv_tail = kv_tail_needed(full_bytes, torch.device(device)) if kv_tail == "auto" else bool(kv_tail)
-        if self.kv_tail:
-            # nothing attends to the last scale's keys afterwards: it gets a tail shared by all layers
-            # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9)
-            self._kv_args = (N, R, cfg.num_heads, model.head_dim, L - last, dtype, device)
-            self._kv_transient = last
+        # nothing attends to the last scale's keys afterwards: it may get a tail shared by all layers
+        # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9);
+        # a compressed cache (kv_slots) always takes it, as the last scale is then most of each layer's
+        if kv_tail == "auto":
+            self.kv_tail = kv_slots is not None or kv_tail_needed(full_bytes, torch.device(device))
         else:
-            self._kv_args = (N, R, cfg.num_heads, model.head_dim, L, dtype, device)
-            self._kv_transient = 0
+            self.kv_tail = bool(kv_tail)
+        self._kv_args = (N, R, cfg.num_heads, model.head_dim, [h * w for h, w in hw], dtype, device, kv_slots,
+                         self.kv_tail)
         self.kv: Optional[KVCache] = None
         self.ensure_kv()
         H, W = hw[-1]
@@ -174,7 +173,7 @@ class _InfinityWorkspace(Workspace):
     def ensure_kv(self) -> KVCache:
         """The KV cache, allocated again if :meth:`drop_kv` freed it for the decoder."""
         if self.kv is None:
-            self.kv = KVCache(*self._kv_args, transient=self._kv_transient)
+            self.kv = KVCache.for_schedule(*self._kv_args)
         return self.kv
 
     def drop_kv(self) -> None:
@@ -240,9 +239,9 @@ class InfinityAdapter(ModelAdapter):
         if run.schedule.hw != cond.resolution.hw:
             raise ValueError(f"the run's schedule {run.schedule} is not that of {cond.resolution}")
         res = cond.resolution
-        key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail)
+        key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail, run.kv_slots)
         ws = self.workspace(key, lambda: _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
-                                                            self.device, self.dtype, self.kv_tail))
+                                                            self.device, self.dtype, self.kv_tail, run.kv_slots))
         run.cfg_active = float(run.settings.guidance_scale) != 1.0
         text = cond.prompt
         if run.cfg_active:
