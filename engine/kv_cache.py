@@ -55,6 +55,7 @@ class KVCache:
                 self._k[i], self._v[i], self._pos[i] = k[j], v[j], pos[j]
         self._valid: Optional[list] = None          # per layer (rows, slots) bool, once a padded write happened
         self._valid_groups: list = []
+        self._undo: Optional[list] = None            # what compactions overwrote, while recording (keep_undo)
         self.capacity = capacity
         self.lengths = [0] * num_layers   # host ints: fill length per layer
         self.rows = rows
@@ -211,12 +212,30 @@ class KVCache:
         assert self._valid is None, "compressing a cache with padding slots"
         R, end, n = self.rows, self.lengths[layer], idx_RHn.shape[-1]
         k_RHTd, v_RHTd, pos_RT, _ = self._buffers(layer, end)
+        if self._undo is not None:
+            self._undo.append((k_RHTd[:R, :, :n], v_RHTd[:R, :, :n], pos_RT[:R, :n],
+                               k_RHTd[:R, :, :n].clone(), v_RHTd[:R, :, :n].clone(), pos_RT[:R, :n].clone()))
         take_RHnd = idx_RHn[..., None].expand(-1, -1, -1, k_RHTd.shape[-1])
         # gather reads every kept slot into a new tensor before the front slots are overwritten
         k_RHTd[:R, :, :n] = k_RHTd[:R, :, :end].gather(2, take_RHnd)
         v_RHTd[:R, :, :n] = v_RHTd[:R, :, :end].gather(2, take_RHnd)
         pos_RT[:R, :n] = COMPACTED
         self.lengths[layer] = n
+
+    def keep_undo(self) -> None:
+        """From now on, keep what each :meth:`compact` overwrites, so that :meth:`undo` can put it
+        back: a CUDA-graph capture runs a scale once before capturing it (engine/graphs.py), and a
+        compaction, unlike a write of new slots, would change what the captured run reads."""
+        self._undo = []
+
+    def undo(self) -> None:
+        """Put back what the compactions since :meth:`keep_undo` overwrote (the fill lengths are
+        host state, restored by the caller) and stop keeping it."""
+        for dst_k, dst_v, dst_pos, k, v, pos in reversed(self._undo or []):
+            dst_k.copy_(k)
+            dst_v.copy_(v)
+            dst_pos.copy_(pos)
+        self._undo = None
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         R, end = self.rows, self.lengths[layer]

@@ -111,6 +111,17 @@ def test_compaction_moves_each_heads_kept_slots_to_the_front():
     assert kv.pos_NRT[1, :, :3].eq(COMPACTED).all() and kv.pos_NRT[1, :, 3:6].tolist() == [[3, 4, 5]] * 2
     after_k, _ = kv.append(1, torch.ones(2, 2, 1, 3), torch.ones(2, 2, 1, 3))          # appends after the kept
     assert after_k.shape[2] == 4 and after_k[:, :, 3].eq(1).all()
+    # a capture's warm-up compacts and then puts back what it overwrote (engine/graphs.py)
+    kv.reset()
+    kv.append(1, k, -k, pos=torch.arange(6))
+    kv.keep_undo()
+    kv.compact(1, idx)
+    kv.undo()
+    kv.set_host_state(([0, 6], None))
+    assert torch.equal(kv.view(1)[0], k) and torch.equal(kv.view(1)[1], -k)
+    assert kv.pos_NRT[1, :, :6].tolist() == [list(range(6))] * 2
+    kv.compact(1, idx)                                                                  # no longer kept
+    assert kv._undo is None
 
 
 def test_layers_of_different_capacities_get_their_own_buffers():
