@@ -1041,6 +1041,27 @@ def cmd_bench(args) -> int:
         if not rows:
             raise CLIError("no setting could run (the lines above say why); nothing was written")
         return 0
+    if args.what == "memory":
+        import torch
+
+        from .benchmarks.bench_memory import SETTINGS, run_memory
+        if not torch.cuda.is_available():
+            raise CLIError("bench memory measures GPU memory: it needs a CUDA device (this machine has none)")
+        unknown = [s for s in args.settings if s not in SETTINGS]
+        if unknown:
+            raise CLIError(f"--settings {' '.join(unknown)}: unknown; choose from {', '.join(SETTINGS)}")
+        total = torch.cuda.get_device_properties(0).total_memory / 1e9
+        for gb in args.card_gb:
+            if not 0 < gb <= total:
+                raise CLIError(f"--card-gb {gb:g}: give a card size in GB between 0 and this GPU's {total:.0f}")
+        _at_least(args.runs, 1, "--runs", "time each setting at least once")
+        _at_least(args.warmup, 0, "--warmup", "give the number of untimed runs, 0 or more")
+        _check_writable(args.out, "--out")
+        rows = run_memory(args.models, args.card_gb, args.settings, runs=args.runs, warmup=args.warmup,
+                          real_text_encoder=not args.tiny_text_encoder, out=args.out)
+        if not rows:
+            raise CLIError("no setting could run (the lines above say why); nothing was written")
+        return 0
     raise CLIError(f"unknown benchmark {args.what!r}")
 
 
@@ -1237,7 +1258,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dry-run", action="store_true", help="measure and print; leave the folder as it is")
     k.set_defaults(func=cmd_calibrate)
 
-    b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU), `bench quality`, `bench observe`, `bench ops` (GPU)")
+    b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU), `bench memory` (GPU), `bench quality`, `bench observe`, `bench ops` (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
     q = bsub.add_parser("quality", help="PSNR / SSIM against dense, speed-up and kept ratio per setting; CSV, "
                                          "plot and image grids (default model: the demo)")
@@ -1281,6 +1302,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "nothing)")
     b.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
     b.set_defaults(func=cmd_bench)
+    m = bsub.add_parser("memory", help="peak GPU memory and time per memory setting (offload, ScaleKV) on a "
+                                       "simulated card size (GPU)")
+    m.add_argument("--models", nargs="+", default=["infinity-2b"],
+                   help="infinity-2b, infinity-8b (with Flan-T5-XL's encoder at real size), hart-0.7b, var-d30 …; "
+                        "random weights at real size")
+    m.add_argument("--card-gb", type=float, nargs="+", default=[80.0], metavar="GB",
+                   help="simulated card sizes (torch.cuda.set_per_process_memory_fraction)")
+    m.add_argument("--settings", nargs="+", default=["dense", "offload", "scalekv", "scalekv+offload"],
+                   help="dense, offload, scalekv, scalekv+offload, scalekv+offload+cond-only-last-3")
+    m.add_argument("--runs", type=int, default=3)
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--tiny-text-encoder", action="store_true",
+                   help="Infinity: a 1-layer random T5 instead of Flan-T5-XL's encoder size")
+    m.add_argument("--out", type=Path, default=Path("benchmarks/results/memory.csv"), help="CSV path")
+    m.set_defaults(func=cmd_bench)
     return p
 
 

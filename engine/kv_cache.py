@@ -24,6 +24,7 @@ tail), at the price of one copy of each layer's cache at the last scale.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -43,13 +44,20 @@ class KVCache:
         self._v: list = [None] * num_layers
         self._pos: list = [None] * num_layers
         self._groups: list = []            # (layers, k, v, pos) per capacity, the largest first
-        for c in sorted(set(caps), reverse=True):
-            layers = [i for i, x in enumerate(caps) if x == c]
-            shape = (len(layers), rows, heads, c, head_dim)
-            # uninitialised: only written slots (below each layer's length) are ever read, and a 3.5 GB
-            # memset would cost a millisecond at every (re)allocation
-            k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-            pos = torch.full((len(layers), rows, c), -1, dtype=torch.long, device=device)
+        groups = [(c, [i for i, x in enumerate(caps) if x == c]) for c in sorted(set(caps), reverse=True)]
+        shapes = [s for c, layers in groups for s in (((len(layers), rows, heads, c, head_dim), dtype),) * 2
+                  + (((len(layers), rows, c), torch.long),)]
+        if transient:
+            tshape = (rows, heads, capacity + transient, head_dim)
+            shapes += [(tshape, dtype), (tshape, dtype), ((rows, capacity + transient), torch.long)]
+        # one allocation for every buffer: freed for the decoder and made again (Infinity), a single block
+        # comes back at the same address, which the captured graphs hold. Uninitialised: only written
+        # slots (below each layer's length) are ever read, and a 3.5 GB memset would cost a millisecond
+        # at every (re)allocation; the positions are set to -1 (empty)
+        views = _carve(shapes, device)
+        for j, (c, layers) in enumerate(groups):
+            k, v, pos = views[3 * j:3 * j + 3]
+            pos.fill_(-1)
             self._groups.append((layers, k, v, pos))
             for j, i in enumerate(layers):
                 self._k[i], self._v[i], self._pos[i] = k[j], v[j], pos[j]
@@ -62,10 +70,8 @@ class KVCache:
         self.transient = transient
         self.tail_owner: Optional[int] = None      # the layer whose contents the shared tail holds
         if transient:
-            tshape = (rows, heads, capacity + transient, head_dim)
-            self.tail_k_RHTd = torch.empty(tshape, dtype=dtype, device=device)
-            self.tail_v_RHTd = torch.empty(tshape, dtype=dtype, device=device)
-            self.tail_pos_RT = torch.full((rows, capacity + transient), -1, dtype=torch.long, device=device)
+            self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT = views[-3:]
+            self.tail_pos_RT.fill_(-1)
             self.tail_valid_RT: Optional[torch.Tensor] = None
 
     @classmethod
@@ -279,6 +285,17 @@ class KVCache:
             total += self.tail_k_RHTd.nbytes + self.tail_v_RHTd.nbytes + self.tail_pos_RT.nbytes
             total += self.tail_valid_RT.nbytes if self.tail_valid_RT is not None else 0
         return total
+
+
+def _carve(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], device) -> list[torch.Tensor]:
+    """Tensors of these (shape, dtype) as views of one allocation, each at a 256-byte boundary."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 256) * 256
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    return [buf[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, shapes)]
 
 
 def layer_capacities(slots_after: Optional[Sequence[Sequence[int]]], token_counts: Sequence[int],

@@ -86,7 +86,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
              keep_workspace: bool = True,
              stop: Optional[Callable[[], bool]] = None,
              schedule: Optional[ScaleSchedule] = None,
-             graph_max_tokens: Optional[int] = None) -> GenerationResult:
+             graph_max_tokens: Optional[int] = None,
+             before_decode: Optional[Callable[[], None]] = None) -> GenerationResult:
     """Run every scale of one generation and decode the result.
 
     cuda_graphs: replay scales from CUDA graphs (CUDA only; captured in the workspace at the first
@@ -104,6 +105,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         that memory to its VAE). On an exception (e.g. an interrupt raised by ``callback``) the
         workspace is always released. On the CPU, the memory the call freed is handed back to the
         operating system at its end (``trim_host_heap``).
+    before_decode: called after the scale loop, before the decode (a pipeline's model offload puts
+        the decoder on the GPU there).
     schedule: the scales of this generation, for families whose output size is chosen per call
         (Infinity); default ``adapter.schedule``. Policies see it in ``run.schedule`` / ``run.info``.
     """
@@ -190,6 +193,8 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         images = None
         run.policy_state.clear()                       # the policies' maps and caches: free before decoding
         if decode:
+            if before_decode is not None:
+                before_decode()
             t = _ScaleTimer(run.device)
             t.start(0)
             images = adapter.decode(run)

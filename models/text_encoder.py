@@ -212,5 +212,22 @@ def random_t5(d_model: int, seed: int = 0, vocab_words: Optional[Sequence[str]] 
     return tokenizer, model.eval().requires_grad_(False)
 
 
+def random_t5_xl(device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """(tokenizer, T5EncoderModel) of Flan-T5-XL's encoder size (24 layers, width 2048, 32 heads,
+    gated-GELU FFN of 5120, 32128-token vocabulary; 1.2 B parameters) with random weights, built on
+    ``device``: for memory and speed benchmarks, which must hold and run the encoder the released
+    Infinity models use. The tokenizer is :func:`random_t5`'s word-level one."""
+    from transformers import T5Config, T5EncoderModel
+    tokenizer, _ = random_t5(2048, seed=seed)
+    cfg = T5Config(vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24,
+                   num_heads=32, feed_forward_proj="gated-gelu", dropout_rate=0.0, is_encoder_decoder=False,
+                   use_cache=False, pad_token_id=0, eos_token_id=1)
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
+        torch.manual_seed(seed)
+        model = T5EncoderModel(cfg).to(dtype)
+    return tokenizer, model.eval().requires_grad_(False)
+
+
 __all__ = ["TextFeatures", "pack_hidden_states", "load_t5", "tokenize", "encode_token_ids", "encode_prompts",
-           "random_t5", "check_text_encoder_folder", "check_tokenizer_files", "T5_MAX_LENGTH"]
+           "random_t5", "random_t5_xl", "check_text_encoder_folder", "check_tokenizer_files", "T5_MAX_LENGTH"]

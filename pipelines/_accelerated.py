@@ -9,7 +9,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import PIL.Image
@@ -25,6 +25,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
+from .offload import ModelOffload
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
 
@@ -135,17 +136,16 @@ def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str)
     of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
     :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
     and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags)."""
-    adapter = pipe.adapter()
+    device = pipe._execution_device if pipe.model_cpu_offload else pipe.adapter().device
     total = sum(needed.values())
-    if total <= _free_bytes(adapter.device):            # the usual case, without counting the weights
+    if total <= _free_bytes(device):                    # the usual case, without counting the weights
         return
-    available = memory_available(adapter.device, [c for c in pipe.components.values()
-                                                  if isinstance(c, torch.nn.Module)])
+    available = memory_available(device, [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)])
     if total <= available:
         return
     fit = int(available // (total / batch_size))
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
-    raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {adapter.device.type}, and "
+    raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {device.type}, and "
                      f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
 
 
@@ -163,12 +163,68 @@ class AcceleratedPipelineMixin:
 
     PRESET_FAMILY: str = "var"
     DEFAULTS: FamilyDefaults = VAR_DEFAULTS
+    DECODER: str = "vqvae"                             # the component that turns the latent into pictures
     _output_class: type
 
     def __init__(self):
         super().__init__()
         self._policies, self._adapter, self._kernels = PolicyStack(), None, "torch"
         self._interrupt, self._current_scale = False, None
+        self._model_offload: Optional[ModelOffload] = None
+
+    # ---- offload (diffusers' semantics, pipelines/offload.py) ------------------------------------
+    def enable_model_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
+        """Keep every component in (pinned) CPU memory and put each on the GPU only while it runs:
+        the text encoder for the prompt, the transformer for the scale loop (the text encoder leaves
+        before the first scale), the tokenizer's decoder for the picture (the transformer leaves
+        first); at the end of a call everything is back on the CPU. The GPU then holds the largest
+        phase (one component and its working memory), not their sum; each call copies each
+        component to the GPU once. The workspace of the last call (KV cache, CUDA graphs) stays on
+        the GPU between calls (:meth:`release_memory` frees it).
+
+        gpu_id / device: the GPU to run on (diffusers' arguments; default ``cuda:0``). Needs CUDA."""
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            have = f"device={device!r} is not a GPU" if dev.type != "cuda" else "this machine has no CUDA device"
+            raise ValueError(f"enable_model_cpu_offload needs a CUDA GPU to offload from ({have}); on the CPU "
+                             f"every component already is in CPU memory: leave it out")
+        index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        self.disable_model_cpu_offload()
+        self.release_memory()
+        modules = {k: v for k, v in self.components.items() if isinstance(v, torch.nn.Module)}
+        self._model_offload = ModelOffload(modules, torch.device("cuda", index))
+        torch.cuda.empty_cache()
+        return self
+
+    def disable_model_cpu_offload(self):
+        """Stop offloading: the components stay in CPU memory (``pipe.to("cuda")`` moves them back)."""
+        if self._model_offload is not None:
+            self._model_offload.close()
+            self._model_offload = None
+        return self
+
+    @property
+    def model_cpu_offload(self) -> bool:
+        return self._model_offload is not None
+
+    def _load_component(self, name: str) -> None:
+        """Under model offload, put component ``name`` on the GPU (the previous one leaves)."""
+        if self._model_offload is not None and name in self._model_offload.names:
+            self._model_offload.load(name)
+
+    def maybe_free_model_hooks(self):
+        """diffusers calls this at the end of a call: under model offload every component goes back
+        to the CPU."""
+        if self._model_offload is not None:
+            self._model_offload.offload()
+
+    @property
+    def _execution_device(self) -> torch.device:
+        if self._model_offload is not None:
+            return self._model_offload.device
+        return super()._execution_device
 
     def to(self, *args, **kwargs):
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
@@ -177,6 +233,9 @@ class AcceleratedPipelineMixin:
         for value in (*args, kwargs.get("device"), kwargs.get("torch_device")):
             if not isinstance(value, (str, torch.device)):
                 continue
+            if getattr(self, "_model_offload", None) is not None:
+                raise ValueError(f"to({str(value)!r}) while model CPU offload is on (it moves each component to the "
+                                 f"GPU while it runs); call pipe.disable_model_cpu_offload() first")
             try:
                 device = torch.device(value)
             except (RuntimeError, ValueError):
@@ -503,6 +562,7 @@ class AcceleratedPipelineMixin:
                   callback_on_step_end_tensor_inputs, use_cuda_graphs: Optional[bool], schedule=None, **engine):
         """Run ``engine.sampler.generate`` (``engine``: the family's further arguments) on checked inputs
         with the progress bar and ``callback_on_step_end``; post-process into the family's output."""
+        self._load_component("transformer")
         adapter = self.adapter()
         graphs = adapter.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._interrupt = False
@@ -526,7 +586,7 @@ class AcceleratedPipelineMixin:
             result = generate(adapter, conditioning, batch_size, settings=settings, generator=generator,
                               policies=policies, callback=on_scale, cuda_graphs=graphs,
                               decode=output_type != "latent", stop=lambda: self._interrupt, schedule=schedule,
-                              **engine)
+                              before_decode=lambda: self._load_component(self.DECODER), **engine)
             skipped = sum(s.skipped for s in result.stats.scales)
             if skipped and not self._interrupt:         # skipped scales are done too (not those after a stop)
                 pbar.set_postfix_str(f"{skipped} skipped", refresh=False)

@@ -144,6 +144,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     def encode_prompt(self, prompt: Union[str, Sequence[str]]):
         """(context (B, T, D), mask (B, T), position ids (B, T)) of the prompts, as the reference
         encodes them (system prompt in front, padded to the transformer's text slots)."""
+        self._load_component("text_encoder")
         return encode_hart_prompts(self.tokenizer, self.text_encoder, prompt,
                                    max_length=self.transformer.config.context_token)
 

@@ -57,6 +57,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     PRESET_FAMILY = PRESET_FAMILY
     DEFAULTS = INFINITY_DEFAULTS
+    DECODER = "vae"
     _output_class = InfinityPipelineOutput
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
@@ -206,6 +207,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     @torch.no_grad()
     def encode_prompt(self, prompt: Union[str, Sequence[str]]) -> TextFeatures:
         """Packed T5 features of the prompts (official tokenisation: EOS, truncation at 512 tokens)."""
+        self._load_component("text_encoder")
         return encode_prompts(self.tokenizer, self.text_encoder, prompt)
 
     # ---- diffusers-style properties ------------------------------------------------------------------
