@@ -3,7 +3,8 @@
 For each model (random weights at real size; Infinity with Flan-T5-XL's encoder at its real size,
 random weights, so the text encoder's 2.4 GB are counted), each card size and each setting, one row:
 the peak memory PyTorch allocated during a call (``torch.cuda.max_memory_allocated``, the call's
-KV cache, activations and weights on the GPU included; the CUDA context is not) and the call's wall
+KV cache, activations and weights on the GPU included; the CUDA context is not) and the most its
+allocator held (``max_memory_reserved``: what a card must have, CUDA-graph pools included) and the call's wall
 time end to end (prompt encoding and decode included), median of ``runs`` after ``warmup``; or,
 where the setting does not fit the card, the reason (the pipeline's own refusal before it starts,
 or the out-of-memory error).
@@ -82,6 +83,7 @@ def run_memory(models: Sequence[str], cards_gb: Sequence[float], settings: Seque
                 _reset(pipe)
                 torch.cuda.set_per_process_memory_fraction(min(1.0, card * 1e9 / total))
                 row = dict(model=name, card_gb=card, setting=setting, settings=text, fits=False, peak_gb=float("nan"),
+                           reserved_gb=float("nan"),
                            e2e_ms=float("nan"), loop_ms=float("nan"), decode_ms=float("nan"), reason="", runs=runs,
                            gpu=gpu, torch=torch.__version__)
                 try:
@@ -98,17 +100,19 @@ def run_memory(models: Sequence[str], cards_gb: Sequence[float], settings: Seque
                             loops.append(out_.stats[0].transformer_ms)
                             decodes.append(out_.stats[0].decode_ms)
                     row.update(fits=True, peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
+                               reserved_gb=round(torch.cuda.max_memory_reserved() / 1e9, 3),
                                e2e_ms=round(statistics.median(times), 1), loop_ms=round(statistics.median(loops), 1),
                                decode_ms=round(statistics.median(decodes), 1))
                 except torch.cuda.OutOfMemoryError as e:
-                    row["reason"] = "out of memory: " + str(e).split(".")[0]
+                    row["reason"] = "out of memory: " + " ".join(str(e).split("\n")[0].split(". ")[:4])
                 except ValueError as e:                         # the pipeline's own refusal, before any work
                     row["reason"] = str(e)
                 finally:
                     torch.cuda.set_per_process_memory_fraction(1.0)
                 rows.append(row)
                 if row["fits"]:
-                    log(f"{name} card {card:g} GB {setting:34s} peak {row['peak_gb']:.2f} GB e2e {row['e2e_ms']:.1f} ms "
+                    log(f"{name} card {card:g} GB {setting:34s} peak {row['peak_gb']:.2f} GB (reserved "
+                        f"{row['reserved_gb']:.2f}) e2e {row['e2e_ms']:.1f} ms "
                         f"(loop {row['loop_ms']:.1f}, decode {row['decode_ms']:.1f})")
                 else:
                     log(f"{name} card {card:g} GB {setting:34s} does not fit: {row['reason'][:200]}")

@@ -164,6 +164,8 @@ class AcceleratedPipelineMixin:
     PRESET_FAMILY: str = "var"
     DEFAULTS: FamilyDefaults = VAR_DEFAULTS
     DECODER: str = "vqvae"                             # the component that turns the latent into pictures
+    # the components the scale loop uses (a residual tokenizer's quantizer accumulates every scale's codes)
+    LOOP_COMPONENTS: tuple = ("transformer", "vqvae")
     _output_class: type
 
     def __init__(self):
@@ -175,9 +177,9 @@ class AcceleratedPipelineMixin:
     # ---- offload (diffusers' semantics, pipelines/offload.py) ------------------------------------
     def enable_model_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
         """Keep every component in (pinned) CPU memory and put each on the GPU only while it runs:
-        the text encoder for the prompt, the transformer for the scale loop (the text encoder leaves
-        before the first scale), the tokenizer's decoder for the picture (the transformer leaves
-        first); at the end of a call everything is back on the CPU. The GPU then holds the largest
+        the text encoder for the prompt, the transformer for the scale loop (with the tokenizer where
+        its quantizer accumulates each scale's codes: VAR, FlexVAR, HART; the text encoder leaves
+        before the first scale), the tokenizer for the picture (the transformer leaves first); at the end of a call everything is back on the CPU. The GPU then holds the largest
         phase (one component and its working memory), not their sum; each call copies each
         component to the GPU once. The workspace of the last call (KV cache, CUDA graphs) stays on
         the GPU between calls (:meth:`release_memory` frees it).
@@ -209,10 +211,10 @@ class AcceleratedPipelineMixin:
     def model_cpu_offload(self) -> bool:
         return self._model_offload is not None
 
-    def _load_component(self, name: str) -> None:
-        """Under model offload, put component ``name`` on the GPU (the previous one leaves)."""
-        if self._model_offload is not None and name in self._model_offload.names:
-            self._model_offload.load(name)
+    def _load_component(self, *names: str) -> None:
+        """Under model offload, put components ``names`` on the GPU (the previous ones leave)."""
+        if self._model_offload is not None:
+            self._model_offload.load(*names)
 
     def maybe_free_model_hooks(self):
         """diffusers calls this at the end of a call: under model offload every component goes back
@@ -562,7 +564,7 @@ class AcceleratedPipelineMixin:
                   callback_on_step_end_tensor_inputs, use_cuda_graphs: Optional[bool], schedule=None, **engine):
         """Run ``engine.sampler.generate`` (``engine``: the family's further arguments) on checked inputs
         with the progress bar and ``callback_on_step_end``; post-process into the family's output."""
-        self._load_component("transformer")
+        self._load_component(*self.LOOP_COMPONENTS)
         adapter = self.adapter()
         graphs = adapter.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._interrupt = False

@@ -58,6 +58,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     PRESET_FAMILY = PRESET_FAMILY
     DEFAULTS = INFINITY_DEFAULTS
     DECODER = "vae"
+    LOOP_COMPONENTS = ("transformer",)
     _output_class = InfinityPipelineOutput
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]

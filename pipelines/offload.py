@@ -1,6 +1,7 @@
 """Model CPU offload with diffusers' semantics: every component lives in CPU memory and is on the
-GPU only while it runs (the text encoder for the prompt, the transformer for the scale loop, the
-tokenizer's decoder for the picture); the one before it leaves first.
+GPU only while it runs (the text encoder for the prompt, the transformer for the scale loop — with
+the tokenizer, where its quantizer works in the loop —, the tokenizer for the picture); those
+before leave first.
 
 diffusers does this with accelerate hooks on each component's ``forward``, but generation here
 never calls the transformer's or the tokenizer's ``forward`` (the engine drives their parts), so
@@ -25,7 +26,7 @@ class ModelOffload:
     def __init__(self, components: Mapping[str, torch.nn.Module], device: torch.device):
         self.device = torch.device(device)
         self.host: dict[str, list] = {}             # name → [(tensor whose .data is swapped, pinned copy)]
-        self.on: Optional[str] = None
+        self.on: Optional[tuple[str, ...]] = None
         for name, module in components.items():
             tensors = []
             for t in (*module.parameters(), *module.buffers()):
@@ -41,12 +42,13 @@ class ModelOffload:
     def nbytes(self, name: str) -> int:
         return sum(p.numel() * p.element_size() for _, p in self.host[name])
 
-    def load(self, name: str) -> None:
-        """Put component ``name`` on the device (the one there before goes back to the CPU first)."""
-        if self.on == name:
+    def load(self, *names: str) -> None:
+        """Put components ``names`` on the device (those there before go back to the CPU first)."""
+        names = tuple(n for n in self.host if n in names)
+        if self.on == names:
             return
         self.offload()
-        tensors = self.host[name]
+        tensors = [x for n in names for x in self.host[n]]
         sizes = [p.numel() * p.element_size() for _, p in tensors]
         total = sum(-(-n // 256) * 256 for n in sizes)
         buf = torch.empty(total, dtype=torch.uint8, device=self.device)
@@ -56,14 +58,15 @@ class ModelOffload:
             view.copy_(pinned, non_blocking=True)
             t.data = view
             offset += -(-n // 256) * 256
-        self.on = name
+        self.on = names
 
     def offload(self) -> None:
         """Every component back to its CPU copy (the GPU copies are freed)."""
         if self.on is None:
             return
-        for t, pinned in self.host[self.on]:
-            t.data = pinned
+        for name in self.on:
+            for t, pinned in self.host[name]:
+                t.data = pinned
         self.on = None
 
     def close(self) -> None:

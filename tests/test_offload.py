@@ -34,11 +34,12 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
     resident = call()
     pipe.enable_model_cpu_offload()
     assert _devices(pipe) == {"transformer": "cpu", "vae": "cpu", "text_encoder": "cpu"}
-    seen.clear()
-    first = call()
+    first = call()                       # the weights come back at new addresses: graphs captured again
+    call()
     ws = pipe.adapter()._workspace
     graphs, ptrs = dict(ws.graphs), ws.kv.storage_ptrs()
     assert graphs
+    seen.clear()
     second = call()
     # during the scale loop only the transformer is on the GPU; after the call nothing is
     assert seen and all(d == {"transformer": "cuda", "vae": "cpu", "text_encoder": "cpu"} for d in seen)
@@ -52,26 +53,30 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
 
 
 @pytest.mark.gpu
-def test_var_offload_saves_the_smaller_component_at_the_peak():
-    """Resident, the peak holds both components and the workspace; offloaded, the transformer has
-    left before the decoder arrives, so the peak is lower by at least the smaller of the two."""
+def test_var_offload_keeps_the_tokenizer_for_the_loop_and_frees_the_gpu_after_the_call():
+    """VAR's loop needs the VQVAE's quantizer (each scale's codes are accumulated through it), so
+    both are on the GPU for the loop and the VQVAE alone for the decode; between calls the GPU holds
+    the workspace only, and the peak is no higher than resident."""
     pipe = VARPipeline.from_random("var-d16", device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
+    seen = []
 
     def peak_call():
         pipe.release_memory()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        images = pipe([1, 2], generator=torch.Generator("cuda").manual_seed(0), output_type="pt").images
+        images = pipe([1, 2], generator=torch.Generator("cuda").manual_seed(0), output_type="pt",
+                      callback_on_step_end=lambda p, si, t, d: seen.append(_devices(p)) or d).images
         return images, torch.cuda.max_memory_allocated()
 
     nbytes = {k: sum(t.nbytes for t in (*m.parameters(), *m.buffers())) for k, m in pipe.components.items()
               if isinstance(m, torch.nn.Module)}
     resident, resident_peak = peak_call()
     pipe.enable_model_cpu_offload()
+    seen.clear()
     out, offload_peak = peak_call()
-    assert torch.equal(out, resident)
-    assert offload_peak <= resident_peak - 0.9 * min(nbytes.values()), (offload_peak, resident_peak, nbytes)
-    after = torch.cuda.memory_allocated()
+    assert torch.equal(out, resident) and offload_peak <= resident_peak
+    assert seen and all(d == {"transformer": "cuda", "vqvae": "cuda"} for d in seen)
+    assert _devices(pipe) == {"transformer": "cpu", "vqvae": "cpu"}
     pipe.release_memory()
-    assert after - torch.cuda.memory_allocated() >= 0 and torch.cuda.memory_allocated() < min(nbytes.values())
+    assert torch.cuda.memory_allocated() < min(nbytes.values())
