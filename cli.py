@@ -726,8 +726,9 @@ def cmd_generate(args) -> int:
     needed = need(n * args.num)
     B = n * args.num
     try:
+        hw = (getattr(args, "height", None), getattr(args, "width", None)) if text else (None, None)
         check_memory(pipe, needed, B, f"--num {args.num} × {what} = {B} images in one run",
-                     "lower --num, or split the run")
+                     "lower --num, or split the run", hw)
     except ValueError as e:
         raise CLIError(str(e)) from None
     t0 = time.perf_counter()

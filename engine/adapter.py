@@ -59,6 +59,27 @@ class ModelAdapter:
         return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers,
                          layer_groups=self.layer_groups, sublayers=self.sublayers, choices=self.choices)
 
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, heads, head_dim) of the self-attention KV cache (memory estimates)."""
+        cfg = self.transformer.config
+        return cfg.depth, cfg.num_heads, cfg.embed_dim // cfg.num_heads
+
+    def kv_tail_used(self, schedule: ScaleSchedule, rows: int, slots) -> bool:
+        """Whether a generation of ``rows`` rows over ``schedule`` (with a compressing policy's
+        ``slots``) gives the last scale's K/V a tail shared by the layers (engine/kv_cache.py)."""
+        return False
+
+    def kv_cache_bytes(self, batch_size: int, schedule: ScaleSchedule, slots=None) -> int:
+        """The bytes of the KV cache a generation allocates ([cond; uncond] rows), computed by
+        building it on the meta device."""
+        from .kv_cache import KVCache
+        layers, heads, head_dim = self.kv_layout()
+        counts = [schedule.tokens(si) for si in range(schedule.num_scales)]
+        rows = 2 * batch_size
+        kv = KVCache.for_schedule(layers, rows, heads, head_dim, counts, self.dtype, "meta", slots,
+                                  self.kv_tail_used(schedule, rows, slots))
+        return kv.nbytes()
+
     def set_kernels(self, kind: str) -> None:
         """Run the layers on the ``"torch"``, ``"triton"`` or ``"compile"`` kernels
         (:class:`~..sparse_ops.kernels.Kernels`); a change frees the workspace (its graphs captured

@@ -3,6 +3,7 @@ that do not depend on the family, the memory check, the engine run with its prog
 callback, the image post-processing and the diffusers-style run properties."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import numbers
@@ -25,6 +26,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
+from .memory import ACTIVATION_BYTES_PER_CHANNEL, MemoryEstimate
 from .offload import ModelOffload
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
@@ -131,7 +133,7 @@ def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = 
     return int(_free_bytes(device) + max(0, psutil.Process().memory_info().rss - weights))
 
 
-def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str) -> None:
+def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str, hw: tuple = (None, None)) -> None:
     """Raise a ValueError before anything is allocated when ``needed`` (bytes by part, a lower bound
     of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
     :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
@@ -145,8 +147,13 @@ def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str)
         return
     fit = int(available // (total / batch_size))
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
+    try:                                               # what would fit instead, from the estimate (pipelines/memory.py)
+        options = pipe.memory_options(batch_size, *hw, available=available)
+    except (ValueError, NotImplementedError):
+        options = []
+    more = f"; estimated to fit: {'; '.join(options)}" if options else ""
     raise ValueError(f"{subject} needs at least {_gb(total)} ({parts}) on {device.type}, and "
-                     f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}")
+                     f"{_gb(available)} is available: at most {fit} image(s) fit in one run; {advice}{more}")
 
 
 class _DropCPUHalfWarning(logging.Filter):
@@ -211,6 +218,73 @@ class AcceleratedPipelineMixin:
     def model_cpu_offload(self) -> bool:
         return self._model_offload is not None
 
+    # ---- memory estimate (pipelines/memory.py) -------------------------------------------------------
+    KV_FREED_FOR_DECODE = False            # the family frees its KV cache before the decoder runs
+
+    def _memory_layout(self, batch_size: int, height, width) -> tuple:
+        """(the schedule of a call at this size, the other parts of ``memory_needed``: logits,
+        decoder)."""
+        raise NotImplementedError
+
+    def memory_options(self, batch_size: int, height: Optional[int] = None, width: Optional[int] = None,
+                       available: int = 0) -> list[str]:
+        """The memory settings this pipeline lacks whose :meth:`estimate_memory` of such a call fits in
+        ``available`` bytes: the ScaleKV preset (where the enabled policies can take it), model CPU
+        offload (on a GPU), both; each as "how to enable it (estimated peak)"."""
+        stack = list(self._policies)
+        names = {p.name for p in stack}
+        tries = []
+        if "scalekv" not in names and not names & set(ScaleKVPolicy.incompatible):
+            tries.append(("pipe.enable_scalekv() / --scalekv", stack + [ScaleKVPolicy(self.scalekv_preset)], None))
+        if not self.model_cpu_offload and self.adapter().device.type == "cuda":
+            tries.append(("pipe.enable_model_cpu_offload()", stack, True))
+            if tries[0][0].startswith("pipe.enable_scalekv"):
+                tries.append(("both", tries[0][1], True))
+        out = []
+        for text, policies, offload in tries:
+            est = self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload)
+            if est.fits(available):
+                out.append(f"{text} ({_gb(est.peak_bytes)})")
+        return out
+
+    def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
+                        policies: Optional[Sequence[Policy]] = None,
+                        model_cpu_offload: Optional[bool] = None) -> MemoryEstimate:
+        """The GPU memory a call of ``batch_size`` images at ``height`` × ``width`` (the family's
+        default size when left out) will need, before it starts: by phase (prompt, scale loop,
+        decode), the weights on the device (all of them, or under model offload the phase's), the
+        KV cache (exact, with the policies' compression: ``policies`` or the enabled ones), the
+        loop's activations (estimated) and the decoder's. ``.peak_bytes`` grows with the batch;
+        ``str()`` names the peak phase and its parts. ``model_cpu_offload``: estimate as if offload
+        were on (True) or off (False); default as it is."""
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        schedule, parts = self._memory_layout(int(batch_size), height, width)
+        adapter = self.adapter()
+        stack = self._call_policies(policies)
+        info = dataclasses.replace(adapter.model_info(), schedule=schedule)
+        kv = adapter.kv_cache_bytes(int(batch_size), schedule, stack.kv_slots(info))
+        rows = 2 * int(batch_size)
+        width_c = self.transformer.config.embed_dim
+        largest = max(schedule.tokens(si) for si in range(schedule.num_scales))
+        activations = rows * largest * width_c * ACTIVATION_BYTES_PER_CHANNEL
+        weights = {k: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+                   for k, m in self.components.items() if isinstance(m, torch.nn.Module)}
+        offload = self.model_cpu_offload if model_cpu_offload is None else bool(model_cpu_offload)
+
+        def held(names):
+            return {f"{k} weights": v for k, v in weights.items() if not offload or k in names}
+
+        phases = {}
+        if "text_encoder" in weights:
+            phases["prompt"] = {**held(("text_encoder",)), "KV cache": kv}
+        phases["scale loop"] = {**held(self.LOOP_COMPONENTS), "KV cache": kv, "activations": activations,
+                                "logits": parts.get("logits", 0)}
+        phases["decode"] = {**held((self.DECODER,)), "KV cache": 0 if self.KV_FREED_FOR_DECODE else kv,
+                            "decoder": 4 * parts.get("decoder", 0)}
+        device = self._execution_device if self.model_cpu_offload else adapter.device
+        return MemoryEstimate(phases=phases, device=str(device))
+
     def _load_component(self, *names: str) -> None:
         """Under model offload, put components ``names`` on the GPU (the previous ones leave)."""
         if self._model_offload is not None:
@@ -232,12 +306,14 @@ class AcceleratedPipelineMixin:
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
         that names no device (or a dtype given as a string), or the meta device (which holds no
         weights), refused in one line naming the value."""
+        if getattr(self, "_model_offload", None) is not None:
+            what = ", ".join([repr(str(a)) for a in args] + [f"{k}={str(v)!r}" for k, v in kwargs.items()])
+            raise ValueError(f"to({what}) while model CPU offload is on (it keeps the components' weights in CPU "
+                             f"memory and moves each to the GPU while it runs); call "
+                             f"pipe.disable_model_cpu_offload() first")
         for value in (*args, kwargs.get("device"), kwargs.get("torch_device")):
             if not isinstance(value, (str, torch.device)):
                 continue
-            if getattr(self, "_model_offload", None) is not None:
-                raise ValueError(f"to({str(value)!r}) while model CPU offload is on (it moves each component to the "
-                                 f"GPU while it runs); call pipe.disable_model_cpu_offload() first")
             try:
                 device = torch.device(value)
             except (RuntimeError, ValueError):
@@ -495,7 +571,7 @@ class AcceleratedPipelineMixin:
     # ---- call -------------------------------------------------------------------------------------
     def _check_call(self, n: int, noun: str, needed: Callable[[int], dict], guidance_scale, top_k, top_p,
                     num_images_per_prompt, output_type, generator, callback_on_step_end,
-                    callback_on_step_end_tensor_inputs, policies, size: str = "") -> int:
+                    callback_on_step_end_tensor_inputs, policies, size: str = "", hw: tuple = (None, None)) -> int:
         """The checks of a call every family shares, before any work, for ``n`` inputs (``noun``) ×
         ``num_images_per_prompt`` = B images: sampling numbers, output type, generator(s), callback,
         policies (Policy objects), and :func:`check_memory` for ``needed(B)`` bytes (``size``: " at
@@ -544,7 +620,7 @@ class AcceleratedPipelineMixin:
                 got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
         check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
-                     f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls")
+                     f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls", hw)
         return B
 
     def _call_policies(self, policies: Optional[Sequence[Policy]]) -> PolicyStack:

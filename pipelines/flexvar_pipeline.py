@@ -179,6 +179,12 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales],
                                       kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
 
+    def _memory_layout(self, batch_size: int, height, width) -> tuple:
+        pn = None
+        if height is not None or width is not None:
+            pn = self.resolve_schedule(height or width, width or height)
+        return self.schedule(pn), self.memory_needed(batch_size, pn)
+
     def memory_needed(self, batch_size: int, patch_nums: Optional[Sequence[int]] = None) -> dict[str, int]:
         """A lower bound of the bytes one call allocates: the KV cache ([cond; uncond] rows), the last
         scale's float32 logits and the decoder's full-resolution activation with the output images."""

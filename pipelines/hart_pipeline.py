@@ -165,6 +165,13 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return dense / hart_loop_flops(cfg, tokens_per_scale=[s.tokens_computed for s in stats.scales],
                                        kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
 
+    def _memory_layout(self, batch_size: int, height, width) -> tuple:
+        side = self.transformer.config.patch_nums[-1] * self.vqvae.downsample_factor
+        if (height, width) not in ((None, None), (side, side)):
+            raise ValueError(f"height={height}, width={width}: HART draws {side}x{side} pictures only; leave "
+                             f"height and width out")
+        return self.adapter().schedule, self.memory_needed(batch_size)
+
     def memory_needed(self, batch_size: int) -> dict[str, int]:
         """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV
         cache ([cond; uncond] rows, text slots included), the last scale's float32 logits and the

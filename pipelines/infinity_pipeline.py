@@ -238,6 +238,12 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         Compared with what the device has before a call (check_inputs)."""
         return self._memory_needed(batch_size, resolve_resolution(height, width))
 
+    KV_FREED_FOR_DECODE = True
+
+    def _memory_layout(self, batch_size: int, height, width) -> tuple:
+        res = resolve_resolution(height or 1024, width or 1024)
+        return res.schedule, self._memory_needed(batch_size, res)
+
     def _memory_needed(self, batch_size: int, res: InfinityResolution) -> dict[str, int]:
         cfg = self.transformer.config
         R, el = 2 * batch_size, self.adapter().dtype.itemsize
@@ -291,7 +297,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError(f"temperature must be a number > 0 (official: 0.5 for 2B, 1.0 for 8B), got {temperature!r}")
         self._check_call(n, "prompt", lambda B: self._memory_needed(B, resolution), guidance_scale, top_k, top_p,
                          num_images_per_prompt, output_type, generator, callback_on_step_end,
-                         callback_on_step_end_tensor_inputs, policies, f" at {resolution.height}x{resolution.width}")
+                         callback_on_step_end_tensor_inputs, policies, f" at {resolution.height}x{resolution.width}",
+                         (resolution.height, resolution.width))
         return resolution, n
 
     @torch.no_grad()

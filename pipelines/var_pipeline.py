@@ -288,6 +288,14 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a.set_kernels(self._kernels)
         return a
 
+    def _memory_layout(self, batch_size: int, height, width) -> tuple:
+        sch = self.transformer.schedule
+        side = sch.hw[-1][0] * 2 ** (len(self.vqvae.config.ch_mult) - 1)
+        if (height, width) not in ((None, None), (side, side)):
+            raise ValueError(f"height={height}, width={width}: this VAR model draws {side}x{side} pictures only; "
+                             f"leave height and width out")
+        return sch, self.memory_needed(batch_size)
+
     def memory_needed(self, batch_size: int) -> dict[str, int]:
         """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV cache
         (keys, values and positions of every layer for [cond; uncond] rows, the engine's

@@ -107,9 +107,12 @@ SCALEKV_PRESETS: dict[str, ScaleKVConfig] = {
 
 
 def scalekv_preset(family: str, num_layers: int) -> ScaleKVConfig:
-    """The preset of a pipeline's family (``PRESET_FAMILY``); Infinity's 40-layer model is the 8B."""
+    """The preset of a pipeline's family (``PRESET_FAMILY``): Infinity's 32-layer model is the 2B, its
+    40-layer one the 8B, and others of the family take the release's 2B budgets with the first
+    layer as drafter."""
     if family.startswith("infinity"):
-        return SCALEKV_PRESETS["infinity-8b" if num_layers == 40 else "infinity-2b"]
+        return SCALEKV_PRESETS.get({32: "infinity-2b", 40: "infinity-8b"}.get(num_layers, ""),
+                                   ScaleKVConfig(budget=RELEASED_2B))
     return SCALEKV_PRESETS.get(family, ScaleKVConfig())
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sparsevar import InfinityPipeline, VARPipeline
+from sparsevar.policies import ScaleKVPolicy
 
 
 def test_offload_without_a_gpu_is_refused_in_one_line():
@@ -80,3 +81,62 @@ def test_var_offload_keeps_the_tokenizer_for_the_loop_and_frees_the_gpu_after_th
     assert _devices(pipe) == {"transformer": "cpu", "vqvae": "cpu"}
     pipe.release_memory()
     assert torch.cuda.memory_allocated() < min(nbytes.values())
+
+
+# ---- estimate_memory (pipelines/memory.py) ------------------------------------------------------------
+def _weights(module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def test_estimate_counts_the_weights_and_the_exact_kv_cache_and_grows_with_the_batch():
+    pipe = VARPipeline.from_random("var-tiny")
+    pipe.set_progress_bar_config(disable=True)
+    for enable in (lambda: None, lambda: pipe.enable_scalekv(budget=0.3, min_tokens=0, window=4)):
+        enable()
+        est = pipe.estimate_memory(batch_size=2)
+        pipe([1, 2], generator=torch.Generator().manual_seed(0), output_type="pt")
+        loop = est.phases["scale loop"]
+        assert loop["KV cache"] == pipe.adapter()._workspace.kv.nbytes()            # what the call allocated
+        assert loop["transformer weights"] == _weights(pipe.transformer)
+        assert loop["vqvae weights"] == _weights(pipe.vqvae)
+        assert est.peak_bytes == max(sum(p.values()) for p in est.phases.values())
+    one, four = pipe.estimate_memory(1), pipe.estimate_memory(4)
+    assert four.peak_bytes > 2 * one.peak_bytes
+    assert pipe.estimate_memory(1, policies=[]).phases["scale loop"]["KV cache"] > one.phases["scale loop"]["KV cache"]
+    assert str(one).startswith("peak ") and one.peak_phase in str(one)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        pipe.estimate_memory(0)
+    with pytest.raises(ValueError, match="draws 256x256 pictures only"):
+        pipe.estimate_memory(1, height=512, width=512)
+
+
+def test_infinity_estimate_frees_the_cache_for_the_decode_and_has_a_prompt_phase():
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    est = pipe.estimate_memory(1, height=256, width=256)
+    assert set(est.phases) == {"prompt", "scale loop", "decode"}
+    assert est.phases["decode"]["KV cache"] == 0 and est.phases["prompt"]["KV cache"] > 0
+    assert est.phases["prompt"]["text_encoder weights"] == _weights(pipe.text_encoder)
+    big = pipe.estimate_memory(1, height=1024, width=1024)
+    assert big.peak_bytes > est.peak_bytes
+
+
+@pytest.mark.gpu
+def test_offloaded_estimate_holds_each_phases_components_only():
+    pipe = InfinityPipeline.from_random("infinity-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.enable_model_cpu_offload()
+    est = pipe.estimate_memory(1, height=256, width=256)
+    assert [k for k in est.phases["prompt"] if k.endswith("weights")] == ["text_encoder weights"]
+    assert [k for k in est.phases["scale loop"] if k.endswith("weights")] == ["transformer weights"]
+    assert [k for k in est.phases["decode"] if k.endswith("weights")] == ["vae weights"]
+
+
+def test_memory_options_name_the_settings_whose_estimate_fits():
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    skv = pipe.estimate_memory(1, 1024, 1024, policies=[ScaleKVPolicy(pipe.scalekv_preset)])
+    assert skv.phases["scale loop"]["KV cache"] < pipe.estimate_memory(1, 1024, 1024).phases["scale loop"]["KV cache"]
+    # on the CPU offload is no option; ScaleKV is, where its estimate fits
+    got = pipe.memory_options(1, 1024, 1024, available=skv.peak_bytes)
+    assert len(got) == 1 and got[0].startswith("pipe.enable_scalekv() / --scalekv (")
+    assert pipe.memory_options(1, 1024, 1024, available=skv.peak_bytes - 1) == []
+    pipe.enable_sparvar()
+    assert pipe.memory_options(1, 1024, 1024, available=10 ** 15) == []          # SparVAR cannot take ScaleKV

@@ -56,6 +56,7 @@ def test_released_budgets_give_back_the_released_token_counts_at_1024():
     assert caps[1] == 420 + 48 * 48 and caps[0] == sch.offsets[-2]
     assert scalekv_preset("infinity-2b", 32).drafters == (0, 23)
     assert scalekv_preset("infinity-2b", 40).drafters == (0, 1, 2)        # the 40-layer model is the 8B
+    assert scalekv_preset("infinity-2b", 4).drafters == (0,)              # another size: the first layer
 
 
 def _pooled_scores(q, k, window, kernel):

@@ -224,6 +224,17 @@ class InfinityAdapter(ModelAdapter):
     def dtype(self) -> torch.dtype:
         return self.transformer.block_dtype()
 
+    def kv_layout(self) -> tuple[int, int, int]:
+        cfg = self.transformer.config
+        return cfg.depth, cfg.num_heads, self.transformer.head_dim
+
+    def kv_tail_used(self, schedule, rows: int, slots) -> bool:
+        if self.kv_tail != "auto":
+            return bool(self.kv_tail)
+        layers, heads, head_dim = self.kv_layout()
+        full = 2 * layers * rows * schedule.total_tokens * heads * head_dim * self.dtype.itemsize
+        return slots is not None or kv_tail_needed(full, self.device)
+
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
     def begin(self, run: RunState, cond: InfinityConditioning) -> None:
