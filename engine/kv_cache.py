@@ -80,17 +80,18 @@ class KVCache:
                      tail: bool = False) -> "KVCache":
         """The cache of a generation whose scales have ``token_counts`` tokens: every layer holds
         them all, or with ``slots`` (a compressing policy's ``kv_slots``, over the scales that
-        run) what it keeps; with ``tail`` the last scale's K/V go to a transient tail shared by the
-        layers."""
+        run) what it keeps (:func:`layer_capacities`: a scale it compresses after, and the last
+        one, pass through the transient tail); with ``tail`` the last scale's K/V go to a
+        transient tail shared by the layers."""
         if slots is not None:
             token_counts = token_counts[:len(slots[0])]
-        L, last = sum(token_counts), token_counts[-1]
-        capacity = L - last if tail else L
-        caps = layer_capacities(slots, token_counts, tail)
-        if caps is not None:
+            caps, need = layer_capacities(slots, token_counts)
             capacity = max(caps)
-        return cls(num_layers, rows, heads, head_dim, capacity, dtype, device, transient=last if tail else 0,
-                   capacities=caps)
+            return cls(num_layers, rows, heads, head_dim, capacity, dtype, device,
+                       transient=max(0, need - capacity), capacities=caps)
+        L, last = sum(token_counts), token_counts[-1]
+        return cls(num_layers, rows, heads, head_dim, L - last if tail else L, dtype, device,
+                   transient=last if tail else 0)
 
     # the buffers of the layers of the largest capacity (every layer's, unless capacities differ)
     @property
@@ -217,15 +218,19 @@ class KVCache:
         becomes ``COMPACTED`` (heads kept different tokens). Not after a padded write."""
         assert self._valid is None, "compressing a cache with padding slots"
         R, end, n = self.rows, self.lengths[layer], idx_RHn.shape[-1]
-        k_RHTd, v_RHTd, pos_RT, _ = self._buffers(layer, end)
+        assert n <= self.capacities[layer], f"layer {layer} keeps {n} slots, more than its {self.capacities[layer]}"
+        src_k, src_v, _, _ = self._buffers(layer, end)             # its own buffer, or the tail it is in
+        k_RHTd, v_RHTd, pos_RT = self._k[layer], self._v[layer], self._pos[layer]
         if self._undo is not None:
             self._undo.append((k_RHTd[:R, :, :n], v_RHTd[:R, :, :n], pos_RT[:R, :n],
                                k_RHTd[:R, :, :n].clone(), v_RHTd[:R, :, :n].clone(), pos_RT[:R, :n].clone()))
         take_RHnd = idx_RHn[..., None].expand(-1, -1, -1, k_RHTd.shape[-1])
         # gather reads every kept slot into a new tensor before the front slots are overwritten
-        k_RHTd[:R, :, :n] = k_RHTd[:R, :, :end].gather(2, take_RHnd)
-        v_RHTd[:R, :, :n] = v_RHTd[:R, :, :end].gather(2, take_RHnd)
+        k_RHTd[:R, :, :n] = src_k[:R, :, :end].gather(2, take_RHnd)
+        v_RHTd[:R, :, :n] = src_v[:R, :, :end].gather(2, take_RHnd)
         pos_RT[:R, :n] = COMPACTED
+        if self.tail_owner == layer:
+            self.tail_owner = None
         self.lengths[layer] = n
 
     def keep_undo(self) -> None:
@@ -298,16 +303,27 @@ def _carve(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], device) -> lis
     return [buf[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, shapes)]
 
 
-def layer_capacities(slots_after: Optional[Sequence[Sequence[int]]], token_counts: Sequence[int],
-                     tail: bool) -> Optional[tuple[int, ...]]:
-    """The slots each layer's cache needs when a policy compresses it (``Policy.kv_slots``):
-    ``slots_after[layer][si]``, what the layer holds after scale ``si``, plus the next scale's
-    ``token_counts``, at its largest; with ``tail`` the last scale goes to the shared transient tail
-    and is left out. None (no compression): None."""
-    if slots_after is None:
-        return None
-    S = len(token_counts) - (1 if tail else 0)
-    return tuple(max((after[si - 1] if si else 0) + token_counts[si] for si in range(S)) for after in slots_after)
+def layer_capacities(slots_after: Sequence[Sequence[int]], token_counts: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """(the slots each layer's own buffer needs, the slots the shared transient tail needs) when a
+    policy compresses the cache (``Policy.kv_slots``: ``slots_after[layer][si]``, what the layer
+    holds after scale ``si``). A layer holds what it kept plus the scale being computed; at a scale
+    after which it compresses, and at the last scale, that sum lives in the tail — one layer at a
+    time — and only what it keeps (or held before the last scale) in its own buffer."""
+    S = len(token_counts)
+    caps, need = [], 0
+    for after in slots_after:
+        cap = 0
+        for si in range(S):
+            before = after[si - 1] if si else 0
+            during = before + token_counts[si]
+            if si == S - 1:                                          # the last scale: through the tail
+                cap, need = max(cap, before), max(need, during)
+            elif after[si] < during:                                 # compressed after it: through the tail
+                cap, need = max(cap, after[si]), max(need, during)
+            else:
+                cap = max(cap, during)
+        caps.append(cap)
+    return tuple(caps), need
 
 
 # The full KV cache (no shared last-scale tail) is kept up to this size: the tail costs one copy of

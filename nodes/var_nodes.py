@@ -487,7 +487,12 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
     else:
         labels = _class_ids(pipe, cond.class_label, cond.node)
         total = pipe.num_timesteps
-    model_management.load_models_gpu([model.patcher])
+    # the weights, and besides them what the call will need (KV cache, activations, decoder), so that
+    # ComfyUI offloads other models first
+    images = batch_size * (1 if infinity or hart else len(labels))
+    size = {"height": height, "width": width} if infinity else {"patch_nums": schedule} if flexvar else {}
+    model_management.load_models_gpu([model.patcher], memory_required=pipe.estimate_memory(
+        images, policies=policies, **size).working_bytes)
     bar = comfy_utils.ProgressBar(total)
 
     done = [0]

@@ -249,17 +249,18 @@ class AcceleratedPipelineMixin:
 
     def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
                         policies: Optional[Sequence[Policy]] = None,
-                        model_cpu_offload: Optional[bool] = None) -> MemoryEstimate:
+                        model_cpu_offload: Optional[bool] = None, **layout) -> MemoryEstimate:
         """The GPU memory a call of ``batch_size`` images at ``height`` × ``width`` (the family's
         default size when left out) will need, before it starts: by phase (prompt, scale loop,
         decode), the weights on the device (all of them, or under model offload the phase's), the
         KV cache (exact, with the policies' compression: ``policies`` or the enabled ones), the
         loop's activations (estimated) and the decoder's. ``.peak_bytes`` grows with the batch;
         ``str()`` names the peak phase and its parts. ``model_cpu_offload``: estimate as if offload
-        were on (True) or off (False); default as it is."""
+        were on (True) or off (False); default as it is. ``layout``: the family's other size
+        arguments (FlexVAR: ``patch_nums``)."""
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        schedule, parts = self._memory_layout(int(batch_size), height, width)
+        schedule, parts = self._memory_layout(int(batch_size), height, width, **layout)
         adapter = self.adapter()
         stack = self._call_policies(policies)
         info = dataclasses.replace(adapter.model_info(), schedule=schedule)

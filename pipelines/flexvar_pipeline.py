@@ -179,9 +179,9 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return dense / var_loop_flops(cfg, 1, [s.tokens_computed for s in stats.scales],
                                       kv_per_scale=stats.kv_per_scale(), rows_per_scale=rows)
 
-    def _memory_layout(self, batch_size: int, height, width) -> tuple:
-        pn = None
-        if height is not None or width is not None:
+    def _memory_layout(self, batch_size: int, height, width, patch_nums=None) -> tuple:
+        pn = patch_nums
+        if pn is None and (height is not None or width is not None):
             pn = self.resolve_schedule(height or width, width or height)
         return self.schedule(pn), self.memory_needed(batch_size, pn)
 

@@ -43,6 +43,12 @@ class MemoryEstimate:
     def peak_bytes(self) -> int:
         return int(sum(self.phases[self.peak_phase].values()))
 
+    @property
+    def working_bytes(self) -> int:
+        """The most any phase needs beyond the weights (KV cache, activations, decoder): what a memory
+        manager that places the weights itself (ComfyUI's) must keep free besides them."""
+        return int(max(sum(v for k, v in p.items() if not k.endswith("weights")) for p in self.phases.values()))
+
     def fits(self, available_bytes: int) -> bool:
         return self.peak_bytes <= available_bytes
 

@@ -51,9 +51,10 @@ def test_released_budgets_give_back_the_released_token_counts_at_1024():
     slots = policy.kv_slots(ModelInfo(family="infinity", schedule=sch, num_layers=32), len(sides))
     assert slots[0] == slots[23] == sch.offsets[1:]                       # drafters keep everything
     assert slots[1][6:] == (521, 632, 594, 526, 420, 465, 465 + 4096)
-    # with the last scale in the shared tail, a refiner's largest moment is 420 kept + the 48² scale
-    caps = layer_capacities(slots, [s * s for s in sides], tail=True)
-    assert caps[1] == 420 + 48 * 48 and caps[0] == sch.offsets[-2]
+    # each scale a refiner compresses after, and the last, pass through the shared tail: its own buffer
+    # holds the most it keeps (632), a drafter's everything but the last scale; the tail the largest sum
+    caps, tail = layer_capacities(slots, [s * s for s in sides])
+    assert caps[1] == 632 and caps[0] == sch.offsets[-2] and tail == sch.offsets[-1]
     assert scalekv_preset("infinity-2b", 32).drafters == (0, 23)
     assert scalekv_preset("infinity-2b", 40).drafters == (0, 1, 2)        # the 40-layer model is the 8B
     assert scalekv_preset("infinity-2b", 4).drafters == (0,)              # another size: the first layer
@@ -126,16 +127,24 @@ def test_compaction_moves_each_heads_kept_slots_to_the_front():
 
 
 def test_layers_of_different_capacities_get_their_own_buffers():
+    # layer 0 keeps everything; layers 1 and 2 compress 5 → 3 after the second scale: 1 + 4 and 3 + 9
+    # pass through the tail, their own buffers hold 3; layer 0's the 5 before the last scale
     kv = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu",
                               slots=((1, 5, 14), (1, 3, 12), (1, 3, 12)))
-    assert kv.capacities == (14, 12, 12) and kv.capacity == 14
-    assert kv.k_NRHTd.shape[0] == 1 and len(kv.storage_ptrs()) == 6         # two buffers of K, V, positions
-    tail = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu",
-                                slots=((1, 5, 14), (1, 3, 12), (1, 3, 12)), tail=True)
-    assert tail.capacities == (5, 5, 5) and tail.transient == 9              # the last scale in the tail
+    assert kv.capacities == (5, 3, 3) and kv.capacity == 5 and kv.transient == 14 - 5
+    assert kv.k_NRHTd.shape[0] == 1 and len(kv.storage_ptrs()) == 9         # two groups and the tail
     short = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu", slots=((1, 5), (1, 3), (1, 3)))
-    assert short.capacities == (5, 5, 5)                                     # two scales run: 1 + 4
-    assert KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu").capacities == (14,) * 3
+    assert short.capacities == (1, 1, 1) and short.transient == 4            # two scales run: 1 + 4
+    dense = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu")
+    assert dense.capacities == (14,) * 3 and dense.transient == 0
+    # a scale compressed in the tail: the layer's kept slots come back to its own buffer
+    k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
+    kv.append(1, k[:, :, :1], k[:, :, :1], pos=torch.arange(1))
+    kv.append(1, k[:, :, 1:], k[:, :, 1:], pos=torch.arange(1, 5))            # 5 > 3: in the tail
+    assert kv.tail_owner == 1
+    kv.compact(1, torch.tensor([[[0, 2, 4]], [[1, 2, 3]]]))
+    assert kv.tail_owner is None and kv.lengths[1] == 3
+    assert kv.view(1)[0].flatten(1).tolist() == [[0, 1, 4, 5, 8, 9], [12, 13, 14, 15, 16, 17]]
 
 
 # ---- the policy on the fixture model --------------------------------------------------------------------
@@ -162,22 +171,26 @@ def test_active_setting_keeps_its_budget_and_allocates_only_that(pipe):
     offsets = [sum(n[:i + 1]) for i in range(len(n))]
     # a refiner holds what it kept plus each new scale; after every scale but the last it keeps
     # 0.3 of the tokens generated so far (at least the 4 window keys) when that is fewer
-    held, before = 0, []
+    held, before, own = 0, [], 0
     for si in range(len(n)):
         before.append(held)
         held += n[si]
         if si < len(n) - 1:
-            held = min(held, max(4, int(0.3 * offsets[si] + 0.5)))
+            kept = min(held, max(4, int(0.3 * offsets[si] + 0.5)))
+            own = max(own, kept)          # compressed: the scale passes through the shared tail
+            held = kept
     assert before[2] == 4 and held == before[-1] + n[-1]              # compressed from the second scale on
     kv = pipe.adapter()._workspace.kv
     depth = pipe.transformer.config.depth
     assert kv.lengths == [held if i != 1 else offsets[-1] for i in range(depth)]       # the drafter keeps all
-    assert kv.capacities[1] == offsets[-1] and all(c < offsets[-1] for i, c in enumerate(kv.capacities) if i != 1)
+    # own buffers: the drafter everything but the last scale, the refiners the most they keep; the tail
+    # holds one layer's largest moment, the drafter's last scale
+    assert kv.capacities == tuple(offsets[-2] if i == 1 else own for i in range(depth))
+    assert kv.capacity + kv.transient == offsets[-1]
     # K and V (float32, embed_dim per token) and a position (int64) per slot, for 2 images × 2 CFG rows
     per_slot = 4 * (2 * pipe.transformer.config.embed_dim * 4 + 8)
-    assert max(before[si] + n[si] for si in range(len(n))) == held            # the last scale is the largest
     assert dense_bytes == depth * offsets[-1] * per_slot
-    assert kv.nbytes() == (offsets[-1] + (depth - 1) * held) * per_slot
+    assert kv.nbytes() == (offsets[-2] + (depth - 1) * own + offsets[-1]) * per_slot
     # from the first compression on, a query reads the kept keys plus its scale's, averaged over layers
     reads = [s.keys_read for s in out.stats[0].scales]
     assert reads[0] is None
@@ -199,7 +212,8 @@ def test_composes_with_scale_skipping_and_cond_only(pipe):
     kv = pipe.adapter()._workspace.kv
     keep = max(4, int(0.3 * sum(n[:-3]) + 0.5))                     # after the fourth-last scale
     assert [s.skipped for s in out.stats[0].scales][-2:] == [True, True]
-    assert kv.lengths[1] == keep + n[-3] and kv.capacity == sum(n[:-2])     # allocated for the scales that run
+    assert kv.lengths[1] == keep + n[-3]
+    assert kv.capacity + kv.transient == sum(n[:-2])                         # allocated for the scales that run
     pipe.disable_scale_skip().enable_scale_skip(cond_only_from=-3)
     out = _run(pipe, [1, 4])
     assert [s.rows for s in out.stats[0].scales][-3:] == [1, 1, 1] and torch.isfinite(out.images).all()
