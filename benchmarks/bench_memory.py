@@ -104,7 +104,7 @@ def run_memory(models: Sequence[str], cards_gb: Sequence[float], settings: Seque
                                e2e_ms=round(statistics.median(times), 1), loop_ms=round(statistics.median(loops), 1),
                                decode_ms=round(statistics.median(decodes), 1))
                 except torch.cuda.OutOfMemoryError as e:
-                    row["reason"] = "out of memory: " + " ".join(str(e).split("\n")[0].split(". ")[:4])
+                    row["reason"] = "out of memory: " + " ".join(str(e).split())[:600]
                 except ValueError as e:                         # the pipeline's own refusal, before any work
                     row["reason"] = str(e)
                 finally:
