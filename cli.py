@@ -720,6 +720,16 @@ def cmd_generate(args) -> int:
         what = f"{n} class(es)"
     call.update((k, v) for k, v in (("guidance_scale", args.cfg), ("top_k", args.top_k), ("top_p", args.top_p),
                                     ("temperature", args.temperature)) if v is not None)   # else the family's defaults
+    if args.low_vram:
+        per_call = args.batch_size or (n * args.num if not folder else 1)
+        size = {"height": call["height"], "width": call["width"]} if text and not hart else \
+            {"patch_nums": call["patch_nums"]} if flexvar else {}
+        try:
+            enabled = pipe.enable_low_vram(per_call, **size)
+        except ValueError as e:
+            raise CLIError(f"--low-vram: {e}") from None
+        say(f"--low-vram: {', '.join(enabled) if enabled else 'nothing needed'} "
+            f"({pipe.estimate_memory(per_call, **size)})")
     if folder:
         pipe.set_progress_bar_config(disable=True)                     # one bar over the images instead
         return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need)
@@ -1179,6 +1189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "every scale, (0, 1]; not with --sparsevar, --fastvar or --sparvar")
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
+    a.add_argument("--low-vram", action="store_true",
+                   help="fit the device's memory: model CPU offload, then ScaleKV, then both, as the estimate "
+                        "(pipe.estimate_memory) needs; says what it enabled")
     a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")
     g.set_defaults(func=cmd_generate)
 

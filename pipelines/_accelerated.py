@@ -26,7 +26,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
-from .memory import ACTIVATION_BYTES_PER_CHANNEL, MemoryEstimate
+from .memory import ACTIVATION_BYTES_PER_CHANNEL, RESERVE_MARGIN, MemoryEstimate
 from .offload import ModelOffload
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
@@ -226,26 +226,62 @@ class AcceleratedPipelineMixin:
         decoder)."""
         raise NotImplementedError
 
+    def _memory_tries(self) -> list:
+        """(how to enable it, the policies, model offload) of each memory setting this pipeline lacks, in
+        the order :meth:`enable_low_vram` tries them: model offload (the same pictures, slower),
+        the ScaleKV preset (where the enabled policies can take it), both."""
+        stack = list(self._policies)
+        names = {p.name for p in stack}
+        gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload
+        offload = [("pipe.enable_model_cpu_offload()", stack, True)] if gpu and not self.model_cpu_offload else []
+        scalekv = []
+        if "scalekv" not in names and not names & set(ScaleKVPolicy.incompatible):
+            scalekv = [("pipe.enable_scalekv() / --scalekv", stack + [ScaleKVPolicy(self.scalekv_preset)], None)]
+        both = [("both", scalekv[0][1], True)] if offload and scalekv else []
+        return offload + scalekv + both
+
     def memory_options(self, batch_size: int, height: Optional[int] = None, width: Optional[int] = None,
                        available: int = 0) -> list[str]:
         """The memory settings this pipeline lacks whose :meth:`estimate_memory` of such a call fits in
-        ``available`` bytes: the ScaleKV preset (where the enabled policies can take it), model CPU
-        offload (on a GPU), both; each as "how to enable it (estimated peak)"."""
-        stack = list(self._policies)
-        names = {p.name for p in stack}
-        tries = []
-        if "scalekv" not in names and not names & set(ScaleKVPolicy.incompatible):
-            tries.append(("pipe.enable_scalekv() / --scalekv", stack + [ScaleKVPolicy(self.scalekv_preset)], None))
-        if not self.model_cpu_offload and self.adapter().device.type == "cuda":
-            tries.append(("pipe.enable_model_cpu_offload()", stack, True))
-            if tries[0][0].startswith("pipe.enable_scalekv"):
-                tries.append(("both", tries[0][1], True))
+        ``available`` bytes: model CPU offload (on a GPU), the ScaleKV preset (where the enabled
+        policies can take it), both; each as "how to enable it (estimated peak)"."""
         out = []
-        for text, policies, offload in tries:
+        for text, policies, offload in self._memory_tries():
             est = self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload)
             if est.fits(available):
                 out.append(f"{text} ({_gb(est.peak_bytes)})")
         return out
+
+    def enable_low_vram(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
+                        available: Optional[int] = None, **layout) -> list[str]:
+        """Make calls of ``batch_size`` images at ``height`` × ``width`` fit the device: nothing when
+        :meth:`estimate_memory` (with the allocator's reserve, ``RESERVE_MARGIN``) fits ``available``
+        bytes (default: what the device has for this pipeline); else the first of model CPU offload
+        (the same pictures, each call copying the weights), the ScaleKV preset (faster, but its
+        compressed cache changes the pictures) and both whose estimate fits. Returns what it
+        enabled; a ValueError with the estimate when nothing fits."""
+        device = self._execution_device if self.model_cpu_offload else self.adapter().device
+        if available is None:
+            available = memory_available(device, [c for c in self.components.values()
+                                                  if isinstance(c, torch.nn.Module)])
+        budget = available / RESERVE_MARGIN
+        est = self.estimate_memory(batch_size, height, width, **layout)
+        if est.fits(budget):
+            return []
+        for text, policies, offload in self._memory_tries():
+            if self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
+                                    **layout).fits(budget):
+                done = []
+                if offload:
+                    self.enable_model_cpu_offload(device=device)
+                    done.append("model CPU offload")
+                if len(policies) > len(self._policies):
+                    self.enable_scalekv()
+                    done.append("ScaleKV")
+                return done
+        raise ValueError(f"{batch_size} image(s) at this size need {est} with this pipeline's settings, and "
+                         f"{_gb(available)} is available on {device.type}; none of model CPU offload, ScaleKV or "
+                         f"both would fit: lower batch_size or the size")
 
     def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
                         policies: Optional[Sequence[Policy]] = None,

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 # 2 × 4096 rows × 2048 channels, 8B 2.2 GB at 3584 channels)
 ACTIVATION_BYTES_PER_CHANNEL = 70
 
+# what PyTorch's allocator holds beyond the allocated peak (its cached blocks, CUDA-graph pools): 8–17 %
+# measured (Infinity-2B / 8B 1024², Session 27); a setting is taken to fit when peak × this does
+RESERVE_MARGIN = 1.2
+
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"

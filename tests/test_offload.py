@@ -140,3 +140,44 @@ def test_memory_options_name_the_settings_whose_estimate_fits():
     assert pipe.memory_options(1, 1024, 1024, available=skv.peak_bytes - 1) == []
     pipe.enable_sparvar()
     assert pipe.memory_options(1, 1024, 1024, available=10 ** 15) == []          # SparVAR cannot take ScaleKV
+
+
+def _infinity_2b_on_meta():
+    """Infinity-2B at its real size with no memory behind it (estimates only)."""
+    from accelerate import init_empty_weights
+
+    from sparsevar.models.bsq_vae import BSQVAE
+    from sparsevar.models.infinity import INFINITY_PRESETS, InfinityTransformer
+    from sparsevar.models.text_encoder import random_t5
+    spec = INFINITY_PRESETS["infinity-2b"]
+    with init_empty_weights():
+        transformer, vae = InfinityTransformer(**spec["transformer"]), BSQVAE(**spec["vae"])
+    tokenizer, t5 = random_t5(2048)
+    return InfinityPipeline(transformer=transformer.set_block_dtype(torch.bfloat16),
+                            vae=torch.nn.Module.to(vae, torch.bfloat16), text_encoder=t5, tokenizer=tokenizer)
+
+
+def test_low_vram_enables_what_the_estimate_needs_and_nothing_more():
+    pipe = _infinity_2b_on_meta()
+    dense = pipe.estimate_memory(1, 1024, 1024)
+    # 2B bf16 weights 4.52 GB, KV cache 32 layers × 2 rows × 10521 tokens × (2 × 2048 × 2 B + 8 B) = 5.52 GB
+    assert dense.phases["scale loop"]["transformer weights"] == pytest.approx(4.52e9, rel=0.01)
+    assert dense.phases["scale loop"]["KV cache"] == 32 * 2 * 10521 * (2 * 2048 * 2 + 8)
+    assert pipe.enable_low_vram(1, 1024, 1024, available=int(1.3 * dense.peak_bytes)) == []
+    assert len(pipe.policies) == 0
+    with pytest.raises(ValueError, match="none of model CPU offload, ScaleKV or both would fit"):
+        pipe.enable_low_vram(1, 1024, 1024, available=4 * 10 ** 9)
+    assert pipe.enable_low_vram(1, 1024, 1024, available=int(1.2 * dense.peak_bytes) - 1) == ["ScaleKV"]
+    assert [p.name for p in pipe.policies] == ["scalekv"]
+    assert pipe.estimate_memory(1, 1024, 1024).phases["scale loop"]["KV cache"] < 10 ** 9     # 0.69 GB
+
+
+def test_cli_low_vram_says_what_it_enabled(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "img.png"
+    run = subprocess.run([sys.executable, "-m", "sparsevar", "generate", "--class", "1", "--low-vram", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "--low-vram: nothing needed (peak " in run.stderr and "in the scale loop" in run.stderr
+    assert out.is_file()
