@@ -24,6 +24,7 @@ from ..pipelines.var_pipeline import VARPipeline
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace
+from ..policies.scalekv import ScaleKVConfig, ScaleKVPolicy
 from ..policies.sparvar import MAPPINGS, SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ._comfy import comfy_utils, folder_paths, io, model_management, model_patcher
 from .docs import field_doc
@@ -38,6 +39,7 @@ AnchorSettings = io.Custom("SPARSEVAR_ANCHOR_SETTINGS")
 ScaleSkipSettings = io.Custom("SPARSEVAR_SCALE_SKIP")
 FastVARSettings = io.Custom("SPARSEVAR_FASTVAR_SETTINGS")
 SparVARSettings = io.Custom("SPARSEVAR_SPARVAR_SETTINGS")
+ScaleKVSettings = io.Custom("SPARSEVAR_SCALEKV_SETTINGS")
 GenerationStatsType = io.Custom("SPARSEVAR_STATS")
 Conditioning = io.Custom("SPARSEVAR_CONDITIONING")
 
@@ -368,9 +370,44 @@ class SparVARSettingsNode(io.ComfyNode):
         return io.NodeOutput(choice)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleKVChoice:
+    """What the ScaleKV Settings node set, applied over the model's preset (``pipe.scalekv_preset``);
+    budget None keeps the preset's."""
+
+    budget: float | None
+
+    def overrides(self) -> dict:
+        return {} if self.budget is None else {"budget": self.budget}
+
+
+class ScaleKVSettingsNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SparseVAR_ScaleKVSettings", display_name="ScaleKV Settings", category=CATEGORY,
+            description="KV-cache compression (ScaleKV): after each scale the refiner layers keep a budget of their "
+                        "cached keys, so the KV cache takes less GPU memory (the pictures change). Applied over the "
+                        "model's preset. Connect to the sampler's 'scalekv' input; not with SparseVAR, FastVAR or "
+                        "SparVAR.",
+            inputs=[
+                io.Float.Input("budget", default=0.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="0 = the model's preset (Infinity-2B/8B: the release's budgets on the last "
+                                       "five scales). " + field_doc(ScaleKVConfig, "budget")),
+            ],
+            outputs=[ScaleKVSettings.Output(display_name="scalekv")],
+        )
+
+    @classmethod
+    def execute(cls, budget) -> io.NodeOutput:
+        choice = ScaleKVChoice(budget=None if budget == 0 else budget)
+        ScaleKVConfig(**choice.overrides())              # a bad value is named here, at this node
+        return io.NodeOutput(choice)
+
+
 def _policies(pipe, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | None,
               scale_skip: ScaleSkipConfig | None, fastvar: FastVARChoice | None,
-              sparvar: SparVARChoice | None = None) -> list:
+              sparvar: SparVARChoice | None = None, scalekv: ScaleKVChoice | None = None) -> list:
     """The settings nodes' choices, over the presets of the model's family (SparseVAR: the model's
     ``sparsevar_preset``, with its calibrated layer), as policies for one call (the shared pipeline
     is left unchanged)."""
@@ -384,6 +421,8 @@ def _policies(pipe, sparsevar: SparseVARChoice | None, anchors: AnchorConfig | N
     if sparvar is not None:
         preset = SPARVAR_PRESETS.get(family, SparVARConfig())
         policies.append(SparVARPolicy(dataclasses.replace(preset, **sparvar.overrides())))
+    if scalekv is not None:
+        policies.append(ScaleKVPolicy(dataclasses.replace(pipe.scalekv_preset, **scalekv.overrides())))
     if scale_skip is not None:
         policies.append(ScaleSkipPolicy(scale_skip))
     return policies
@@ -458,7 +497,7 @@ def _check_condition(node: str, pipe, cond) -> None:
 
 
 def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height, width, sparsevar, anchors,
-            scale_skip, fastvar, sparvar, steps) -> io.NodeOutput:
+            scale_skip, fastvar, sparvar, steps, scalekv=None) -> io.NodeOutput:
     """One sampler call for either sampler node: ``cond`` a ClassCondition or a TextCondition."""
     pipe = model.pipe
     infinity = isinstance(pipe, InfinityPipeline)
@@ -471,8 +510,13 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
         raise ValueError(f"{node}: 'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected, and they "
                          f"cannot be combined (SparVAR selects keys among every token of the cache; the others "
                          f"compute a subset of the tokens): disconnect one of them")
+    if scalekv is not None and any(x is not None for x in (sparvar, fastvar, sparsevar, anchors)):
+        raise ValueError(f"{node}: 'scalekv' and 'sparsevar' / 'anchors' / 'fastvar' / 'sparvar' are both connected, "
+                         f"and they cannot be combined (ScaleKV compacts each layer's cache per head after a scale; "
+                         f"SparVAR reads the whole cache, the others compute a subset of the tokens): disconnect "
+                         f"one of them")
     _check_condition(node, pipe, cond)
-    policies = _policies(pipe, sparsevar, anchors, scale_skip, fastvar, sparvar)
+    policies = _policies(pipe, sparsevar, anchors, scale_skip, fastvar, sparvar, scalekv)
     if infinity:
         total = pipe.resolution(height, width).schedule.num_scales     # a ValueError listing the valid sizes
     elif hart:
@@ -571,6 +615,7 @@ def _settings_inputs() -> list:
         io.Int.Input("steps", default=0, min=0, max=64, optional=True,
                      tooltip="FlexVAR: number of scales; 0 = the reference's for the size (10 at 256 px, 15 "
                              "at 512 px; 13 is its README variant). Other models ignore it"),
+        ScaleKVSettings.Input("scalekv", optional=True),
     ]
 
 
@@ -652,9 +697,10 @@ class SparseVARSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, conditioning, seed, cfg, top_k, top_p, batch_size, height=1024, width=1024,
-                sparsevar=None, anchors=None, scale_skip=None, fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
+                sparsevar=None, anchors=None, scale_skip=None, fastvar=None, sparvar=None, steps=0,
+                scalekv=None) -> io.NodeOutput:
         return _sample("SparseVAR Sampler", model, conditioning, seed, cfg, top_k, top_p, batch_size, height, width,
-                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps)
+                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps, scalekv)
 
 
 class LegacySparseVARSampler(io.ComfyNode):
@@ -688,11 +734,11 @@ class LegacySparseVARSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, class_label, seed, cfg, top_k, top_p, batch_size, prompt="", negative_prompt="",
                 height=1024, width=1024, sparsevar=None, anchors=None, scale_skip=None,
-                fastvar=None, sparvar=None, steps=0) -> io.NodeOutput:
+                fastvar=None, sparvar=None, steps=0, scalekv=None) -> io.NodeOutput:
         text_model = isinstance(model.pipe, (InfinityPipeline, HARTPipeline))
         cond = TextCondition(prompt, negative_prompt) if text_model else ClassCondition(class_label, "SparseVAR Sampler")
         return _sample("SparseVAR Sampler", model, cond, seed, cfg, top_k, top_p, batch_size, height, width,
-                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps)
+                       sparsevar, anchors, scale_skip, fastvar, sparvar, steps, scalekv)
 
 
 class TokenMapPreview(io.ComfyNode):
@@ -717,4 +763,5 @@ class TokenMapPreview(io.ComfyNode):
 
 
 NODES = [VARModelLoader, VARClassNode, TextEncodeNode, SparseVARSampler, LegacySparseVARSampler, SparseVARSettingsNode,
-         AnchorSettingsNode, ScaleSkipNode, FastVARSettingsNode, SparVARSettingsNode, TokenMapPreview]
+         AnchorSettingsNode, ScaleSkipNode, FastVARSettingsNode, SparVARSettingsNode, ScaleKVSettingsNode,
+         TokenMapPreview]

@@ -471,14 +471,15 @@ class AcceleratedPipelineMixin:
             raise ValueError(f"kernels={kernels!r}: use 'triton' (this package's Triton kernels), 'compile' "
                              f"(torch.compile) or 'torch' (plain torch)")
         if kernels != "torch":
-            if self.transformer.device.type != "cuda":
+            device = self._execution_device if self.model_cpu_offload else self.transformer.device
+            if device.type != "cuda":
                 raise ValueError(f"set_kernels({kernels!r}) needs the model on a CUDA device; call pipe.to('cuda') "
                                  f"first (on CPU the torch kernels run)")
             try:
                 import triton  # noqa: F401
             except ImportError:
                 raise ValueError(f"set_kernels({kernels!r}) needs Triton: pip install 'sparsevar[triton]'") from None
-            if kernels == "triton" and resolve_backend("auto", self.transformer.device) != "triton":
+            if kernels == "triton" and resolve_backend("auto", device) != "triton":
                 logger.warning("set_kernels: this package's Triton kernels cannot run on this device (sparsevar info "
                                "--backends says why); using kernels='compile' (torch.compile)")
                 kernels = "compile"

@@ -431,6 +431,37 @@ def test_sparvar_beside_fastvar_is_refused_with_the_reason(comfy, tmp_path):
     assert "'sparvar' and 'sparsevar' / 'anchors' / 'fastvar' are both connected" in msg and "subset" in msg
 
 
+def test_scalekv_settings_compress_the_demo_samplers_cache_and_are_refused_beside_sparsevar(comfy, tmp_path):
+    """The demo workflow's two samplers (dense, SparseVAR) with a ScaleKV Settings node: wired to the
+    dense one instead of nothing, its picture changes (the 512-schedule demo caches 2240 tokens, past
+    ScaleKV's 650); wired beside SparseVAR, one error naming both inputs and why."""
+    import numpy as np
+    info = _get(comfy["url"] + "/object_info")
+    prompt = _prompt(ROOT / "workflows" / "demo_dense_vs_sparsevar.json", info)
+    samplers = sorted((nid for nid, n in prompt.items() if n["class_type"] in SAMPLERS), key=int)
+    dense, sparse = (prompt[nid] for nid in samplers)
+    assert "sparsevar" not in dense["inputs"] and isinstance(sparse["inputs"]["sparsevar"], list)
+    previews = {prompt[nid]["inputs"]["images"][0]: nid for nid, n in prompt.items()
+                if n["class_type"] == "PreviewImage" and prompt[n["inputs"]["images"][0]]["class_type"] in SAMPLERS}
+
+    def dense_picture(rep):
+        return np.asarray(_image(comfy, rep["outputs"][previews[samplers[0]]]["images"][0])).astype(float)
+
+    before = _run(comfy, prompt, tmp_path)
+    assert before["status"] == "success", before
+    prompt["99"] = {"class_type": "SparseVAR_ScaleKVSettings", "inputs": {"budget": 0.1}}
+    dense["inputs"]["scalekv"] = ["99", 0]
+    after = _run(comfy, prompt, tmp_path)
+    assert after["status"] == "success", after
+    assert np.abs(dense_picture(after) - dense_picture(before)).max() > 0
+    sparse["inputs"]["scalekv"] = ["99", 0]
+    refused = _run(comfy, prompt, tmp_path)
+    assert refused["status"] == "error"
+    msg = refused["error_messages"][0]["exception_message"]
+    assert "'scalekv' and 'sparsevar' / 'anchors' / 'fastvar' / 'sparvar' are both connected" in msg
+    assert "per head" in msg
+
+
 def test_frontend_loads_every_workflow_and_matches_its_thumbnail(comfy, tmp_path):
     """The real frontend (comfyui-frontend-package) in headless Chromium loads each shipped workflow
     with every node known and no page error. Thumbnails in workflows/ are these screenshots;
