@@ -68,6 +68,15 @@ def var_official_files(var_fixture_dir, var_fixture_config, tmp_path_factory) ->
     return files
 
 
+@pytest.fixture
+def var_pipe(var_official_files):
+    """A fresh VARPipeline of the fixture model's official files, its progress bar off."""
+    from sparsevar import VARPipeline
+    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
 # ---- FlexVAR -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def flexvar_fixture_dir() -> Path:

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from sparsevar import VARPipeline
 from sparsevar.engine.kv_cache import COMPACTED, KVCache, layer_capacities
 from sparsevar.engine.schedule import ScaleSchedule
 from sparsevar.policies import ScaleKVConfig
@@ -19,16 +18,16 @@ from sparsevar.policies.scalekv import RELEASED_2B, ScaleKVPolicy, scalekv_prese
 
 
 @pytest.fixture
-def pipe(var_official_files):
-    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
-    p.set_progress_bar_config(disable=True)
-    return p
+def pipe(var_pipe):
+    return var_pipe
 
 
 def _run(pipe, labels, **kw):
     """One generator per image (seeds 3, 4, …), so an image does not depend on its batch."""
     gens = [torch.Generator().manual_seed(3 + i) for i in range(len(labels))]
     return pipe(labels, generator=gens, output_type="pt", **kw)
+
+
 
 
 # ---- worked by hand ----------------------------------------------------------------------------------

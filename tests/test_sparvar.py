@@ -6,23 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsevar import VARPipeline
 from sparsevar.policies import Policy, SparVARConfig
 from sparsevar.policies.sparvar import band_ranges, csla_mask, relative_key_map
 from sparsevar.sparse_ops import ref as sparse_ref
 
 
 @pytest.fixture
-def pipe(var_official_files):
-    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
-    p.set_progress_bar_config(disable=True)
-    return p
+def pipe(var_pipe):
+    return var_pipe
 
 
 def _run(pipe, labels, **kw):
     """One generator per image (seeds 3, 4, …), so an image does not depend on its batch."""
     gens = [torch.Generator().manual_seed(3 + i) for i in range(len(labels))]
     return pipe(labels, generator=gens, output_type="pt", **kw)
+
+
 
 
 # ---- position maps, worked by hand --------------------------------------------------------------------
