@@ -55,8 +55,8 @@ class KVCache:
         # slots (below each layer's length) are ever read, and a 3.5 GB memset would cost a millisecond
         # at every (re)allocation; the positions are set to -1 (empty)
         views = _carve(shapes, device)
-        for j, (c, layers) in enumerate(groups):
-            k, v, pos = views[3 * j:3 * j + 3]
+        for g, (c, layers) in enumerate(groups):
+            k, v, pos = views[3 * g:3 * g + 3]
             pos.fill_(-1)
             self._groups.append((layers, k, v, pos))
             for j, i in enumerate(layers):

@@ -199,7 +199,8 @@ class AcceleratedPipelineMixin:
                              f"every component already is in CPU memory: leave it out")
         index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
         if not 0 <= index < torch.cuda.device_count():
-            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
+                             f"0..{torch.cuda.device_count() - 1}")
         self.disable_model_cpu_offload()
         self.release_memory()
         modules = {k: v for k, v in self.components.items() if isinstance(v, torch.nn.Module)}

@@ -45,25 +45,15 @@ class _InfinityWorkspace(Workspace):
     keeps one at a time (``InfinityAdapter.begin``): a call of another shape frees it first."""
 
     def __init__(self, model: InfinityTransformer, batch: int, resolution: InfinityResolution, vae_dim: int,
-                 patchify: bool, device, dtype, kv_tail="auto", kv_slots=None):
+                 patchify: bool, device, dtype, kv_tail: bool = False, kv_slots=None):
         hw = resolution.hw
         L = sum(h * w for h, w in hw)
         super().__init__(device, L)
         cfg = model.config
         R, C, N = 2 * batch, cfg.embed_dim, cfg.depth
-        if kv_tail not in ("auto", True, False):
-            raise ValueError(f"kv_tail={kv_tail!r}: choose 'auto', True (a last-scale tail shared by the layers) "
-                             f"or False (the whole cache per layer)")
-        full_bytes = 2 * N * R * L * C * torch.empty((), dtype=dtype).element_size()
-        # nothing attends to the last scale's keys afterwards: it may get a tail shared by all layers
-        # (2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of 18.9);
-        # a compressed cache (kv_slots) always takes it, as the last scale is then most of each layer's
-        if kv_tail == "auto":
-            self.kv_tail = kv_slots is not None or kv_tail_needed(full_bytes, torch.device(device))
-        else:
-            self.kv_tail = bool(kv_tail)
+        self.kv_tail = kv_tail                # the last scale's K/V in a tail shared by the layers (kv_tail_used)
         self._kv_args = (N, R, cfg.num_heads, model.head_dim, [h * w for h, w in hw], dtype, device, kv_slots,
-                         self.kv_tail)
+                         kv_tail)
         self.kv: Optional[KVCache] = None
         self.ensure_kv()
         H, W = hw[-1]
@@ -229,11 +219,17 @@ class InfinityAdapter(ModelAdapter):
         return cfg.depth, cfg.num_heads, self.transformer.head_dim
 
     def kv_tail_used(self, schedule, rows: int, slots) -> bool:
+        """``kv_tail`` as set, or on "auto" when the whole cache would be large (``kv_tail_needed``:
+        2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of
+        18.9). A compressed cache (``slots``) passes its last scale through the tail whatever this says."""
+        if self.kv_tail not in ("auto", True, False):
+            raise ValueError(f"kv_tail={self.kv_tail!r}: choose 'auto', True (a last-scale tail shared by the "
+                             f"layers) or False (the whole cache per layer)")
         if self.kv_tail != "auto":
-            return bool(self.kv_tail)
+            return self.kv_tail
         layers, heads, head_dim = self.kv_layout()
         full = 2 * layers * rows * schedule.total_tokens * heads * head_dim * self.dtype.itemsize
-        return slots is not None or kv_tail_needed(full, self.device)
+        return kv_tail_needed(full, self.device)
 
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
@@ -250,9 +246,10 @@ class InfinityAdapter(ModelAdapter):
         if run.schedule.hw != cond.resolution.hw:
             raise ValueError(f"the run's schedule {run.schedule} is not that of {cond.resolution}")
         res = cond.resolution
-        key = (B, res.hw, res.rope_grid, self.device, self.dtype, self.kv_tail, run.kv_slots)
+        tail = self.kv_tail_used(res.schedule, 2 * B, run.kv_slots)
+        key = (B, res.hw, res.rope_grid, self.device, self.dtype, tail, run.kv_slots)
         ws = self.workspace(key, lambda: _InfinityWorkspace(m, B, res, self.vae.config.codebook_dim, self.patchify,
-                                                            self.device, self.dtype, self.kv_tail, run.kv_slots))
+                                                            self.device, self.dtype, tail, run.kv_slots))
         run.cfg_active = float(run.settings.guidance_scale) != 1.0
         text = cond.prompt
         if run.cfg_active:
