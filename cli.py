@@ -1319,8 +1319,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = bsub.add_parser("memory", help="peak GPU memory and time per memory setting (offload, ScaleKV) on a "
                                        "simulated card size (GPU)")
     m.add_argument("--models", nargs="+", default=["infinity-2b"],
-                   help="infinity-2b, infinity-8b (with Flan-T5-XL's encoder at real size), hart-0.7b, var-d30 …; "
-                        "random weights at real size")
+                   help="infinity-2b, infinity-8b (with Flan-T5-XL's encoder at real size), hart-0.7b (with "
+                        "Qwen2-1.5B at real size), var-d30 …; random weights at real size")
     m.add_argument("--card-gb", type=float, nargs="+", default=[80.0], metavar="GB",
                    help="simulated card sizes (torch.cuda.set_per_process_memory_fraction)")
     m.add_argument("--settings", nargs="+", default=["dense", "offload", "scalekv", "scalekv+offload"],
@@ -1328,7 +1328,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--runs", type=int, default=3)
     m.add_argument("--warmup", type=int, default=1)
     m.add_argument("--tiny-text-encoder", action="store_true",
-                   help="Infinity: a 1-layer random T5 instead of Flan-T5-XL's encoder size")
+                   help="Infinity, HART: a 1-layer random T5 / Qwen2 instead of Flan-T5-XL's encoder / "
+                        "Qwen2-1.5B's size")
     m.add_argument("--out", type=Path, default=Path("benchmarks/results/memory.csv"), help="CSV path")
     m.set_defaults(func=cmd_bench)
     return p

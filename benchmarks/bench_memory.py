@@ -1,7 +1,7 @@
 """Peak GPU memory and time per memory setting, on a simulated card size (issue #32).
 
-For each model (random weights at real size; Infinity with Flan-T5-XL's encoder at its real size,
-random weights, so the text encoder's 2.4 GB are counted), each card size and each setting, one row:
+For each model (random weights at real size; Infinity with Flan-T5-XL's encoder and HART with
+Qwen2-1.5B at their real sizes, random weights, so the text encoders' 2.4 / 3.1 GB are counted), each card size and each setting, one row:
 the peak memory PyTorch allocated during a call (``torch.cuda.max_memory_allocated``, the call's
 KV cache, activations and weights on the GPU included; the CUDA context is not) and the most its
 allocator held (``max_memory_reserved``: what a card must have, CUDA-graph pools included) and the call's wall
@@ -48,8 +48,12 @@ def _pipeline(name: str, dtype: torch.dtype, vae_dtype: torch.dtype, real_text_e
             pipe = InfinityPipeline(transformer=pipe.transformer, vae=pipe.vae, text_encoder=t5, tokenizer=tokenizer)
         return pipe, lambda gen: pipe("w3 w4 w5 w6 w7 w8", generator=gen)
     if name.startswith("hart"):
+        from ..models.hart_text import random_qwen2_1_5b
         from ..pipelines.hart_pipeline import HARTPipeline
         pipe = HARTPipeline.from_random(name, device="cuda", dtype=dtype, vae_dtype=vae_dtype)
+        if real_text_encoder:
+            tokenizer, qwen = random_qwen2_1_5b("cuda", torch.bfloat16)
+            pipe = HARTPipeline(transformer=pipe.transformer, vqvae=pipe.vqvae, text_encoder=qwen, tokenizer=tokenizer)
         return pipe, lambda gen: pipe("w3 w4 w5 w6", generator=gen)
     from ..pipelines.var_pipeline import VARPipeline
     pipe = VARPipeline.from_random(name, device="cuda", dtype=dtype)

@@ -102,4 +102,22 @@ def random_qwen2(hidden: int, seed: int = 0, vocab_words: Sequence[str] = ()):
     return tokenizer, model.eval().requires_grad_(False)
 
 
-__all__ = ["HART_MAX_LENGTH", "HART_SYSTEM_PROMPT", "load_qwen2", "encode_hart_prompts", "random_qwen2"]
+def random_qwen2_1_5b(device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """(tokenizer, Qwen2Model) of Qwen2-1.5B's size (28 layers, width 1536, 12 query and 2 key/value
+    heads, SwiGLU of 8960, 151 936-token vocabulary; 1.54 B parameters) with random weights, built
+    on ``device``: for memory and speed benchmarks, which must hold and run the encoder HART uses.
+    The tokenizer is :func:`random_qwen2`'s word-level one."""
+    from transformers import Qwen2Config, Qwen2Model
+    tokenizer, _ = random_qwen2(1536, seed=seed)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=True)
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
+        torch.manual_seed(seed)
+        model = Qwen2Model(cfg).to(dtype)
+    return tokenizer, model.eval().requires_grad_(False)
+
+
+__all__ = ["HART_MAX_LENGTH", "HART_SYSTEM_PROMPT", "load_qwen2", "encode_hart_prompts", "random_qwen2",
+           "random_qwen2_1_5b"]

@@ -111,9 +111,14 @@ def _dtype_of(module: torch.nn.Module) -> torch.dtype:
 
 
 def _free_bytes(device: torch.device) -> int:
-    """What the driver (GPU) or the system (CPU: memory and swap) has free now."""
+    """What the driver (GPU) or the system (CPU: memory and swap) has free now; on a GPU no more than
+    this process may still take under its memory fraction (``torch.cuda.set_per_process_memory_fraction``,
+    which also simulates a smaller card)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)   # torch >= 2.6
+        cap = fraction * total - torch.cuda.memory_reserved(device)
+        return int(max(0, min(free, cap)))
     import psutil
     return psutil.virtual_memory().available + psutil.swap_memory().free
 
@@ -186,10 +191,12 @@ class AcceleratedPipelineMixin:
         """Keep every component in (pinned) CPU memory and put each on the GPU only while it runs:
         the text encoder for the prompt, the transformer for the scale loop (with the tokenizer where
         its quantizer accumulates each scale's codes: VAR, FlexVAR, HART; the text encoder leaves
-        before the first scale), the tokenizer for the picture (the transformer leaves first); at the end of a call everything is back on the CPU. The GPU then holds the largest
-        phase (one component and its working memory), not their sum; each call copies each
-        component to the GPU once. The workspace of the last call (KV cache, CUDA graphs) stays on
-        the GPU between calls (:meth:`release_memory` frees it).
+        before the first scale), the tokenizer for the picture (the transformer leaves first); at
+        the end of a call everything is back on the CPU. The components take turns in one GPU
+        buffer the size of the largest of them (pipelines/offload.py says why), so the GPU holds
+        that and the largest phase's working memory, not the sum of the weights; each call copies
+        each component to the GPU once. The buffer and the workspace of the last call (KV cache,
+        CUDA graphs) stay on the GPU between calls (:meth:`release_memory` frees both).
 
         gpu_id / device: the GPU to run on (diffusers' arguments; default ``cuda:0``). Needs CUDA."""
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -204,7 +211,7 @@ class AcceleratedPipelineMixin:
         self.disable_model_cpu_offload()
         self.release_memory()
         modules = {k: v for k, v in self.components.items() if isinstance(v, torch.nn.Module)}
-        self._model_offload = ModelOffload(modules, torch.device("cuda", index))
+        self._model_offload = ModelOffload(modules, torch.device("cuda", index), self._offload_groups())
         torch.cuda.empty_cache()
         return self
 
@@ -218,6 +225,10 @@ class AcceleratedPipelineMixin:
     @property
     def model_cpu_offload(self) -> bool:
         return self._model_offload is not None
+
+    def _offload_groups(self) -> list[tuple[str, ...]]:
+        """The sets of components model offload loads together: the loop's (the others load alone)."""
+        return [tuple(self.LOOP_COMPONENTS)]
 
     # ---- memory estimate (pipelines/memory.py) -------------------------------------------------------
     KV_FREED_FOR_DECODE = False            # the family frees its KV cache before the decoder runs
@@ -310,8 +321,13 @@ class AcceleratedPipelineMixin:
                    for k, m in self.components.items() if isinstance(m, torch.nn.Module)}
         offload = self.model_cpu_offload if model_cpu_offload is None else bool(model_cpu_offload)
 
+        if offload:                    # every phase: the weight buffer the components take turns in
+            buffer = max([sum(weights.get(k, 0) for k in g) for g in self._offload_groups()] + list(weights.values()))
+
         def held(names):
-            return {f"{k} weights": v for k, v in weights.items() if not offload or k in names}
+            if offload:
+                return {"offloaded weights": buffer}
+            return {f"{k} weights": v for k, v in weights.items()}
 
         phases = {}
         if "text_encoder" in weights:
@@ -725,9 +741,12 @@ class AcceleratedPipelineMixin:
         return self._interrupt
 
     def release_memory(self) -> None:
-        """Drop the KV caches (and CUDA graphs) kept for repeated calls."""
+        """Drop the KV caches (and CUDA graphs) kept for repeated calls, and model offload's weight
+        buffer."""
         if self._adapter is not None:
             self._adapter.release()
+        if self._model_offload is not None:
+            self._model_offload.release()
 
     @staticmethod
     def _postprocess(x: torch.Tensor, output_type: str):

@@ -8,25 +8,41 @@ never calls the transformer's or the tokenizer's ``forward`` (the engine drives 
 the hooks would not fire; the pipelines call :meth:`ModelOffload.load` where each phase begins.
 
 Each component's weights are kept once in pinned (page-locked) CPU memory, so a load is one fast
-host-to-device copy and an offload only drops the GPU copy; a component's GPU weights are one
-allocation, which the caching allocator hands back at the same address call after call, so the
-transformer's captured CUDA graphs stay valid across calls.
+host-to-device copy and an offload only drops the GPU copy. Every load goes into one GPU buffer,
+the weight buffer, sized for the largest group of components that load together and allocated at
+the first load: the components take turns in it instead of each allocating and freeing its own,
+which on a small card splits the caching allocator's segments until the next call's weights no
+longer fit (a freed 2.4 GB text-encoder segment, reused for the KV cache, cannot then take the
+4.3 GB transformer), and the transformer comes back at the same address call after call, so its
+captured CUDA graphs stay valid. The buffer stays between calls; :meth:`ModelOffload.release`
+frees it.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
+
+ALIGN = 256                 # bytes: where each tensor starts in the weight buffer
+SEGMENT = 2 << 20           # the caching allocator's large-segment granule: no split-off tail
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 class ModelOffload:
     """The components of a pipeline (``name → module``), offloaded to pinned CPU memory, loaded onto
     ``device`` one at a time."""
 
-    def __init__(self, components: Mapping[str, torch.nn.Module], device: torch.device):
+    def __init__(self, components: Mapping[str, torch.nn.Module], device: torch.device,
+                 groups: Sequence[Sequence[str]] = ()):
+        """``groups``: the sets of components that load together (each component alone is one too);
+        the weight buffer holds the largest."""
         self.device = torch.device(device)
         self.host: dict[str, list] = {}             # name → [(tensor whose .data is swapped, pinned copy)]
         self.on: Optional[tuple[str, ...]] = None
+        self.buffer: Optional[torch.Tensor] = None  # the weight buffer, (buffer_bytes,) uint8 on the device
         for name, module in components.items():
             tensors = []
             for t in (*module.parameters(), *module.buffers()):
@@ -34,6 +50,13 @@ class ModelOffload:
                 tensors.append((t, pinned))
                 t.data = pinned
             self.host[name] = tensors
+        sets = [(n,) for n in self.host] + [tuple(g) for g in groups]
+        self.buffer_bytes = _round_up(max((self._span(g) for g in sets), default=0), SEGMENT)
+
+    def _span(self, names) -> int:
+        """Bytes components ``names`` take in the weight buffer (each tensor 256-byte aligned)."""
+        return sum(_round_up(p.numel() * p.element_size(), ALIGN) for n in names if n in self.host
+                   for _, p in self.host[n])
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -48,20 +71,23 @@ class ModelOffload:
         if self.on == names:
             return
         self.offload()
-        tensors = [x for n in names for x in self.host[n]]
-        sizes = [p.numel() * p.element_size() for _, p in tensors]
-        total = sum(-(-n // 256) * 256 for n in sizes)
-        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if self._span(names) > self.buffer_bytes:            # a group the constructor was not told of
+            self.release()
+            self.buffer_bytes = _round_up(self._span(names), SEGMENT)
+        if self.buffer is None:
+            self.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
         offset = 0
-        for (t, pinned), n in zip(tensors, sizes):
-            view = buf[offset:offset + n].view(pinned.dtype).view(pinned.shape)
+        for t, pinned in (x for n in names for x in self.host[n]):
+            n = pinned.numel() * pinned.element_size()
+            # stream-ordered: the copy overwrites the previous group only after the work queued on it
+            view = self.buffer[offset:offset + n].view(pinned.dtype).view(pinned.shape)
             view.copy_(pinned, non_blocking=True)
             t.data = view
-            offset += -(-n // 256) * 256
+            offset += _round_up(n, ALIGN)
         self.on = names
 
     def offload(self) -> None:
-        """Every component back to its CPU copy (the GPU copies are freed)."""
+        """Every component back to its CPU copy (the weight buffer stays for the next load)."""
         if self.on is None:
             return
         for name in self.on:
@@ -69,8 +95,13 @@ class ModelOffload:
                 t.data = pinned
         self.on = None
 
+    def release(self) -> None:
+        """Offload, and free the weight buffer (the next load allocates it again)."""
+        self.offload()
+        self.buffer = None
+
     def close(self) -> None:
         """Offload, and stop: the components stay in (pinned) CPU memory."""
-        self.offload()
+        self.release()
         self.host.clear()
 

@@ -39,6 +39,7 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
     call()
     ws = pipe.adapter()._workspace
     graphs, ptrs = dict(ws.graphs), ws.kv.storage_ptrs()
+    buffer = pipe._model_offload.buffer.data_ptr()          # the components take turns in one buffer
     assert graphs
     seen.clear()
     second = call()
@@ -47,6 +48,7 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
     assert _devices(pipe) == {"transformer": "cpu", "vae": "cpu", "text_encoder": "cpu"}
     assert torch.equal(first, resident) and torch.equal(second, resident)
     assert ws.graphs == graphs and ws.kv.storage_ptrs() == ptrs          # replayed, not captured again
+    assert pipe._model_offload.buffer.data_ptr() == buffer
     with pytest.raises(ValueError, match="while model CPU offload is on"):
         pipe.to("cuda")
     assert pipe.set_kernels("triton").kernels in ("triton", "compile")     # chosen for the GPU it runs on
@@ -123,14 +125,19 @@ def test_infinity_estimate_frees_the_cache_for_the_decode_and_has_a_prompt_phase
     assert big.peak_bytes > est.peak_bytes
 
 
-@pytest.mark.gpu
-def test_offloaded_estimate_holds_each_phases_components_only():
-    pipe = InfinityPipeline.from_random("infinity-tiny", device="cuda", dtype=torch.bfloat16)
-    pipe.enable_model_cpu_offload()
-    est = pipe.estimate_memory(1, height=256, width=256)
-    assert [k for k in est.phases["prompt"] if k.endswith("weights")] == ["text_encoder weights"]
-    assert [k for k in est.phases["scale loop"] if k.endswith("weights")] == ["transformer weights"]
-    assert [k for k in est.phases["decode"] if k.endswith("weights")] == ["vae weights"]
+def test_offloaded_estimate_holds_the_weight_buffer_of_the_largest_component_in_every_phase():
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    est = pipe.estimate_memory(1, height=256, width=256, model_cpu_offload=True)
+    largest = max(_weights(pipe.transformer), _weights(pipe.text_encoder), _weights(pipe.vae))
+    for phase in ("prompt", "scale loop", "decode"):
+        assert [k for k in est.phases[phase] if k.endswith("weights")] == ["offloaded weights"]
+        assert est.phases[phase]["offloaded weights"] == largest
+    resident = pipe.estimate_memory(1, height=256, width=256)
+    assert est.working_bytes == resident.working_bytes                       # the same work, fewer weights
+    assert est.peak_bytes < resident.peak_bytes
+    var = VARPipeline.from_random("var-tiny")                                 # its loop holds both components
+    loop = var.estimate_memory(1, model_cpu_offload=True).phases["scale loop"]["offloaded weights"]
+    assert loop == _weights(var.transformer) + _weights(var.vqvae)
 
 
 def test_memory_options_name_the_settings_whose_estimate_fits():
