@@ -28,6 +28,9 @@ SETTINGS: dict[str, tuple[Callable, str]] = {
     "dense": (lambda pipe: None, "every component on the GPU"),
     "offload": (lambda pipe: pipe.enable_model_cpu_offload(), "enable_model_cpu_offload()"),
     "scalekv": (lambda pipe: pipe.enable_scalekv(), "ScaleKV preset"),
+    "stream": (lambda pipe: pipe.enable_text_encoder_streaming(), "text encoder streamed block by block"),
+    "stream+scalekv": (lambda pipe: (pipe.enable_scalekv(), pipe.enable_text_encoder_streaming()),
+                       "ScaleKV preset + text encoder streamed block by block"),
     "scalekv+offload": (lambda pipe: (pipe.enable_scalekv(), pipe.enable_model_cpu_offload()),
                         "ScaleKV preset + model CPU offload"),
     "scalekv+offload+cond-only-last-3": (
@@ -63,6 +66,7 @@ def _pipeline(name: str, dtype: torch.dtype, vae_dtype: torch.dtype, real_text_e
 def _reset(pipe) -> None:
     """Back to every component on the GPU, no policy, no workspace."""
     pipe.disable_model_cpu_offload()
+    pipe.disable_text_encoder_streaming()
     pipe.to("cuda")
     for name in [p.name for p in pipe.policies]:
         pipe.remove_policy(name)

@@ -186,10 +186,10 @@ def encode_prompts(tokenizer, text_encoder, prompts: Union[str, Sequence[str]],
     return encode_token_ids(text_encoder, ids, mask)
 
 
-def random_t5(d_model: int, seed: int = 0, vocab_words: Optional[Sequence[str]] = None):
-    """A small random (tokenizer, T5EncoderModel) of width ``d_model`` — for models built from random
-    weights (benchmarks, smoke tests), whose text encoder only has to produce features of the right
-    width. The tokenizer is a word-level one over a few hundred words (unknown words map to <unk>)."""
+def random_t5(d_model: int, seed: int = 0, vocab_words: Optional[Sequence[str]] = None, num_layers: int = 1):
+    """A small random (tokenizer, T5EncoderModel) of width ``d_model`` and ``num_layers`` blocks — for
+    models built from random weights (benchmarks, smoke tests), whose text encoder only has to
+    produce features of the right width. The tokenizer is a word-level one over a few hundred words (unknown words map to <unk>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
@@ -203,7 +203,7 @@ def random_t5(d_model: int, seed: int = 0, vocab_words: Optional[Sequence[str]] 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                                         model_max_length=T5_MAX_LENGTH)
     heads = max(1, d_model // 64)
-    cfg = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // heads, d_ff=2 * d_model, num_layers=1,
+    cfg = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // heads, d_ff=2 * d_model, num_layers=num_layers,
                    num_decoder_layers=1, num_heads=heads, feed_forward_proj="gated-gelu", dropout_rate=0.0,
                    is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1)
     with torch.random.fork_rng(devices=[]):

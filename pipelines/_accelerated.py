@@ -27,7 +27,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
 from .memory import ACTIVATION_BYTES_PER_CHANNEL, RESERVE_MARGIN, MemoryEstimate
-from .offload import ModelOffload
+from .offload import BlockStream, ModelOffload, stream_bytes
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
 
@@ -185,6 +185,7 @@ class AcceleratedPipelineMixin:
         self._policies, self._adapter, self._kernels = PolicyStack(), None, "torch"
         self._interrupt, self._current_scale = False, None
         self._model_offload: Optional[ModelOffload] = None
+        self._text_stream: Optional[BlockStream] = None
 
     # ---- offload (diffusers' semantics, pipelines/offload.py) ------------------------------------
     def enable_model_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
@@ -208,6 +209,9 @@ class AcceleratedPipelineMixin:
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
                              f"0..{torch.cuda.device_count() - 1}")
+        if self._text_stream is not None:
+            raise ValueError("enable_model_cpu_offload() while the text encoder streams: call "
+                             "pipe.disable_text_encoder_streaming() first (model offload moves the text encoder too)")
         self.disable_model_cpu_offload()
         self.release_memory()
         modules = {k: v for k, v in self.components.items() if isinstance(v, torch.nn.Module)}
@@ -226,6 +230,45 @@ class AcceleratedPipelineMixin:
     def model_cpu_offload(self) -> bool:
         return self._model_offload is not None
 
+    def enable_text_encoder_streaming(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
+        """Keep the text encoder's blocks in (pinned) CPU memory and stream them to the GPU one at a
+        time as it runs, the next block's copy overlapping the current block's work; its embeddings
+        and the other components stay on the GPU. For a card that holds the transformer but not the
+        text encoder beside it (Infinity-2B's Flan-T5-XL is 2.4 GB, HART's Qwen2-1.5B 3.1 GB): the
+        GPU holds two of its blocks instead, the transformer keeps its place (and its CUDA graphs),
+        and each prompt costs one copy of the encoder's blocks. The same pictures as without it.
+
+        gpu_id / device: the GPU the pipeline runs on (default ``cuda:0``). Needs CUDA and a text
+        encoder; not with model CPU offload (which moves the text encoder itself)."""
+        if not isinstance(getattr(self, "text_encoder", None), torch.nn.Module):
+            raise ValueError(f"enable_text_encoder_streaming(): {type(self).__name__} has no text encoder")
+        if self._model_offload is not None:
+            raise ValueError("enable_text_encoder_streaming() while model CPU offload is on: call "
+                             "pipe.disable_model_cpu_offload() first (it moves the text encoder itself)")
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            have = f"device={device!r} is not a GPU" if dev.type != "cuda" else "this machine has no CUDA device"
+            raise ValueError(f"enable_text_encoder_streaming needs a CUDA GPU to stream to ({have})")
+        index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
+                             f"0..{torch.cuda.device_count() - 1}")
+        self.disable_text_encoder_streaming()
+        self._text_stream = BlockStream(self.text_encoder, torch.device("cuda", index))
+        torch.cuda.empty_cache()
+        return self
+
+    def disable_text_encoder_streaming(self):
+        """Stop streaming: the text encoder's blocks stay in CPU memory (``pipe.to("cuda")`` moves them)."""
+        if self._text_stream is not None:
+            self._text_stream.close()
+            self._text_stream = None
+        return self
+
+    @property
+    def text_encoder_streaming(self) -> bool:
+        return self._text_stream is not None
+
     def _offload_groups(self) -> list[tuple[str, ...]]:
         """The sets of components model offload loads together: the loop's (the others load alone)."""
         return [tuple(self.LOOP_COMPONENTS)]
@@ -239,27 +282,33 @@ class AcceleratedPipelineMixin:
         raise NotImplementedError
 
     def _memory_tries(self) -> list:
-        """(how to enable it, the policies, model offload) of each memory setting this pipeline lacks, in
-        the order :meth:`enable_low_vram` tries them: model offload (the same pictures, slower),
-        the ScaleKV preset (where the enabled policies can take it), both."""
+        """(how to enable it, the policies, model offload, text encoder streaming) of each memory
+        setting this pipeline lacks, in the order :meth:`enable_low_vram` tries them: those that keep
+        the pictures first (text encoder streaming, then model offload, which copies every weight at
+        every call), then the ScaleKV preset (where the enabled policies can take it) alone and
+        with each of them."""
         stack = list(self._policies)
         names = {p.name for p in stack}
-        gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload
-        offload = [("pipe.enable_model_cpu_offload()", stack, True)] if gpu and not self.model_cpu_offload else []
-        scalekv = []
-        if "scalekv" not in names and not names & set(ScaleKVPolicy.incompatible):
-            scalekv = [("pipe.enable_scalekv() / --scalekv", stack + [ScaleKVPolicy(self.scalekv_preset)], None)]
-        both = [("both", scalekv[0][1], True)] if offload and scalekv else []
-        return offload + scalekv + both
+        gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload or self.text_encoder_streaming
+        free = gpu and not self.model_cpu_offload
+        stream = [("pipe.enable_text_encoder_streaming()", stack, None, True)] if free and \
+            isinstance(getattr(self, "text_encoder", None), torch.nn.Module) and not self.text_encoder_streaming else []
+        offload = [("pipe.enable_model_cpu_offload()", stack, True, False)] if free and not self.text_encoder_streaming \
+            else []
+        if "scalekv" in names or names & set(ScaleKVPolicy.incompatible):
+            return stream + offload
+        kept = stack + [ScaleKVPolicy(self.scalekv_preset)]
+        return stream + offload + [("pipe.enable_scalekv() / --scalekv", kept, None, None)] + \
+            [(f"{text} + pipe.enable_scalekv()", kept, o, t) for text, _, o, t in stream + offload]
 
     def memory_options(self, batch_size: int, height: Optional[int] = None, width: Optional[int] = None,
                        available: int = 0) -> list[str]:
         """The memory settings this pipeline lacks whose :meth:`estimate_memory` of such a call fits in
-        ``available`` bytes: model CPU offload (on a GPU), the ScaleKV preset (where the enabled
-        policies can take it), both; each as "how to enable it (estimated peak)"."""
+        ``available`` bytes (see :meth:`_memory_tries`); each as "how to enable it (estimated peak)"."""
         out = []
-        for text, policies, offload in self._memory_tries():
-            est = self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload)
+        for text, policies, offload, streaming in self._memory_tries():
+            est = self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
+                                       text_encoder_streaming=streaming)
             if est.fits(available):
                 out.append(f"{text} ({_gb(est.peak_bytes)})")
         return out
@@ -268,10 +317,11 @@ class AcceleratedPipelineMixin:
                         available: Optional[int] = None, **layout) -> list[str]:
         """Make calls of ``batch_size`` images at ``height`` × ``width`` fit the device: nothing when
         :meth:`estimate_memory` (with the allocator's reserve, ``RESERVE_MARGIN``) fits ``available``
-        bytes (default: what the device has for this pipeline); else the first of model CPU offload
-        (the same pictures, each call copying the weights), the ScaleKV preset (faster, but its
-        compressed cache changes the pictures) and both whose estimate fits. Returns what it
-        enabled; a ValueError with the estimate when nothing fits."""
+        bytes (default: what the device has for this pipeline); else the first of text encoder
+        streaming and model CPU offload (the same pictures; each prompt copies the text encoder's
+        blocks / each call every weight), the ScaleKV preset (its compressed cache changes the
+        pictures) and ScaleKV with either, whose estimate fits. Returns what it enabled; a
+        ValueError with the estimate when nothing fits."""
         device = self._execution_device if self.model_cpu_offload else self.adapter().device
         if available is None:
             available = memory_available(device, [c for c in self.components.values()
@@ -280,10 +330,13 @@ class AcceleratedPipelineMixin:
         est = self.estimate_memory(batch_size, height, width, **layout)
         if est.fits(budget):
             return []
-        for text, policies, offload in self._memory_tries():
+        for _, policies, offload, streaming in self._memory_tries():
             if self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
-                                    **layout).fits(budget):
+                                    text_encoder_streaming=streaming, **layout).fits(budget):
                 done = []
+                if streaming:
+                    self.enable_text_encoder_streaming(device=device)
+                    done.append("text encoder streaming")
                 if offload:
                     self.enable_model_cpu_offload(device=device)
                     done.append("model CPU offload")
@@ -292,19 +345,20 @@ class AcceleratedPipelineMixin:
                     done.append("ScaleKV")
                 return done
         raise ValueError(f"{batch_size} image(s) at this size need {est} with this pipeline's settings, and "
-                         f"{_gb(available)} is available on {device.type}; none of model CPU offload, ScaleKV or "
-                         f"both would fit: lower batch_size or the size")
+                         f"{_gb(available)} is available on {device.type}; none of text encoder streaming, model CPU "
+                         f"offload, ScaleKV or ScaleKV with either would fit: lower batch_size or the size")
 
     def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
                         policies: Optional[Sequence[Policy]] = None,
-                        model_cpu_offload: Optional[bool] = None, **layout) -> MemoryEstimate:
+                        model_cpu_offload: Optional[bool] = None, text_encoder_streaming: Optional[bool] = None,
+                        **layout) -> MemoryEstimate:
         """The GPU memory a call of ``batch_size`` images at ``height`` × ``width`` (the family's
         default size when left out) will need, before it starts: by phase (prompt, scale loop,
         decode), the weights on the device (all of them, or under model offload the phase's), the
         KV cache (exact, with the policies' compression: ``policies`` or the enabled ones), the
         loop's activations (estimated) and the decoder's. ``.peak_bytes`` grows with the batch;
         ``str()`` names the peak phase and its parts. ``model_cpu_offload``: estimate as if offload
-        were on (True) or off (False); default as it is. ``layout``: the family's other size
+        were on (True) or off (False); default as it is; ``text_encoder_streaming`` likewise. ``layout``: the family's other size
         arguments (FlexVAR: ``patch_nums``)."""
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -320,6 +374,9 @@ class AcceleratedPipelineMixin:
         weights = {k: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
                    for k, m in self.components.items() if isinstance(m, torch.nn.Module)}
         offload = self.model_cpu_offload if model_cpu_offload is None else bool(model_cpu_offload)
+        streaming = self.text_encoder_streaming if text_encoder_streaming is None else bool(text_encoder_streaming)
+        if streaming and not offload and "text_encoder" in weights:     # two blocks and the embeddings
+            weights["text_encoder"] = stream_bytes(self.text_encoder)
 
         if offload:                    # every phase: the weight buffer the components take turns in
             buffer = max([sum(weights.get(k, 0) for k in g) for g in self._offload_groups()] + list(weights.values()))
@@ -360,11 +417,14 @@ class AcceleratedPipelineMixin:
         """diffusers' ``to(device)`` / ``to(dtype)`` / ``to(device, dtype)``, with a device string
         that names no device (or a dtype given as a string), or the meta device (which holds no
         weights), refused in one line naming the value."""
+        what = ", ".join([repr(str(a)) for a in args] + [f"{k}={str(v)!r}" for k, v in kwargs.items()])
         if getattr(self, "_model_offload", None) is not None:
-            what = ", ".join([repr(str(a)) for a in args] + [f"{k}={str(v)!r}" for k, v in kwargs.items()])
             raise ValueError(f"to({what}) while model CPU offload is on (it keeps the components' weights in CPU "
                              f"memory and moves each to the GPU while it runs); call "
                              f"pipe.disable_model_cpu_offload() first")
+        if getattr(self, "_text_stream", None) is not None:
+            raise ValueError(f"to({what}) while the text encoder streams (its blocks stay in CPU memory); call "
+                             f"pipe.disable_text_encoder_streaming() first")
         for value in (*args, kwargs.get("device"), kwargs.get("torch_device")):
             if not isinstance(value, (str, torch.device)):
                 continue
@@ -747,6 +807,8 @@ class AcceleratedPipelineMixin:
             self._adapter.release()
         if self._model_offload is not None:
             self._model_offload.release()
+        if self._text_stream is not None:
+            self._text_stream.release()
 
     @staticmethod
     def _postprocess(x: torch.Tensor, output_type: str):

@@ -105,3 +105,121 @@ class ModelOffload:
         self.release()
         self.host.clear()
 
+
+
+def _blocks_of(module: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
+    """The module's largest ``ModuleList`` by parameter count: a text encoder's layers (T5's
+    ``encoder.block``, Qwen2's ``layers``)."""
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+def _tensors(module: torch.nn.Module) -> list:
+    return [*module.parameters(), *module.buffers()]
+
+
+def stream_bytes(module: torch.nn.Module) -> int:
+    """GPU bytes of ``module`` under :class:`BlockStream`: everything but its blocks, and two slots of
+    the largest block."""
+    blocks = _blocks_of(module)
+    inside = {id(t) for t in _tensors(blocks)} if blocks is not None else set()
+    rest = sum(t.numel() * t.element_size() for t in _tensors(module) if id(t) not in inside)
+    block = max((sum(_round_up(t.numel() * t.element_size(), ALIGN) for t in _tensors(b)) for b in blocks),
+                default=0) if blocks is not None else 0
+    return rest + 2 * _round_up(block, SEGMENT)
+
+
+class BlockStream:
+    """A module (a text encoder) whose blocks live in pinned CPU memory and stream to ``device`` as its
+    ``forward`` reaches them; the rest of it (embeddings, final norm) stays on ``device``.
+
+    Two GPU slots take turns: a block's forward pre-hook points its weights at its slot (waiting for
+    that slot's copy) and starts copying the next block into the other slot on a copy stream, which
+    first waits until the block that last used that slot has run; the forward hook points the
+    weights back at the CPU. So the copy of block i + 1 overlaps the work of block i, and the GPU
+    holds two blocks at a time (:func:`stream_bytes`)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.device = torch.device(device)
+        self.blocks = _blocks_of(module)
+        if self.blocks is None:
+            raise ValueError(f"{type(module).__name__} has no list of blocks to stream")
+        inside = {id(t) for t in _tensors(self.blocks)}
+        for t in _tensors(module):
+            if id(t) not in inside:
+                t.data = t.data.to(self.device)
+        self.host = []                                     # per block: [(tensor whose .data is swapped, pinned copy)]
+        for block in self.blocks:
+            pairs = []
+            for t in _tensors(block):
+                pinned = t.data.to("cpu").pin_memory()
+                pairs.append((t, pinned))
+                t.data = pinned
+            self.host.append(pairs)
+        self.slot_bytes = _round_up(max(sum(_round_up(p.numel() * p.element_size(), ALIGN) for _, p in pairs)
+                                        for pairs in self.host), SEGMENT)
+        self.views: Optional[list] = None                  # per block: its tensors' views into its slot
+        self.slots: Optional[torch.Tensor] = None          # (2, slot_bytes) uint8
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.holds = [-1, -1]                              # the block whose copy each slot holds (or is getting)
+        self.copied: list = [None, None]                   # per slot: event after its copy
+        self.used: list = [None, None]                     # per slot: event after the last block that read it
+        self.handles = []
+        for i, block in enumerate(self.blocks):
+            self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._before(i)))
+            self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._after(i)))
+
+    def _allocate(self) -> None:
+        self.slots = torch.empty(2, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.views = []
+        for i, pairs in enumerate(self.host):
+            offset, views = 0, []
+            for _, p in pairs:
+                n = p.numel() * p.element_size()
+                views.append(self.slots[i % 2, offset:offset + n].view(p.dtype).view(p.shape))
+                offset += _round_up(n, ALIGN)
+            self.views.append(views)
+
+    def _copy(self, i: int) -> None:
+        """Start copying block ``i`` into its slot, once the block that last read the slot has run."""
+        k = i % 2
+        with torch.cuda.stream(self.copy_stream):
+            if self.used[k] is not None:
+                self.copy_stream.wait_event(self.used[k])
+            for (_, pinned), view in zip(self.host[i], self.views[i]):
+                view.copy_(pinned, non_blocking=True)
+            self.copied[k] = torch.cuda.Event()
+            self.copied[k].record(self.copy_stream)
+        self.holds[k] = i
+
+    def _before(self, i: int) -> None:
+        if self.slots is None:
+            self._allocate()
+        k = i % 2
+        if self.holds[k] != i:
+            self._copy(i)
+        torch.cuda.current_stream(self.device).wait_event(self.copied[k])
+        for (t, _), view in zip(self.host[i], self.views[i]):
+            t.data = view
+        if i + 1 < len(self.blocks) and self.holds[(i + 1) % 2] != i + 1:
+            self._copy(i + 1)
+
+    def _after(self, i: int) -> None:
+        k = i % 2
+        self.used[k] = torch.cuda.Event()
+        self.used[k].record(torch.cuda.current_stream(self.device))
+        for t, pinned in self.host[i]:
+            t.data = pinned
+
+    def release(self) -> None:
+        """Free the two slots (the next forward allocates them again)."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.slots, self.views, self.holds = None, None, [-1, -1]
+        self.copied, self.used = [None, None], [None, None]
+
+    def close(self) -> None:
+        """Stop streaming: the hooks go; the blocks stay in (pinned) CPU memory, the rest on the device."""
+        self.release()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

@@ -88,6 +88,52 @@ def test_var_offload_keeps_the_tokenizer_for_the_loop_and_frees_the_gpu_after_th
     assert torch.cuda.memory_allocated() - before < min(nbytes.values())
 
 
+def _infinity_with_t5_layers(layers: int):
+    """infinity-tiny on the GPU with a random T5 of its width and ``layers`` blocks."""
+    from sparsevar.models.text_encoder import random_t5
+    base = InfinityPipeline.from_random("infinity-tiny", device="cuda", dtype=torch.bfloat16)
+    tokenizer, t5 = random_t5(base.text_encoder.config.d_model, seed=1, num_layers=layers)
+    pipe = InfinityPipeline(transformer=base.transformer, vae=base.vae, text_encoder=t5.to("cuda"), tokenizer=tokenizer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.gpu
+def test_text_encoder_streaming_keeps_the_pictures_and_holds_two_blocks():
+    from sparsevar.pipelines.offload import stream_bytes
+    pipe = _infinity_with_t5_layers(6)
+    t5 = pipe.text_encoder
+    blocks = t5.encoder.block
+
+    def call(**kw):
+        return pipe(["w3 w4 w5", "w9 w10"], height=256, width=256, generator=torch.Generator("cuda").manual_seed(0),
+                    output_type="pt", **kw).images
+
+    resident, features = call(), pipe.encode_prompt("w3 w4 w5")
+    pipe.enable_text_encoder_streaming()
+    assert {p.device.type for p in blocks.parameters()} == {"cpu"} and all(p.is_pinned() for p in blocks.parameters())
+    assert t5.shared.weight.device.type == "cuda"                                # the embeddings stay
+    before = torch.cuda.memory_allocated()
+    streamed = pipe.encode_prompt("w3 w4 w5")
+    held = torch.cuda.memory_allocated() - before
+    assert torch.equal(streamed.kv_compact_NC, features.kv_compact_NC) and streamed.lens == features.lens
+    assert {p.device.type for p in blocks.parameters()} == {"cpu"}              # back after the forward
+    # what stays allocated: the two slots (the embeddings were there before)
+    slot = pipe._text_stream.slot_bytes
+    assert 2 * slot - (2 << 20) <= held <= 2 * slot + (1 << 20)
+    assert stream_bytes(t5) - 2 * slot == sum(t.nbytes for t in (*t5.parameters(), *t5.buffers())) - sum(
+        t.nbytes for t in (*blocks.parameters(), *blocks.buffers()))
+    assert torch.equal(call(), resident) and torch.equal(call(), resident)
+    with pytest.raises(ValueError, match="while the text encoder streams"):
+        pipe.to("cuda")
+    with pytest.raises(ValueError, match="enable_model_cpu_offload\(\) while the text encoder streams"):
+        pipe.enable_model_cpu_offload()
+    est = pipe.estimate_memory(1, 256, 256)
+    assert est.phases["prompt"]["text_encoder weights"] == stream_bytes(t5)
+    pipe.disable_text_encoder_streaming().to("cuda")
+    assert torch.equal(call(), resident)
+
+
 # ---- estimate_memory (pipelines/memory.py) ------------------------------------------------------------
 def _weights(module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
@@ -175,7 +221,7 @@ def test_low_vram_enables_what_the_estimate_needs_and_nothing_more():
     assert dense.phases["scale loop"]["KV cache"] == 32 * 2 * 10521 * (2 * 2048 * 2 + 8)
     assert pipe.enable_low_vram(1, 1024, 1024, available=int(1.3 * dense.peak_bytes)) == []
     assert len(pipe.policies) == 0
-    with pytest.raises(ValueError, match="none of model CPU offload, ScaleKV or both would fit"):
+    with pytest.raises(ValueError, match="none of text encoder streaming, model CPU offload, ScaleKV or ScaleKV with either would fit"):
         pipe.enable_low_vram(1, 1024, 1024, available=4 * 10 ** 9)
     assert pipe.enable_low_vram(1, 1024, 1024, available=int(1.2 * dense.peak_bytes) - 1) == ["ScaleKV"]
     assert [p.name for p in pipe.policies] == ["scalekv"]
