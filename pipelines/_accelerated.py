@@ -686,11 +686,14 @@ class AcceleratedPipelineMixin:
     # ---- call -------------------------------------------------------------------------------------
     def _check_call(self, n: int, noun: str, needed: Callable[[int], dict], guidance_scale, top_k, top_p,
                     num_images_per_prompt, output_type, generator, callback_on_step_end,
-                    callback_on_step_end_tensor_inputs, policies, size: str = "", hw: tuple = (None, None)) -> int:
+                    callback_on_step_end_tensor_inputs, policies, size: str = "", hw: tuple = (None, None),
+                    layout: Optional[dict] = None) -> int:
         """The checks of a call every family shares, before any work, for ``n`` inputs (``noun``) ×
         ``num_images_per_prompt`` = B images: sampling numbers, output type, generator(s), callback,
-        policies (Policy objects), and :func:`check_memory` for ``needed(B)`` bytes (``size``: " at
-        HxW" where the call chooses it). ValueError / TypeError naming the argument. Returns B."""
+        policies (Policy objects), and :func:`check_memory` for ``needed(B)`` bytes, its KV cache the
+        exact one of the call's policies (``size``: " at HxW" where the call chooses it; ``hw`` and
+        ``layout``: the size arguments of :meth:`estimate_memory`). ValueError / TypeError naming
+        the argument. Returns B."""
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real) \
                 or not 0 <= guidance_scale <= GUIDANCE_SCALE_MAX:
             raise ValueError(f"guidance_scale must be a number in [0, {GUIDANCE_SCALE_MAX:g}] "
@@ -734,7 +737,11 @@ class AcceleratedPipelineMixin:
                         SparVARConfig: "SparVARPolicy"}.get(type(q), "SparseVARPolicy")
                 got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
-        check_memory(self, needed(B), B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
+        parts = needed(B)
+        if "KV cache" in parts:                  # with the call's compression (ScaleKV), as the estimate counts it
+            size_kw = {**({"height": hw[0], "width": hw[1]} if hw[0] is not None else {}), **(layout or {})}
+            parts["KV cache"] = self.estimate_memory(B, policies=policies, **size_kw).phases["scale loop"]["KV cache"]
+        check_memory(self, parts, B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
                      f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls", hw)
         return B
 

@@ -239,7 +239,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise TypeError(f"llamagen_cfg must be True or False, got {llamagen_cfg!r}")
         B = self._check_call(len(labels), "class label", lambda b: self.memory_needed(b, patch_nums), guidance_scale,
                              top_k, top_p, num_images_per_prompt, output_type, generator, callback_on_step_end,
-                             callback_on_step_end_tensor_inputs, policies)
+                             callback_on_step_end_tensor_inputs, policies, layout={"patch_nums": patch_nums})
         stack = self._call_policies(policies)
         ids = torch.tensor(labels).repeat_interleave(int(num_images_per_prompt))
         cond = FlexVARConditioning(ids, tuple(h for h, _ in sched.hw), llamagen_cfg=llamagen_cfg, max_pn=int(max_pn))
