@@ -1341,12 +1341,19 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. User mistakes print one line, ``sparsevar <command>: error: …``, and return 2;
     an error of the system (a full disk, …) the same way with status 1. Ctrl-C and SIGTERM stop the
     command after its clean-up (nothing half-written is left) with status 130 / 143.
     ``SPARSEVAR_DEBUG=1`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "low_vram", False) or (args.command == "bench" and getattr(args, "what", None) == "memory"):
+        # small cards: segments that grow in place instead of cached blocks of fixed sizes, which a freed
+        # KV cache or weight buffer leaves split (read when CUDA starts; a value the user set is kept)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
     debug = bool(os.environ.get("SPARSEVAR_DEBUG"))
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None

@@ -11,10 +11,12 @@ or the out-of-memory error).
 
 A card of ``G`` GB is simulated with ``torch.cuda.set_per_process_memory_fraction(G / total)``:
 the allocator refuses past it as a card of that size would (the context and cuBLAS workspace of a
-real card come on top).
+real card come on top). Each row records the allocator's configuration (``PYTORCH_CUDA_ALLOC_CONF``;
+``sparsevar bench memory`` sets expandable segments unless the variable is set).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -93,7 +95,8 @@ def run_memory(models: Sequence[str], cards_gb: Sequence[float], settings: Seque
                 row = dict(model=name, card_gb=card, setting=setting, settings=text, fits=False, peak_gb=float("nan"),
                            reserved_gb=float("nan"),
                            e2e_ms=float("nan"), loop_ms=float("nan"), decode_ms=float("nan"), reason="", runs=runs,
-                           gpu=gpu, torch=torch.__version__)
+                           gpu=gpu, torch=torch.__version__,
+                           allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default")
                 try:
                     enable(pipe)
                     torch.cuda.reset_peak_memory_stats()

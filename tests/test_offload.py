@@ -126,7 +126,7 @@ def test_text_encoder_streaming_keeps_the_pictures_and_holds_two_blocks():
     assert torch.equal(call(), resident) and torch.equal(call(), resident)
     with pytest.raises(ValueError, match="while the text encoder streams"):
         pipe.to("cuda")
-    with pytest.raises(ValueError, match="enable_model_cpu_offload\(\) while the text encoder streams"):
+    with pytest.raises(ValueError, match=r"enable_model_cpu_offload\(\) while the text encoder streams"):
         pipe.enable_model_cpu_offload()
     est = pipe.estimate_memory(1, 256, 256)
     assert est.phases["prompt"]["text_encoder weights"] == stream_bytes(t5)
