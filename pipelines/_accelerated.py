@@ -738,7 +738,11 @@ class AcceleratedPipelineMixin:
                 got = f"a {type(q).__name__}" + ("" if listed else ", not a list")
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
         parts = needed(B)
-        if "KV cache" in parts:                  # with the call's compression (ScaleKV), as the estimate counts it
+        device = self._execution_device if self.model_cpu_offload else self.adapter().device
+        if "KV cache" in parts and sum(parts.values()) > memory_available(
+                device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]):
+            # the bound above counts the whole cache; the exact one (ScaleKV's compression) takes the
+            # estimate's work, so only where the bound does not fit
             size_kw = {**({"height": hw[0], "width": hw[1]} if hw[0] is not None else {}), **(layout or {})}
             parts["KV cache"] = self.estimate_memory(B, policies=policies, **size_kw).phases["scale loop"]["KV cache"]
         check_memory(self, parts, B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
