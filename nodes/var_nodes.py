@@ -8,6 +8,7 @@ modified.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -125,27 +126,54 @@ def _resolve(name: str) -> str:
 
 
 class _PipelineModules(torch.nn.Module):
-    """The pipeline's modules (VAR: transformer + VQVAE; Infinity: transformer + VAE + T5) under one
-    ``nn.Module`` with a plain ``device`` attribute, so ComfyUI's ModelPatcher can size, load and
-    offload them like its own models."""
+    """Some of a pipeline's modules (the generating ones: transformer + VQVAE / VAE; or its text
+    encoder) under one ``nn.Module`` with a plain ``device`` attribute, so ComfyUI's ModelPatcher
+    can size, load and offload them like its own models."""
 
-    def __init__(self, pipe):
+    def __init__(self, modules: dict):
         super().__init__()
-        for name, module in pipe.components.items():
-            if isinstance(module, torch.nn.Module):
-                self.add_module(name, module)
-        self.device = pipe.transformer.device
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self.device = next(self.parameters()).device
+
+
+class WholeModelPatcher(model_patcher.ModelPatcher):
+    """ComfyUI's ModelPatcher for modules that load whole. ComfyUI's low-VRAM mode loads part of a
+    model and streams the rest layer by layer, which only its own ``comfy.ops`` layers can do; a
+    part of these modules left on the CPU would stop the engine, which reads every weight where
+    the pipeline runs. So a partial load becomes a full one, said in one line of the log, and a
+    partial unload frees nothing (ComfyUI then unloads the whole model)."""
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        size = self.model_size()
+        if not full_load and 0 < lowvram_model_memory < size:
+            logging.warning(f"SparseVAR: ComfyUI has {lowvram_model_memory / 2 ** 20:.0f} MB for this model's "
+                            f"{size / 2 ** 20:.0f} MB (low-VRAM mode); it loads whole, as its layers cannot be "
+                            f"streamed by ComfyUI; for less memory add a ScaleKV Settings node to the sampler")
+        return super().load(device_to, 0, force_patch_weights, full_load=True)
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        return 0
+
+
+def _patcher(modules: dict):
+    return WholeModelPatcher(_PipelineModules(modules), load_device=model_management.get_torch_device(),
+                             offload_device=model_management.unet_offload_device())
 
 
 class VARModelHandle:
-    """What flows over SPARSEVAR_MODEL: the pipeline (VARPipeline or InfinityPipeline) and the
-    ModelPatcher that manages its memory."""
+    """What flows over SPARSEVAR_MODEL: the pipeline (VARPipeline, FlexVARPipeline,
+    InfinityPipeline or HARTPipeline) and the ModelPatchers that manage its memory: ``patcher``
+    for the modules that generate (transformer and tokenizer), ``text_patcher`` for the text
+    encoder (None for class-conditional models), so that ComfyUI can offload the text encoder
+    while the sampler runs."""
 
     def __init__(self, pipe, name: str):
         self.pipe, self.name = pipe, name
-        self.patcher = model_patcher.ModelPatcher(_PipelineModules(pipe),
-                                                  load_device=model_management.get_torch_device(),
-                                                  offload_device=model_management.unet_offload_device())
+        modules = {k: m for k, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+        text = {k: modules.pop(k) for k in ("text_encoder",) if k in modules}
+        self.patcher = _patcher(modules)
+        self.text_patcher = _patcher(text) if text else None
 
 
 class VARModelLoader(io.ComfyNode):
@@ -535,7 +563,9 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
     # ComfyUI offloads other models first
     images = batch_size * (1 if infinity or hart else len(labels))
     size = {"height": height, "width": width} if infinity else {"patch_nums": schedule} if flexvar else {}
-    model_management.load_models_gpu([model.patcher], memory_required=pipe.estimate_memory(
+    # the text encoder too where the sampler encodes the prompt itself (a conditioning without features)
+    text = [model.text_patcher] if model.text_patcher is not None and getattr(cond, "features", 1) is None else []
+    model_management.load_models_gpu([model.patcher, *text], memory_required=pipe.estimate_memory(
         images, policies=policies, **size).working_bytes)
     bar = comfy_utils.ProgressBar(total)
 
@@ -548,6 +578,9 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
         return kw
 
     pipe.set_progress_bar_config(disable=True)
+    gpu = pipe.adapter().device if pipe.adapter().device.type == "cuda" else None
+    if gpu is not None:                             # the call's peak, shown with the stats
+        torch.cuda.reset_peak_memory_stats(gpu)
     common = {"guidance_scale": cfg, "top_k": top_k, "top_p": top_p, "num_images_per_prompt": batch_size,
               "generator": torch.Generator("cpu").manual_seed(seed), "output_type": "pt",
               "callback_on_step_end": on_scale, "policies": policies}
@@ -569,7 +602,9 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
     speedup = pipe.flop_speedup(stats, height, width) if infinity else \
         pipe.flop_speedup(stats, schedule) if flexvar else pipe.flop_speedup(stats)
     images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
-    text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x\n{stats.table()}")
+    peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(gpu) / 1e9:.2f} GB (reserved " \
+           f"{torch.cuda.max_memory_reserved(gpu) / 1e9:.2f})" if gpu is not None else ""
+    text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x{peak}\n{stats.table()}")
     return io.NodeOutput(images, text, stats)
 
 
@@ -669,7 +704,7 @@ class TextEncodeNode(io.ComfyNode):
             raise ValueError("Infinity/HART Text Encode: prompt is empty: say what to draw")
         cond = TextCondition(prompt, negative_prompt)
         _check_condition("Infinity/HART Text Encode", pipe, cond)
-        model_management.load_models_gpu([model.patcher])          # the text encoder, through ComfyUI's manager
+        model_management.load_models_gpu([model.text_patcher])     # the text encoder, through ComfyUI's manager
         negative = pipe.encode_prompt(negative_prompt) if negative_prompt else None
         return io.NodeOutput(TextCondition(prompt, negative_prompt, pipe.encode_prompt(prompt), negative, id(pipe)))
 

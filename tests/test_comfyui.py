@@ -18,11 +18,8 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,19 +42,12 @@ INFINITY_SIZE = 256                                     # the Infinity samplers'
 FROM_FOLDER = "(converted folder: none needed)"
 sys.path.insert(0, str(HERE))
 from browser_check import find_chromium  # noqa: E402
-from setup_comfyui import ensure as ensure_comfyui  # noqa: E402
+from setup_comfyui import ensure as ensure_comfyui, get_json, running_server  # noqa: E402
 from ui_to_api import ui_to_api  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str):
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
+    return get_json(url)
 
 
 @pytest.fixture(scope="module")
@@ -99,34 +89,8 @@ def comfy(tmp_path_factory, tiny_infinity_files, hart_official_files, tiny_hart_
         torch.save(flex.init_random_weights().state_dict(), base / "models" / "flexvar" / "FlexVARd24-epo349.pth")
         torch.save({"model": FlexVQ16(vocab_size=96, ch=32).init_random_weights().state_dict()},
                    base / "models" / "flexvar" / "FlexVAE.pth")
-    port = _free_port()
-    log = open(base / "server.log", "w")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(server["pythonpath"]), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-         "--base-directory", str(base), "--front-end-root", str(server["frontend_root"]), "--database-url",
-         "sqlite:///:memory:", "--disable-auto-launch"],
-        cwd=server["main_dir"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                raise RuntimeError("ComfyUI exited:\n" + (base / "server.log").read_text()[-3000:])
-            try:
-                _get(url + "/system_stats")
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("ComfyUI did not start in 120 s:\n" + (base / "server.log").read_text()[-3000:])
+    with running_server(server, base) as url:
         yield {"url": url, "base": base, "work": work, "log": base / "server.log", "hart": hart_shape}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _run(comfy, prompt: dict, tmp_path, *extra) -> dict:
@@ -266,6 +230,7 @@ INFINITY_EXPECT = {
     "infinity_sparsevar.json": ["dense", "sparsevar"],
     "infinity_fastvar.json": ["fastvar"],
     "infinity_scale_skip.json": ["skip"],
+    "infinity_scalekv.json": ["scalekv"],
 }
 
 
@@ -343,7 +308,7 @@ def test_every_shipped_workflow_runs(comfy, path, tmp_path):
         st, S = stats[nid], n_scales[nid]
         assert st["scales"] == S and st["tokens"] == sum(h * w for h, w in
                                                          InfinityPipeline.resolution(256, 256).hw)
-        if method == "dense":
+        if method in ("dense", "scalekv"):                 # ScaleKV computes every token (it keeps less cache)
             assert st["computed"] == st["tokens"] and st["scales_run"] == S
         elif method == "sparsevar":                        # fewer tokens than the dense sampler beside it
             dense = stats[sorted(infinity, key=int)[0]]

