@@ -71,7 +71,7 @@ class InfinityModelLoader(io.ComfyNode):
                                        "not needed for a converted folder"),
                 io.Combo.Input("dtype", options=["auto", "bfloat16", "float16", "float32"], default="auto",
                                tooltip="transformer blocks; auto = bfloat16 on a GPU (as the official runs), float32 "
-                                       "on the CPU. The T5 follows: bfloat16 on a GPU, float32 on the CPU"),
+                                       "on the CPU. The T5 and the VAE follow: bfloat16 on a GPU, float32 on the CPU"),
             ],
             outputs=[SparseVARModel.Output(display_name="model")],
         )
@@ -100,7 +100,10 @@ class InfinityModelLoader(io.ComfyNode):
         pipe = InfinityPipeline.from_path(
             path, vae=None if vae == FROM_FOLDER else _resolve(vae, FOLDER),
             text_encoder=None if text_encoder == FROM_FOLDER else _resolve(text_encoder, TEXT_FOLDER),
-            dtype=getattr(torch, dtype), text_encoder_dtype=torch.bfloat16 if gpu else torch.float32)
+            dtype=getattr(torch, dtype), text_encoder_dtype=torch.bfloat16 if gpu else torch.float32,
+            # on a GPU the VAE decodes in bfloat16, as the reference does (under autocast): half the decoder's
+            # memory, the largest phase on a small card
+            vae_dtype=torch.bfloat16 if gpu else torch.float32)
         return io.NodeOutput(VARModelHandle(pipe, model))
 
 

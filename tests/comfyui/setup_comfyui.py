@@ -96,7 +96,7 @@ def __getattr__(k):
 
 def missing_runtime() -> list[str]:
     """ComfyUI's requirements that this interpreter cannot import."""
-    return [req for mod, req in RUNTIME_MODULES.items() if mod not in OPTIONAL and importlib.util.find_spec(mod) is None]
+    return [req for mod, req in RUNTIME_MODULES.items() if mod not in OPTIONAL + STUBBED and importlib.util.find_spec(mod) is None]
 
 
 def ensure(work: Path) -> dict:
