@@ -123,6 +123,20 @@ def _free_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available + psutil.swap_memory().free
 
 
+def _gpu(gpu_id: Optional[int], device, refusal: str) -> torch.device:
+    """The CUDA device of diffusers' ``gpu_id`` / ``device`` arguments (default ``cuda:0``); a
+    ValueError with ``refusal`` (its ``{}`` says why) where there is none, or naming the valid ids."""
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(refusal.format(f"device={device!r} is not a GPU" if dev.type != "cuda"
+                                        else "this machine has no CUDA device"))
+    index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
+                         f"0..{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
+
+
 def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> int:
     """Bytes a generation on ``device`` can count on: on a GPU, what the driver has free plus what
     PyTorch's allocator holds beyond the weights of ``modules``; on the CPU, the memory and swap the
@@ -200,22 +214,15 @@ class AcceleratedPipelineMixin:
         CUDA graphs) stay on the GPU between calls (:meth:`release_memory` frees both).
 
         gpu_id / device: the GPU to run on (diffusers' arguments; default ``cuda:0``). Needs CUDA."""
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            have = f"device={device!r} is not a GPU" if dev.type != "cuda" else "this machine has no CUDA device"
-            raise ValueError(f"enable_model_cpu_offload needs a CUDA GPU to offload from ({have}); on the CPU "
-                             f"every component already is in CPU memory: leave it out")
-        index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
-        if not 0 <= index < torch.cuda.device_count():
-            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
-                             f"0..{torch.cuda.device_count() - 1}")
+        gpu = _gpu(gpu_id, device, "enable_model_cpu_offload needs a CUDA GPU to offload from ({}); on the CPU "
+                                   "every component already is in CPU memory: leave it out")
         if self._text_stream is not None:
             raise ValueError("enable_model_cpu_offload() while the text encoder streams: call "
                              "pipe.disable_text_encoder_streaming() first (model offload moves the text encoder too)")
         self.disable_model_cpu_offload()
         self.release_memory()
         modules = {k: v for k, v in self.components.items() if isinstance(v, torch.nn.Module)}
-        self._model_offload = ModelOffload(modules, torch.device("cuda", index), self._offload_groups())
+        self._model_offload = ModelOffload(modules, gpu, self._offload_groups())
         torch.cuda.empty_cache()
         return self
 
@@ -245,16 +252,9 @@ class AcceleratedPipelineMixin:
         if self._model_offload is not None:
             raise ValueError("enable_text_encoder_streaming() while model CPU offload is on: call "
                              "pipe.disable_model_cpu_offload() first (it moves the text encoder itself)")
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            have = f"device={device!r} is not a GPU" if dev.type != "cuda" else "this machine has no CUDA device"
-            raise ValueError(f"enable_text_encoder_streaming needs a CUDA GPU to stream to ({have})")
-        index = gpu_id if gpu_id is not None else (dev.index if dev.index is not None else 0)
-        if not 0 <= index < torch.cuda.device_count():
-            raise ValueError(f"gpu_id={index}: this machine has {torch.cuda.device_count()} CUDA device(s); pass "
-                             f"0..{torch.cuda.device_count() - 1}")
+        gpu = _gpu(gpu_id, device, "enable_text_encoder_streaming needs a CUDA GPU to stream to ({})")
         self.disable_text_encoder_streaming()
-        self._text_stream = BlockStream(self.text_encoder, torch.device("cuda", index))
+        self._text_stream = BlockStream(self.text_encoder, gpu)
         torch.cuda.empty_cache()
         return self
 

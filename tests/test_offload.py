@@ -17,6 +17,16 @@ def test_offload_without_a_gpu_is_refused_in_one_line():
     assert not pipe.model_cpu_offload
 
 
+def test_text_encoder_streaming_is_refused_without_a_gpu_or_a_text_encoder():
+    with pytest.raises(ValueError, match=r"enable_text_encoder_streaming\(\): VARPipeline has no text encoder"):
+        VARPipeline.from_random("var-tiny").enable_text_encoder_streaming()
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    with pytest.raises(ValueError, match="enable_text_encoder_streaming needs a CUDA GPU to stream to .*device='cpu'"):
+        pipe.enable_text_encoder_streaming(device="cpu")
+    assert not pipe.text_encoder_streaming
+    assert all(p.device.type == "cpu" and not p.is_pinned() for p in pipe.text_encoder.parameters())
+
+
 def _devices(pipe) -> dict:
     return {name: next(m.parameters()).device.type for name, m in pipe.components.items()
             if isinstance(m, torch.nn.Module)}
