@@ -349,20 +349,35 @@ def _policy_configs(args, family: str) -> list:
     return out
 
 
-def _apply_acceleration(pipe, args, configs) -> None:
+def _apply_acceleration(pipe, args, configs, compile: bool = True) -> None:
     """The configs of :func:`_policy_configs` → the pipeline's enable_* calls; what this model cannot
-    take is reported under the flags that asked for it."""
+    take is reported under the flags that asked for it; ``compile``: --compile's kernels now (else the
+    caller applies them once the pipeline is on its GPU)."""
     for flags, method, cfg in configs:
         try:
             getattr(pipe, method)(**cfg) if isinstance(cfg, dict) else getattr(pipe, method)(cfg)
         except ValueError as e:
             hint = " (--fastvar-layers FIRST LAST)" if "layer_range" in str(e) and method == "enable_fastvar" else ""
             raise CLIError(f"{flags}: {e}{hint}") from None
-    if args.compile:
-        try:
-            pipe.set_kernels("triton")
-        except ValueError as e:
-            raise CLIError(f"--compile: {e}") from None
+    if args.compile and compile:
+        _compile(pipe)
+
+
+def _compile(pipe) -> None:
+    try:
+        pipe.set_kernels("triton")
+    except ValueError as e:
+        raise CLIError(f"--compile: {e}") from None
+
+
+def _low_vram_gpu(args, device) -> bool:
+    """--low-vram on a GPU: the weights stay in CPU memory until enable_low_vram has chosen how they go
+    there (a card that cannot hold them all must not receive them all first)."""
+    return bool(getattr(args, "low_vram", False)) and device.type == "cuda"
+
+
+def _place(pipe, device, args):
+    return pipe if _low_vram_gpu(args, device) else pipe.to(device)
 
 
 def _load_pipeline(args, device, dtype, say):
@@ -381,7 +396,7 @@ def _load_pipeline(args, device, dtype, say):
         say("no model given: using the built-in demo model (12 procedural classes: "
             "disc, box, triangle, star, ring, cross, crescent, house, tree, flower, car, fish)")
         pipe = VARPipeline.from_demo(dtype=dtype)
-    return pipe.to(device)
+    return _place(pipe, device, args)
 
 
 def _load_infinity(args, device, dtype, say):
@@ -401,7 +416,7 @@ def _load_infinity(args, device, dtype, say):
         say("no model given: using infinity-tiny, a small RANDOMLY INITIALISED Infinity model (it draws noise, "
             "not pictures). Pass --model, --vae-ckpt and --text-encoder for real images.")
         pipe = InfinityPipeline.from_random("infinity-tiny", dtype=dtype)
-    return pipe.to(device)
+    return _place(pipe, device, args)
 
 
 def _is_hart(model) -> bool:
@@ -439,11 +454,11 @@ def _load_flexvar(args, device, dtype, say):
     if args.model and (args.var_ckpt or args.vae_ckpt):
         raise CLIError("give either --model FOLDER or --var-ckpt/--vae-ckpt, not both")
     if args.model:
-        return FlexVARPipeline.from_pretrained(args.model, dtype=dtype).to(device)
+        return _place(FlexVARPipeline.from_pretrained(args.model, dtype=dtype), device, args)
     if not args.vae_ckpt:
         raise CLIError(f"--var-ckpt {args.var_ckpt} is a FlexVAR transformer: also pass --vae-ckpt FlexVAE.pth, its "
                        f"tokenizer")
-    return FlexVARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype).to(device)
+    return _place(FlexVARPipeline.from_single_file(args.var_ckpt, args.vae_ckpt, dtype=dtype), device, args)
 
 
 def _check_hart_args(args) -> None:
@@ -473,10 +488,10 @@ def _load_hart(args, device, dtype, say):
 
     te_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if (Path(args.model) / "model_index.json").is_file():
-        return HARTPipeline.from_pretrained(args.model, dtype=dtype, text_encoder_dtype=te_dtype).to(device)
+        return _place(HARTPipeline.from_pretrained(args.model, dtype=dtype, text_encoder_dtype=te_dtype), device, args)
     llm, tokenizer = hart_folders(args.model)
-    return HARTPipeline.from_single_file(llm, tokenizer, args.text_encoder, dtype=dtype,
-                                         text_encoder_dtype=te_dtype).to(device)
+    return _place(HARTPipeline.from_single_file(llm, tokenizer, args.text_encoder, dtype=dtype,
+                                                text_encoder_dtype=te_dtype), device, args)
 
 
 def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
@@ -695,7 +710,7 @@ def cmd_generate(args) -> int:
     pipe = (_load_hart if hart else _load_infinity if text else _load_flexvar if flexvar else _load_pipeline)(
         args, device, dtype, say)
     pipe.set_progress_bar_config(disable=args.quiet, desc="scales")
-    _apply_acceleration(pipe, args, configs)
+    _apply_acceleration(pipe, args, configs, compile=not _low_vram_gpu(args, device))
     gen = torch.Generator(device).manual_seed(args.seed)
     if hart:
         n, items, cond = len(args.prompt), list(args.prompt), "prompt"
@@ -725,11 +740,13 @@ def cmd_generate(args) -> int:
         size = {"height": call["height"], "width": call["width"]} if text and not hart else \
             {"patch_nums": call["patch_nums"]} if flexvar else {}
         try:
-            enabled = pipe.enable_low_vram(per_call, **size)
+            enabled = pipe.enable_low_vram(per_call, device=device, **size)
         except ValueError as e:
             raise CLIError(f"--low-vram: {e}") from None
         say(f"--low-vram: {', '.join(enabled) if enabled else 'nothing needed'} "
             f"({pipe.estimate_memory(per_call, **size)})")
+        if args.compile and _low_vram_gpu(args, device):
+            _compile(pipe)
     if folder:
         pipe.set_progress_bar_config(disable=True)                     # one bar over the images instead
         return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need)

@@ -281,15 +281,16 @@ class AcceleratedPipelineMixin:
         decoder)."""
         raise NotImplementedError
 
-    def _memory_tries(self) -> list:
+    def _memory_tries(self, gpu: Optional[bool] = None) -> list:
         """(how to enable it, the policies, model offload, text encoder streaming) of each memory
         setting this pipeline lacks, in the order :meth:`enable_low_vram` tries them: those that keep
         the pictures first (text encoder streaming, then model offload, which copies every weight at
         every call), then the ScaleKV preset (where the enabled policies can take it) alone and
-        with each of them."""
+        with each of them. ``gpu``: whether the pipeline runs on a GPU (default: where it is now)."""
         stack = list(self._policies)
         names = {p.name for p in stack}
-        gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload or self.text_encoder_streaming
+        if gpu is None:
+            gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload or self.text_encoder_streaming
         free = gpu and not self.model_cpu_offload
         stream = [("pipe.enable_text_encoder_streaming()", stack, None, True)] if free and \
             isinstance(getattr(self, "text_encoder", None), torch.nn.Module) and not self.text_encoder_streaming else []
@@ -314,38 +315,49 @@ class AcceleratedPipelineMixin:
         return out
 
     def enable_low_vram(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
-                        available: Optional[int] = None, **layout) -> list[str]:
-        """Make calls of ``batch_size`` images at ``height`` × ``width`` fit the device: nothing when
-        :meth:`estimate_memory` (with the allocator's reserve, ``RESERVE_MARGIN``) fits ``available``
-        bytes (default: what the device has for this pipeline); else the first of text encoder
-        streaming and model CPU offload (the same pictures; each prompt copies the text encoder's
-        blocks / each call every weight), the ScaleKV preset (its compressed cache changes the
-        pictures) and ScaleKV with either, whose estimate fits. Returns what it enabled; a
-        ValueError with the estimate when nothing fits."""
-        device = self._execution_device if self.model_cpu_offload else self.adapter().device
+                        available: Optional[int] = None, device: Union[torch.device, str, None] = None,
+                        **layout) -> list[str]:
+        """Make calls of ``batch_size`` images at ``height`` × ``width`` fit ``device`` (default: where
+        the pipeline runs): nothing when :meth:`estimate_memory` (with the allocator's reserve,
+        ``RESERVE_MARGIN``) fits ``available`` bytes (default: all this process may hold there, the
+        pipeline's own weights included); else the first of text encoder streaming and model CPU
+        offload (the same pictures; each prompt copies the text encoder's blocks / each call every
+        weight), the ScaleKV preset (its compressed cache changes the pictures) and ScaleKV with
+        either, whose estimate fits. A pipeline still in CPU memory (load it there for a card that
+        cannot hold it whole) goes to ``device`` as the choice needs: whole, all but the text
+        encoder's blocks, or under offload. Returns what it enabled; a ValueError with the estimate
+        when nothing fits."""
+        here = self._execution_device if self.model_cpu_offload else self.adapter().device
+        target = torch.device(device) if device is not None else here
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
         if available is None:
-            available = memory_available(device, [c for c in self.components.values()
-                                                  if isinstance(c, torch.nn.Module)])
+            available = memory_available(target)
         budget = available / RESERVE_MARGIN
         est = self.estimate_memory(batch_size, height, width, **layout)
-        if est.fits(budget):
-            return []
-        for _, policies, offload, streaming in self._memory_tries():
-            if self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
-                                    text_encoder_streaming=streaming, **layout).fits(budget):
-                done = []
-                if streaming:
-                    self.enable_text_encoder_streaming(device=device)
-                    done.append("text encoder streaming")
-                if offload:
-                    self.enable_model_cpu_offload(device=device)
-                    done.append("model CPU offload")
-                if len(policies) > len(self._policies):
-                    self.enable_scalekv()
-                    done.append("ScaleKV")
-                return done
+        tries = [(None, list(self._policies), None, None)] + self._memory_tries(gpu=target.type == "cuda")
+        for text, policies, offload, streaming in tries:
+            if not self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
+                                        text_encoder_streaming=streaming, **layout).fits(budget):
+                continue
+            done = []
+            if streaming:
+                for name, module in self.components.items():
+                    if isinstance(module, torch.nn.Module) and name != "text_encoder":
+                        module.to(target)
+                self.enable_text_encoder_streaming(device=target)
+                done.append("text encoder streaming")
+            elif offload:
+                self.enable_model_cpu_offload(device=target)
+                done.append("model CPU offload")
+            elif here != target and not self.model_cpu_offload and not self.text_encoder_streaming:
+                self.to(target)
+            if len(policies) > len(self._policies):
+                self.enable_scalekv()
+                done.append("ScaleKV")
+            return done
         raise ValueError(f"{batch_size} image(s) at this size need {est} with this pipeline's settings, and "
-                         f"{_gb(available)} is available on {device.type}; none of text encoder streaming, model CPU "
+                         f"{_gb(available)} is available on {target.type}; none of text encoder streaming, model CPU "
                          f"offload, ScaleKV or ScaleKV with either would fit: lower batch_size or the size")
 
     def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,

@@ -144,6 +144,36 @@ def test_text_encoder_streaming_keeps_the_pictures_and_holds_two_blocks():
     assert torch.equal(call(), resident)
 
 
+@pytest.mark.gpu
+def test_low_vram_places_a_pipeline_loaded_on_the_cpu_as_its_choice_needs():
+    """A pipeline still in CPU memory goes to the GPU as enable_low_vram's choice needs: with room for
+    all but the text encoder, all but the text encoder's blocks (streamed); with room for all, whole."""
+    from sparsevar.models.text_encoder import random_t5
+    base = InfinityPipeline.from_random("infinity-tiny", dtype=torch.bfloat16)
+    tokenizer, t5 = random_t5(base.text_encoder.config.d_model, seed=1, num_layers=6)
+
+    def fresh():
+        pipe = InfinityPipeline(transformer=base.transformer, vae=base.vae, text_encoder=t5, tokenizer=tokenizer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    pipe = fresh()
+    dense = pipe.estimate_memory(1, 256, 256).peak_bytes
+    streamed = pipe.estimate_memory(1, 256, 256, text_encoder_streaming=True).peak_bytes
+    assert streamed < dense
+    room = int(1.2 * (streamed + dense) / 2)                  # between the two, with the 20 % reserve
+    assert pipe.enable_low_vram(1, 256, 256, available=room, device="cuda") == ["text encoder streaming"]
+    assert pipe.transformer.device.type == "cuda" and pipe.text_encoder.shared.weight.device.type == "cuda"
+    assert all(p.device.type == "cpu" for p in t5.encoder.block.parameters())
+    images = pipe(["w3 w4"], height=256, width=256, generator=torch.Generator("cuda").manual_seed(0),
+                  output_type="pt").images
+    pipe.disable_text_encoder_streaming()
+    whole = fresh()
+    assert whole.enable_low_vram(1, 256, 256, device="cuda") == [] and whole.transformer.device.type == "cuda"
+    assert torch.equal(whole(["w3 w4"], height=256, width=256, generator=torch.Generator("cuda").manual_seed(0),
+                             output_type="pt").images, images)
+
+
 # ---- estimate_memory (pipelines/memory.py) ------------------------------------------------------------
 def _weights(module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
