@@ -579,7 +579,7 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
 
     pipe.set_progress_bar_config(disable=True)
     gpu = pipe.adapter().device if pipe.adapter().device.type == "cuda" else None
-    if gpu is not None:                             # the call's peak, shown with the stats
+    if gpu is not None:       # the process's peak from here on (models ComfyUI keeps loaded included), in the stats
         torch.cuda.reset_peak_memory_stats(gpu)
     common = {"guidance_scale": cfg, "top_k": top_k, "top_p": top_p, "num_images_per_prompt": batch_size,
               "generator": torch.Generator("cpu").manual_seed(seed), "output_type": "pt",

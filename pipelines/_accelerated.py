@@ -115,6 +115,8 @@ def _free_bytes(device: torch.device) -> int:
     this process may still take under its memory fraction (``torch.cuda.set_per_process_memory_fraction``,
     which also simulates a smaller card)."""
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)   # torch >= 2.6
         cap = fraction * total - torch.cuda.memory_reserved(device)
@@ -161,13 +163,14 @@ def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str,
     total = sum(needed.values())
     if total <= _free_bytes(device):                    # the usual case, without counting the weights
         return
-    available = memory_available(device, [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)])
+    available = memory_available(device, [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]) \
+        - pipe._buffer_bytes()
     if total <= available:
         return
     fit = int(available // (total / batch_size))
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in needed.items() if v)
     try:                                               # what would fit instead, from the estimate (pipelines/memory.py)
-        options = pipe.memory_options(batch_size, *hw, available=available)
+        options = pipe.memory_options(batch_size, *hw, available=memory_available(device))   # weights included
     except (ValueError, NotImplementedError):
         options = []
     more = f"; estimated to fit: {'; '.join(options)}" if options else ""
@@ -269,6 +272,13 @@ class AcceleratedPipelineMixin:
     def text_encoder_streaming(self) -> bool:
         return self._text_stream is not None
 
+    def _buffer_bytes(self) -> int:
+        """GPU bytes held for weights outside the components' parameters: model offload's weight buffer
+        and the text encoder stream's two slots (between calls the parameters point at CPU memory)."""
+        offload = self._model_offload.buffer if self._model_offload is not None else None
+        stream = self._text_stream.slots if self._text_stream is not None else None
+        return sum(t.numel() for t in (offload, stream) if t is not None)
+
     def _offload_groups(self) -> list[tuple[str, ...]]:
         """The sets of components model offload loads together: the loop's (the others load alone)."""
         return [tuple(self.LOOP_COMPONENTS)]
@@ -350,8 +360,10 @@ class AcceleratedPipelineMixin:
             elif offload:
                 self.enable_model_cpu_offload(device=target)
                 done.append("model CPU offload")
-            elif here != target and not self.model_cpu_offload and not self.text_encoder_streaming:
-                self.to(target)
+            elif target.type != "meta" and not self.model_cpu_offload and not self.text_encoder_streaming and any(
+                    p.device != target for m in self.components.values() if isinstance(m, torch.nn.Module)
+                    for p in m.parameters()):
+                self.to(target)                # the components not there yet (meta: an estimate-only pipeline)
             if len(policies) > len(self._policies):
                 self.enable_scalekv()
                 done.append("ScaleKV")
@@ -752,7 +764,7 @@ class AcceleratedPipelineMixin:
         parts = needed(B)
         device = self._execution_device if self.model_cpu_offload else self.adapter().device
         if "KV cache" in parts and sum(parts.values()) > memory_available(
-                device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]):
+                device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]) - self._buffer_bytes():
             # the bound above counts the whole cache; the exact one (ScaleKV's compression) takes the
             # estimate's work, so only where the bound does not fit
             size_kw = {**({"height": hw[0], "width": hw[1]} if hw[0] is not None else {}), **(layout or {})}

@@ -68,7 +68,7 @@ class ModelOffload:
     def load(self, *names: str) -> None:
         """Put components ``names`` on the device (those there before go back to the CPU first)."""
         names = tuple(n for n in self.host if n in names)
-        if self.on == names:
+        if not names or (self.on is not None and set(names) <= set(self.on)):        # already there (the decoder after the loop)
             return
         self.offload()
         if self._span(names) > self.buffer_bytes:            # a group the constructor was not told of
@@ -171,6 +171,7 @@ class BlockStream:
 
     def _allocate(self) -> None:
         self.slots = torch.empty(2, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))     # the slots exist before the copies
         self.views = []
         for i, pairs in enumerate(self.host):
             offset, views = 0, []
@@ -212,8 +213,13 @@ class BlockStream:
             t.data = pinned
 
     def release(self) -> None:
-        """Free the two slots (the next forward allocates them again)."""
+        """Free the two slots (the next forward allocates them again); every block back on its CPU copy,
+        also after a forward that raised between a block's hooks."""
+        self.copy_stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
+        for pairs in self.host:
+            for t, pinned in pairs:
+                t.data = pinned
         self.slots, self.views, self.holds = None, None, [-1, -1]
         self.copied, self.used = [None, None], [None, None]
 
