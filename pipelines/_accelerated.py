@@ -26,7 +26,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
-from .memory import ACTIVATION_BYTES_PER_CHANNEL, RESERVE_MARGIN, MemoryEstimate
+from .memory import ACTIVATION_BYTES_PER_CHANNEL, MemoryEstimate
 from .offload import BlockStream, ModelOffload, stream_bytes
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
@@ -328,27 +328,27 @@ class AcceleratedPipelineMixin:
                         available: Optional[int] = None, device: Union[torch.device, str, None] = None,
                         **layout) -> list[str]:
         """Make calls of ``batch_size`` images at ``height`` × ``width`` fit ``device`` (default: where
-        the pipeline runs): nothing when :meth:`estimate_memory` (with the allocator's reserve,
-        ``RESERVE_MARGIN``) fits ``available`` bytes (default: all this process may hold there, the
+        the pipeline runs): nothing when :meth:`estimate_memory`'s ``reserved_bytes`` (the peak and the
+        allocator's reserve) fits ``available`` bytes (default: all this process may hold there, the
         pipeline's own weights included); else the first of text encoder streaming and model CPU
         offload (the same pictures; each prompt copies the text encoder's blocks / each call every
         weight), the ScaleKV preset (its compressed cache changes the pictures) and ScaleKV with
         either, whose estimate fits. A pipeline still in CPU memory (load it there for a card that
         cannot hold it whole) goes to ``device`` as the choice needs: whole, all but the text
         encoder's blocks, or under offload. Returns what it enabled; a ValueError with the estimate
-        when nothing fits."""
+        when nothing fits. The reserve is that of PyTorch's allocator with expandable segments
+        (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), which small cards want."""
         here = self._execution_device if self.model_cpu_offload else self.adapter().device
         target = torch.device(device) if device is not None else here
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         if available is None:
             available = memory_available(target)
-        budget = available / RESERVE_MARGIN
         est = self.estimate_memory(batch_size, height, width, **layout)
         tries = [(None, list(self._policies), None, None)] + self._memory_tries(gpu=target.type == "cuda")
         for text, policies, offload, streaming in tries:
-            if not self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
-                                        text_encoder_streaming=streaming, **layout).fits(budget):
+            if self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
+                                    text_encoder_streaming=streaming, **layout).reserved_bytes > available:
                 continue
             done = []
             if streaming:

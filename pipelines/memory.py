@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 # 2 × 4096 rows × 2048 channels, 8B 2.2 GB at 3584 channels)
 ACTIVATION_BYTES_PER_CHANNEL = 70
 
-# what PyTorch's allocator holds beyond the allocated peak (its cached blocks, CUDA-graph pools): 8–17 %
-# measured (Infinity-2B / 8B 1024², Session 27); a setting is taken to fit when peak × this does
-RESERVE_MARGIN = 1.2
+# What PyTorch's allocator holds beyond the allocated peak is about the loop's activations once more: the
+# CUDA-graph pool and the eagerly run steps' cached blocks hold them apart. With expandable segments
+# (Session 28, H100, 1024²) reserved − allocated was 0.65 (2B dense), 1.23 (2B ScaleKV), 1.18 (2B ScaleKV +
+# offload), 0.99 (8B dense), 1.11 (8B streaming + ScaleKV) and 0.49 GB (HART streaming + ScaleKV), against
+# activations of 1.17 (2B), 2.06 (8B) and 0.88 GB (HART). PyTorch's default allocator held up to 3.2 GB more.
+# ``MemoryEstimate.reserved_bytes`` is what a card must have.
 
 
 def gb(n: float) -> str:
@@ -52,6 +55,12 @@ class MemoryEstimate:
         """The most any phase needs beyond the weights (KV cache, activations, decoder): what a memory
         manager that places the weights itself (ComfyUI's) must keep free besides them."""
         return int(max(sum(v for k, v in p.items() if not k.endswith("weights")) for p in self.phases.values()))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the allocator will hold at the peak: ``peak_bytes`` and the loop's activations once more
+        (see the note above; with expandable segments)."""
+        return self.peak_bytes + int(self.phases.get("scale loop", {}).get("activations", 0))
 
     def fits(self, available_bytes: int) -> bool:
         return self.peak_bytes <= available_bytes
