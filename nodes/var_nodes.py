@@ -155,6 +155,15 @@ class WholeModelPatcher(model_patcher.ModelPatcher):
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         return 0
 
+    def detach(self, unpatch_all=True):
+        """Unloaded by ComfyUI (``unpatch_all``: its weights leave the GPU): the pipeline's workspace
+        (KV cache, CUDA graphs), which ComfyUI does not count, leaves with them (``release``)."""
+        model = super().detach(unpatch_all)
+        release = getattr(self, "release", None)
+        if unpatch_all and release is not None:
+            release()
+        return model
+
 
 def _patcher(modules: dict):
     return WholeModelPatcher(_PipelineModules(modules), load_device=model_management.get_torch_device(),
@@ -173,6 +182,7 @@ class VARModelHandle:
         modules = {k: m for k, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
         text = {k: modules.pop(k) for k in ("text_encoder",) if k in modules}
         self.patcher = _patcher(modules)
+        self.patcher.release = pipe.release_memory
         self.text_patcher = _patcher(text) if text else None
 
 

@@ -107,6 +107,35 @@ def test_an_anchor_stride_past_the_map_is_the_stride_of_the_map(demo):
 
 
 # ---- 2. the ComfyUI nodes, called directly (a real ComfyUI on the path, no server) --------------------------
+UNLOAD_SCRIPT = r"""
+import json
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+from sparsevar.nodes import var_nodes as V
+demo = V.VARModelLoader.execute(V.DEMO_CHOICE, V.FROM_FOLDER, "auto").result[0]
+base = dict(model=demo, conditioning=V.VARClassNode.execute("3").result[0], seed=0, cfg=4.0, top_k=900, top_p=0.95,
+            batch_size=1)
+V.SparseVARSampler.execute(**base)
+ws = lambda: demo.pipe.adapter()._workspace is not None
+out = {"after a call": ws()}
+demo.patcher.detach(unpatch_all=False)
+out["detached, weights kept"] = ws()
+demo.patcher.detach(unpatch_all=True)
+out["unloaded"] = ws()
+out["class"] = type(demo.patcher).__name__
+print(json.dumps(out))
+"""
+
+
+def test_comfyui_unloading_the_model_frees_its_workspace(run_with_comfyui, tmp_path):
+    r = run_with_comfyui(UNLOAD_SCRIPT, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"after a call": True, "detached, weights kept": True, "unloaded": False,
+                   "class": "WholeModelPatcher"}
+
+
+
 NODE_SCRIPT = r"""
 import json, sys
 import comfy.cli_args
