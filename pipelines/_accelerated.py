@@ -339,11 +339,21 @@ class AcceleratedPipelineMixin:
         when nothing fits. The reserve is that of PyTorch's allocator with expandable segments
         (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), which small cards want."""
         here = self._execution_device if self.model_cpu_offload else self.adapter().device
-        target = torch.device(device) if device is not None else here
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+        target = here
+        if device is not None:
+            try:
+                target = torch.device(device)
+            except (RuntimeError, TypeError, ValueError):
+                raise ValueError(f"enable_low_vram(device={device!r}): not a device; pass 'cuda', 'cuda:N' or "
+                                 f"'cpu'") from None
+        if target.type == "cuda":
+            target = _gpu(None, target, f"enable_low_vram(device={str(target)!r}) needs a CUDA GPU ({{}}); pass "
+                                        f"device='cpu' or leave it out")
         if available is None:
             available = memory_available(target)
+        elif isinstance(available, bool) or not isinstance(available, (int, np.integer)) or available < 0:
+            raise ValueError(f"enable_low_vram(available={available!r}): give the bytes the device has for this "
+                             f"pipeline, an int >= 0, or leave it out (what the device has)")
         est = self.estimate_memory(batch_size, height, width, **layout)
         tries = [(None, list(self._policies), None, None)] + self._memory_tries(gpu=target.type == "cuda")
         for text, policies, offload, streaming in tries:

@@ -271,6 +271,19 @@ def test_low_vram_enables_what_the_estimate_needs_and_nothing_more():
     assert pipe.estimate_memory(1, 1024, 1024).phases["scale loop"]["KV cache"] < 10 ** 9     # 0.69 GB
 
 
+def test_low_vram_rejects_a_bad_device_or_size_in_one_line():
+    pipe = VARPipeline.from_random("var-tiny")
+    with pytest.raises(ValueError, match=r"enable_low_vram\(device='gpu'\): not a device; pass 'cuda'"):
+        pipe.enable_low_vram(device="gpu")
+    with pytest.raises(ValueError, match=r"enable_low_vram\(available=-1\): give the bytes .* an int >= 0"):
+        pipe.enable_low_vram(available=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"enable_low_vram\(device='cuda'\) needs a CUDA GPU \(this machine "
+                                             r"has no CUDA device\)"):
+            pipe.enable_low_vram(device="cuda")
+    assert pipe.enable_low_vram(device="cpu") == [] and len(pipe.policies) == 0
+
+
 def test_cli_low_vram_says_what_it_enabled(tmp_path):
     import subprocess
     import sys
