@@ -33,23 +33,26 @@ The families fold the attention temperature into q, so attention runs at scale 1
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..engine.contract import Policy, ScalePlan
 from ..engine.schedule import ScaleSchedule
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops import ref
 from ..sparse_ops._backend import check_backend, resolve_backend
-from ..sparse_ops.attention import attention, dense_attention
+from ..sparse_ops.attention import attention, dense_attention, dense_attention_lse
 from .scale_skip import resolve_scale_index
 
 MAPPINGS = ("relative", "verbatim")
 # compiled CSLA shapes a process may hold (see SparVARPolicy._csla_block_mask)
 FLEX_RECOMPILE_LIMIT = 512
+# CSLA's FlexAttention blocks (queries, keys): 64-key blocks skip more of the windows' gaps than 128
+# (benchmarks/results/README.md, Session 29)
+CSLA_BLOCK = (128, 64)
 
 
 @dataclass(frozen=True)
@@ -203,43 +206,51 @@ def csla_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.
 
 
 def csla_mask_mod(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
-    """CSLA's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: ``csla_mask`` computed from
-    the positions (small per-key and per-scale tables), so no (l, L) table is read per score."""
+    """CSLA's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``, equal to ``csla_mask``.
+    The proportional centre of a query row in key scale j, ⌊(y + ½)·h_j / h⌋, does not decrease
+    with y, so the query rows whose window holds key row ky form one range [ylo, yhi] (columns
+    likewise): the rule is four comparisons against per-key tables made here once, with no
+    arithmetic per score beyond the query's row and column."""
     S = len(hw)
     h, w = hw[si]
-    scale_of, row_of, col_of, radius = [], [], [], []
+    tables = ([], [], [], [])                                     # ylo, yhi, xlo, xhi per cached key
     for j in range(si + 1):
         hj, wj = hw[j]
         side = windows[S - 1 - j] if S - 1 - j < len(windows) else 0
-        radius.append(-1 if j < sink_scales or side == -1 else (-2 if side == 0 else side // 2))
-        scale_of.append(torch.full((hj * wj,), j))
-        row_of.append(torch.arange(hj).repeat_interleave(wj))
-        col_of.append(torch.arange(wj).repeat(hj))
-    to = dict(device=device, dtype=torch.int32)
-    scale_L, row_L, col_L = (torch.cat(t).to(**to) for t in (scale_of, row_of, col_of))
-    h_S = torch.tensor([hj for hj, _ in hw[:si + 1]], **to)
-    w_S = torch.tensor([wj for _, wj in hw[:si + 1]], **to)
-    r_S = torch.tensor(radius, **to)
+        ranges = []
+        for n, nj in ((h, hj), (w, wj)):
+            key = torch.arange(nj)
+            if j < sink_scales or side == -1:                    # every query reads it
+                lo, hi = torch.zeros(nj, dtype=torch.long), torch.full((nj,), n - 1)
+            elif side == 0:                                      # none does
+                lo, hi = torch.ones(nj, dtype=torch.long), torch.zeros(nj, dtype=torch.long)
+            else:
+                centre = _proportional(torch.arange(n), n, nj)   # non-decreasing in the query's row
+                lo = torch.searchsorted(centre, key - side // 2, side="left")
+                hi = torch.searchsorted(centre, key + side // 2, side="right") - 1
+            ranges.append((lo, hi))
+        (ylo, yhi), (xlo, xhi) = ranges
+        for t, v in zip(tables, (ylo.repeat_interleave(wj), yhi.repeat_interleave(wj), xlo.repeat(hj), xhi.repeat(hj))):
+            t.append(v)
+    ylo_L, yhi_L, xlo_L, xhi_L = (torch.cat(t).to(device=device, dtype=torch.int32) for t in tables)
 
     def mask_mod(b, head, q_idx, kv_idx):
-        j = scale_L[kv_idx]
-        r = r_S[j]
-        cy = ((2 * (q_idx // w) + 1) * h_S[j]) // (2 * h)      # ⌊(y + ½)·h_j / h⌋, the proportional centre
-        cx = ((2 * (q_idx % w) + 1) * w_S[j]) // (2 * w)
-        near = ((cy - row_L[kv_idx]).abs() <= r) & ((cx - col_L[kv_idx]).abs() <= r)
-        return (r == -1) | ((r >= 0) & near)
+        y = q_idx // w
+        x = q_idx - y * w
+        return (ylo_L[kv_idx] <= y) & (y <= yhi_L[kv_idx]) & (xlo_L[kv_idx] <= x) & (x <= xhi_L[kv_idx])
 
     return mask_mod
 
 
 def csla_block_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
     """CSLA's FlexAttention BlockMask for the queries of scale ``si`` over the cache up to it, shared
-    by every row and head: blocks no window touches are skipped."""
+    by every row and head: blocks of 128 queries × 64 keys (``CSLA_BLOCK``) no window touches are
+    skipped."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     l, L = hw[si][0] * hw[si][1], sum(a * b for a, b in hw[:si + 1])
     return create_block_mask(csla_mask_mod(hw, si, sink_scales, windows, device), B=None, H=None, Q_LEN=l, KV_LEN=L,
-                             device=device)
+                             device=device, BLOCK_SIZE=CSLA_BLOCK)
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -339,8 +350,11 @@ class SparVARPolicy(Policy):
             # calls only
             dynamo = torch._dynamo.config
             limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-            cache["sparvar.flex"] = dynamo.patch(**{limit: FLEX_RECOMPILE_LIMIT})(
-                torch.compile(flex_attention, dynamic=False))
+            compiled = dynamo.patch(**{limit: FLEX_RECOMPILE_LIMIT})(torch.compile(flex_attention, dynamic=False))
+            # the kernel's tiles match the mask's blocks (its own choice at head dim 64 is 128 keys, which
+            # a 64-key block mask refuses)
+            cache["sparvar.flex"] = functools.partial(
+                compiled, kernel_options={"BLOCK_M": CSLA_BLOCK[0], "BLOCK_N": CSLA_BLOCK[1]})
         key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         if key not in cache:
             cache[key] = csla_block_mask(run.schedule.hw, si, c.sink_scales, c.windows, device)
@@ -350,21 +364,18 @@ class SparVARPolicy(Policy):
         c, si, R = self.config, ctx.si, q_RHld.shape[0]
         Lk, C, backend = k_RHLd.shape[2], c.query_group, st["backend"]
         if si == st["decision"]:
-            o_dense = dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0)
-            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, backend=backend)
+            o_dense, lse_RHl = dense_attention_lse(q_RHld, k_RHLd, v_RHLd, 1.0)   # lse None: colsum computes it
+            colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, lse_RHl, backend=backend)
             K = max(1, min(Lk, int(round(c.top_keys * Lk))))
             idx_RHGK = colsum_RHGL.topk(K, dim=-1).indices.sort(dim=-1).values.to(torch.int32)   # ascending
             count_RHG = self._full_count(idx_RHGK.shape[:3], K, run, idx_RHGK.device)
             o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
                                                          backend=backend)
-            hS, wS = run.schedule.hw[si]
-            H, d = q_RHld.shape[1], q_RHld.shape[3]
-            # what the unselected keys contributed, kept in q's dtype as (R·H, d, hS, wS) channels-last for
-            # the upsampling: on a channels-first map the bilinear kernel loops over the R·H·d planes in
-            # each thread
-            o_cache = (o_dense.float() - o_sparse.float()).to(q_RHld.dtype).reshape(R * H, hS, wS, d) \
-                .permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
-            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, idx=idx_RHGK, si=si, width=K)}
+            # what the unselected keys contributed, (R, H, hS·wS, d) in q's dtype: later scales' sparse pass
+            # adds its bilinear resize
+            o_cache = (o_dense.float() - o_sparse.float()).to(q_RHld.dtype)
+            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, o_hw=run.schedule.hw[si], idx=idx_RHGK, si=si,
+                                                        width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
@@ -391,13 +402,10 @@ class SparVARPolicy(Policy):
             idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
             prefix, band_arg, n_RHG = 0, None, count_RHG
         st["keys"] = st["keys"] + [(n_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
-        o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
-                                                     band_arg, backend=backend)
-        o_cache = entry["o_cache"]                                       # (R·H, d, hS, wS), channels-last
-        H, d = q_RHld.shape[1], q_RHld.shape[3]
-        up = F.interpolate(o_cache[:R * H], size=(h, w), mode="bilinear", align_corners=False)  # channels-last
-        # (R·H, d, h, w) channels-last = (R·H, h, w, d) in memory → (R, H, h·w, d)
-        return o_sparse + up.permute(0, 2, 3, 1).reshape(R, H, h * w, d).to(o_sparse.dtype)
+        # the sparse pass + upsample(O_cache) (bilinear, in the kernel's epilogue)
+        return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix, band_arg,
+                                                 entry["o_cache"], (h, w), entry["o_hw"],
+                                                 backend=backend)
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""
@@ -449,13 +457,19 @@ class SparVARPolicy(Policy):
                                      .long(), 0, G_from - 1).to(device)
         return cache[key]
 
-    def _relative_map(self, si_from: int, si_to: int, run, device) -> tuple[torch.Tensor, int, bool]:
-        """``relative_key_map`` on ``device`` (int32), its sinks, and whether it is one to one."""
-        key = ("sparvar.relative", run.schedule.hw, si_from, si_to, str(device))
+    def _relative_map(self, si_from: int, si_to: int, run, device) -> tuple[torch.Tensor, int, int, bool]:
+        """``relative_key_map`` on ``device`` (int32), its sinks, the prefix every group of scale
+        ``si_to`` reads whole (the sinks, or ``sink_scales`` if more), and whether the map is one to
+        one past that prefix (keys mapped into it are read once anyway: HART's text slots, a
+        1 × n first "scale", land there)."""
+        key = ("sparvar.relative", run.schedule.hw, si_from, si_to, self.config.sink_scales, str(device))
         cache = run.shape_cache
         if key not in cache:
             map_L, sinks = relative_key_map(run.schedule.hw, si_from, si_to)
-            cache[key] = (map_L.to(device=device, dtype=torch.int32), sinks, map_L.unique().numel() == map_L.numel())
+            prefix = run.schedule.offsets[min(max(sinks, self.config.sink_scales), si_to + 1)]
+            past = map_L[map_L >= prefix]
+            cache[key] = (map_L.to(device=device, dtype=torch.int32), sinks, prefix,
+                          past.unique().numel() == past.numel())
         return cache[key]
 
     def _relative_lists(self, idx_RHGK: torch.Tensor, si_from: int, si_to: int, run):
@@ -463,13 +477,13 @@ class SparVARPolicy(Policy):
         scale's ascending lists, or None where the map is not one to one (the mask path dedupes).
         The map keeps raster order, so the lists stay ascending and distinct."""
         c, sched = self.config, run.schedule
-        map_L, sinks, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
+        map_L, _, prefix, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
         if not injective:
             return None
         G_to = -(-sched.tokens(si_to) // c.query_group)
         src_G = self._group_map(idx_RHGK.shape[2], G_to, run, idx_RHGK.device)
         mapped_RHGK = map_L[idx_RHGK[:, :, src_G].long()]
-        return mapped_RHGK, sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]
+        return mapped_RHGK, prefix
 
     def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run, width: int) -> tuple[torch.Tensor, int]:
         """Scale ``si_from``'s key selection for scale ``si_to``'s query groups as a mask: group g
@@ -486,9 +500,8 @@ class SparVARPolicy(Policy):
         if c.mapping == "verbatim":
             out[..., :L_from] = picked_RHGL
             return out, width
-        map_L, sinks, _ = self._relative_map(si_from, si_to, run, keys_RHGL.device)
+        map_L, _, sink_end, _ = self._relative_map(si_from, si_to, run, keys_RHGL.device)
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
         out = out.to(torch.uint8).scatter_reduce_(-1, map_L.long().expand_as(src), src, reduce="amax").bool()
-        sink_end = sched.offsets[min(max(sinks, c.sink_scales), si_to + 1)]
         out[..., :sink_end] = True                                                       # A_sink ∪ mapped keys
         return out, width + sink_end

@@ -220,6 +220,28 @@ def dense_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Te
     return attention(q_RHld, k_RHLd, v_RHLd, scale, attn_mask=attn_mask, key_valid_RL=key_valid_RL)
 
 
+_CUDNN_LSE = {"usable": True}
+
+
+def dense_attention_lse(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(softmax(q·kᵀ·scale)·v (R, H, l, d), each query's natural log-sum-exp (R, H, l) float32 or
+    None): unmasked dense attention that also returns its softmax statistics where the kernel
+    gives them at no cost (cuDNN's on a CUDA GPU, bf16/fp16), so a caller that needs them (SparVAR's
+    column sums) skips its own pass; elsewhere None and the plain :func:`dense_attention`."""
+    if _CUDNN_LSE["usable"] and q_RHld.is_cuda and q_RHld.dtype in (torch.float16, torch.bfloat16) \
+            and k_RHLd.dtype == v_RHLd.dtype == q_RHld.dtype and torch.backends.cuda.cudnn_sdp_enabled():
+        try:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q_RHld, k_RHLd, v_RHLd, None, True, 0.0, False,
+                                                                     False, scale=scale)
+            R, H, l, _ = q_RHld.shape
+            return out[0], out[1].reshape(R, H, l)
+        except (RuntimeError, AttributeError, NotImplementedError) as e:     # this cuDNN / torch: not on offer
+            _CUDNN_LSE["usable"] = False
+            log.debug("cuDNN attention with log-sum-exp unavailable (%s); plain dense attention", e)
+    return dense_attention(q_RHld, k_RHLd, v_RHLd, scale), None
+
+
 def describe_backends() -> str:
     """What attention / kernel backends this machine offers, and why (for ``sparsevar info --backends``)."""
     from ._backend import interpreting, triton_status

@@ -2,7 +2,7 @@
 twin of ``ref.attention_colsum``.
 
 Two passes, no atomics (research/kernels.md §4.2): pass 1 computes every query's log-sum-exp over
-all keys (online, FA2-style); pass 2 gives each program one (row·head, query group, key block),
+all keys (online, FA2-style), unless the caller has it from its dense pass; pass 2 gives each program one (row·head, query group, key block),
 recomputes q·kᵀ for the group's queries tile by tile, turns it into probabilities with the LSE and
 sums them over the queries, so each output element is written by exactly one program.
 
@@ -11,6 +11,8 @@ cast to float32 first (``UPCAST``); on a GPU bf16/fp16 operands go to the tensor
 accumulation, and float32 operands use IEEE precision (no TF32).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -95,7 +97,8 @@ def _colsum_launch(d: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 3
 
 
-def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
+                     lse_RHl: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton twin of ``ref.attention_colsum``: (R, H, G, Lk) float32 summed probabilities."""
     R, H, l, d = q_RHld.shape
     Lk = k_RHLd.shape[2]
@@ -108,7 +111,6 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     out = torch.empty(R, H, G, Lk, device=dev, dtype=torch.float32)
     if R * H * l * Lk == 0:
         return out.zero_()
-    lse = torch.empty(R * H, l, device=dev, dtype=torch.float32)
     interp = interpreting()
     upcast = interp and q.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if q.dtype == torch.float32 else None
@@ -116,10 +118,14 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     block_m, block_n, num_warps, num_stages = _colsum_launch(d)
     scale_log2 = float(scale) * _LOG2E
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    _lse_kernel[(triton.cdiv(l, block_m), R * H)](
-        q, k, lse, H, l, Lk, d, scale_log2, *strides,
-        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages)
+    if lse_RHl is not None:                      # natural log → the kernels' base 2
+        lse = (lse_RHl.float() * _LOG2E).reshape(R * H, l).contiguous()
+    else:
+        lse = torch.empty(R * H, l, device=dev, dtype=torch.float32)
+        _lse_kernel[(triton.cdiv(l, block_m), R * H)](
+            q, k, lse, H, l, Lk, d, scale_log2, *strides,
+            UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            num_warps=num_warps, num_stages=num_stages)
     _colsum_kernel[(triton.cdiv(Lk, block_n), G, R * H)](
         q, k, lse, out, H, l, Lk, d, group, G, scale_log2, *strides,
         UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -6,7 +6,9 @@ tiles), the group's band (one contiguous range), then its key list (``ref.key_li
 and V rows are gathered from the cache into dense tiles, skipping keys the first two runs read.
 Every run multiplies on the tensor cores; no mask over the full cache is read, and the work grows
 with the keys a group reads, not with the cache. Loop bounds (band, list count) are read on the
-device.
+device. With a map to add (CS4A's O_cache), the epilogue adds its bilinear resize to the query
+scale (the four taps of ``F.interpolate``'s align_corners=False rule) to the float32 result, so
+the resized map is never written.
 
 ``tl.dot`` on bf16 is wrong in Triton's CPU interpreter (triton#11584), so there the operands are
 cast to float32 first (``UPCAST``); on a GPU bf16/fp16 operands go to the tensor cores with float32
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting
-from .ref import _check_group_lists
+from .ref import _check_add, _check_group_lists
 
 _LOG2E = 1.4426950408889634
 
@@ -47,9 +49,11 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, valid, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
-def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o_ptr, H, l, d, group, G, K, prefix,
-                            scale_log2, sq_r, sq_h, sq_l, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_l,
-                            HAS_BAND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o_ptr, add_ptr, H, l, d, group, G, K,
+                            prefix, scale_log2, sq_r, sq_h, sq_l, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_l,
+                            sa_r, sa_h, sa_l, w, h_add, w_add, ratio_h, ratio_w,
+                            HAS_BAND: tl.constexpr, HAS_ADD: tl.constexpr, UPCAST: tl.constexpr,
+                            PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rh = tl.program_id(2)
     g = tl.program_id(1)
@@ -107,24 +111,46 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
                                      v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid, m_i, l_i, acc,
                                      scale_log2, UPCAST, PRECISION)
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)     # no key: zeros
+    if HAS_ADD:      # + the (h_add, w_add) map resized to the queries' (l / w, w) map, bilinear
+        y = m // w
+        x = m - y * w
+        sy = tl.maximum((y.to(tl.float32) + 0.5) * ratio_h - 0.5, 0.0)
+        sx = tl.maximum((x.to(tl.float32) + 0.5) * ratio_w - 0.5, 0.0)
+        y0 = sy.to(tl.int32)
+        x0 = sx.to(tl.int32)
+        y1 = tl.minimum(y0 + 1, h_add - 1)
+        x1 = tl.minimum(x0 + 1, w_add - 1)
+        ly = (sy - y0.to(tl.float32))[:, None]
+        lx = (sx - x0.to(tl.float32))[:, None]
+        a_base = add_ptr + r * sa_r + hh * sa_h + dd[None, :]
+        amask = rows[:, None] & dmask[None, :]
+        a00 = tl.load(a_base + (y0 * w_add + x0)[:, None].to(tl.int64) * sa_l, mask=amask, other=0.0).to(tl.float32)
+        a01 = tl.load(a_base + (y0 * w_add + x1)[:, None].to(tl.int64) * sa_l, mask=amask, other=0.0).to(tl.float32)
+        a10 = tl.load(a_base + (y1 * w_add + x0)[:, None].to(tl.int64) * sa_l, mask=amask, other=0.0).to(tl.float32)
+        a11 = tl.load(a_base + (y1 * w_add + x1)[:, None].to(tl.int64) * sa_l, mask=amask, other=0.0).to(tl.float32)
+        out += (1.0 - ly) * ((1.0 - lx) * a00 + lx * a01) + ly * ((1.0 - lx) * a10 + lx * a11)
     tl.store(o_ptr + r * so_r + hh * so_h + m[:, None].to(tl.int64) * so_l + dd[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
 
 
 def _launch(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 queries by 32 keys, three stages (the best of
+    a sweep at d=128, benchmarks/results/README.md)."""
     if interpreting():
         return 16, 16, 4, 1
-    return 64, 64, 4, 2
+    return 64, 32, 4, 3
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
-                           band_G2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
+                           hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None
+                           ) -> torch.Tensor:
     """Triton twin of ``ref.group_sparse_attention``: (R, H, l, d) in q's dtype."""
     R, H, l, d = q_RHld.shape
     G, K = -(-l // group), idx_RHGK.shape[-1]
     _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group)
+    _check_add(add_RHpd, hw, add_hw, R, H, l, d)
     q = q_RHld if q_RHld.stride(-1) == 1 else q_RHld.contiguous()
     k = k_RHLd if k_RHLd.stride(-1) == 1 else k_RHLd.contiguous()
     v = v_RHLd if v_RHLd.stride(-1) == 1 else v_RHLd.contiguous()
@@ -137,6 +163,8 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     count = count_RHG if count_RHG.dtype == torch.int32 and count_RHG.is_contiguous() else \
         count_RHG.to(torch.int32).contiguous()
     band = None if band_G2 is None else band_G2.to(device=q.device, dtype=torch.int32).contiguous()
+    add = None if add_RHpd is None else (add_RHpd if add_RHpd.stride(-1) == 1 else add_RHpd.contiguous())
+    w, (h_add, w_add) = (hw[1], add_hw) if add is not None else (1, (1, 1))
     out = torch.empty(R, H, l, d, device=q.device, dtype=q_RHld.dtype)
     if R * H * l * d == 0:
         return out
@@ -145,10 +173,13 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     block_m, block_n, num_warps, num_stages = _launch(d)
     grid = (triton.cdiv(min(group, l), block_m), G, R * H)
     _group_attention_kernel[grid](
-        q, k, v, idx, count, band if band is not None else count, out, H, l, d, group, G, K, int(prefix),
-        float(scale) * _LOG2E,
+        q, k, v, idx, count, band if band is not None else count, out, add if add is not None else out, H, l, d,
+        group, G, K, int(prefix), float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HAS_BAND=band is not None, UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        *((add.stride(0), add.stride(1), add.stride(2)) if add is not None else (0, 0, 0)),
+        w, h_add, w_add, h_add / (l // w), w_add / w,
+        HAS_BAND=band is not None, HAS_ADD=add is not None, UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -90,19 +90,21 @@ def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.T
                                                                    beta)
 
 
-def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int, *,
-                     backend: str = "auto") -> torch.Tensor:
+def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
+                     lse_RHl: Optional[torch.Tensor] = None, *, backend: str = "auto") -> torch.Tensor:
     """(R, H, G, Lk) float32 attention probabilities summed per query group (see ``ref.attention_colsum``)."""
-    return implementation("attention_colsum", backend, q_RHld.device)(q_RHld, k_RHLd, scale, group)
+    return implementation("attention_colsum", backend, q_RHld.device)(q_RHld, k_RHLd, scale, group, lse_RHl)
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
-                           band_G2: Optional[torch.Tensor] = None, *, backend: str = "auto") -> torch.Tensor:
-    """(R, H, l, d): each query group attends to a shared prefix, its band and its listed keys (see
-    ``ref.group_sparse_attention``)."""
-    return implementation("group_sparse_attention", backend, q_RHld.device)(q_RHld, k_RHLd, v_RHLd, idx_RHGK,
-                                                                            count_RHG, group, scale, prefix, band_G2)
+                           band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
+                           hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None, *,
+                           backend: str = "auto") -> torch.Tensor:
+    """(R, H, l, d): each query group attends to a shared prefix, its band and its listed keys, plus
+    an optional map resized bilinearly to the queries (see ``ref.group_sparse_attention``)."""
+    return implementation("group_sparse_attention", backend, q_RHld.device)(
+        q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, group, scale, prefix, band_G2, add_RHpd, hw, add_hw)
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],

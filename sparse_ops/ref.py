@@ -369,11 +369,13 @@ def anchor_match(logits_BMV: torch.Tensor, src_L: torch.Tensor, cand_L4: torch.T
 
 
 # ---- (d) SparVAR: column sums of attention probabilities per query group --------------------------
-def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
+                     lse_RHl: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(R, H, G, Lk) float32: for each group of ``group`` consecutive queries (G = ceil(l / group),
     the last group may be shorter), the sum over its queries of softmax(q·kᵀ·scale) over all Lk
-    keys — SparVAR's decision-scale statistic (research/accel.md §4.2). Computed one group at a
-    time, so memory stays at (R, H, group, Lk)."""
+    keys — SparVAR's decision-scale statistic (research/accel.md §4.2). ``lse_RHl``: each query's
+    natural log-sum-exp of q·kᵀ·scale, when the dense pass already has it (else computed here).
+    Computed one group at a time, so memory stays at (R, H, group, Lk)."""
     R, H, l, _ = q_RHld.shape
     Lk = k_RHLd.shape[2]
     G = -(-l // group)
@@ -381,8 +383,14 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     k_T = k_RHLd.float().transpose(-1, -2)
     for g in range(G):
         s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
-        out_RHGL[:, :, g] = s.softmax(dim=-1).sum(dim=-2)
+        lse = s.logsumexp(-1) if lse_RHl is None else lse_RHl[:, :, g * group:(g + 1) * group].float()
+        out_RHGL[:, :, g] = (s - lse[..., None]).exp().sum(dim=-2)
     return out_RHGL
+
+
+def attention_lse(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float) -> torch.Tensor:
+    """(R, H, l) float32: each query's natural log-sum-exp of q·kᵀ·scale over all keys."""
+    return (q_RHld.float() @ k_RHLd.float().transpose(-1, -2) * scale).logsumexp(-1)
 
 
 def key_lists(keys_RHGL: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -403,19 +411,25 @@ def key_lists(keys_RHGL: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
-                           band_G2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
+                           hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None
+                           ) -> torch.Tensor:
     """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
     group may be shorter; G = ceil(l / group)) reads only its keys, softmax normalised over those
     keys alone — SparVAR's column-sparse attention (research/accel.md §4.2–4.3). A group's keys
     are the union of the first ``prefix`` keys (every group), the inclusive range ``band_G2[g]``
     = [lo, hi] (None: no range) and the distinct positions ``idx_RHGK[:, :, g, :count_RHG[:, :,
     g]]`` (see ``key_lists``); a listed key inside the prefix or the range counts once. A group
-    with no key gives zeros. Float32 softmax, output in q's dtype; one group at a time, so memory
+    with no key gives zeros. With ``add_RHpd`` ((R' ≥ R, H, h'·w', d), a map of ``add_hw`` = (h',
+    w') in raster order) the queries, an ``hw`` = (h, w) map, get its bilinear resize to (h, w)
+    added (align_corners=False, as ``F.interpolate``): CS4A's ``upsample(O_cache) + sparse
+    attention``. Float32 softmax and sum, output in q's dtype; one group at a time, so memory
     stays at (R, H, group, Lk)."""
     R, H, l, d = q_RHld.shape
     G, K, Lk = -(-l // group), idx_RHGK.shape[-1], k_RHLd.shape[2]
     _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group)
-    out_RHld = torch.empty_like(q_RHld)
+    _check_add(add_RHpd, hw, add_hw, R, H, l, d)
+    out_RHld = torch.empty(R, H, l, d, device=q_RHld.device, dtype=torch.float32)
     listed_RHGK = torch.arange(K, device=q_RHld.device) < count_RHG[..., None].long()
     pos_L = torch.arange(Lk + 1, device=q_RHld.device)
     k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
@@ -427,8 +441,22 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
         keys_RHL = keys_RHL[..., :Lk]
         s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
         p = s.masked_fill(~keys_RHL[:, :, None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-        out_RHld[:, :, g * group:(g + 1) * group] = (p @ v_f).to(q_RHld.dtype)
-    return out_RHld
+        out_RHld[:, :, g * group:(g + 1) * group] = p @ v_f
+    if add_RHpd is not None:
+        (h, w), (h2, w2) = hw, add_hw
+        planes = add_RHpd[:R].float().reshape(R * H, h2, w2, d).permute(0, 3, 1, 2)    # (R·H, d, h', w')
+        up = F.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
+        out_RHld += up.reshape(R, H, d, l).transpose(-1, -2)
+    return out_RHld.to(q_RHld.dtype)
+
+
+def _check_add(add_RHpd, hw, add_hw, R, H, l, d) -> None:
+    if add_RHpd is None:
+        return
+    if hw is None or add_hw is None or hw[0] * hw[1] != l or add_RHpd.dim() != 4 or add_RHpd.shape[0] < R \
+            or tuple(add_RHpd.shape[1:]) != (H, add_hw[0] * add_hw[1], d):
+        raise ValueError(f"group_sparse_attention: add_RHpd {tuple(add_RHpd.shape)} needs (R' >= {R}, {H}, h'·w', {d}) "
+                         f"with add_hw = (h', w') = {add_hw} and hw = {hw} covering the {l} queries")
 
 
 def _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group) -> None:

@@ -104,3 +104,27 @@ def test_flop_model_matches_the_compute_profile_of_the_research_notes():
     prefix = [sum(sizes[:k + 1]) for k in range(len(sizes))]
     last = hart_loop_flops(cfg, cfg_rows=1, tokens_per_scale=[0] * 13 + [sizes[-1]], kv_per_scale=prefix)
     assert last / total == pytest.approx(0.565, abs=0.002)
+
+
+def test_sparvar_relative_lists_serve_hart_whose_first_scale_is_its_text(adapter, inputs):
+    """HART's scale 0 is its text slots (a 1 × n "scale"): the relative map moves them into a sink
+    scale, several onto one position. Every group reads the sinks whole, so that is harmless, and
+    the index lists (not the slower mask path, which the map's collisions used to force) serve
+    HART's sparse scales; both read the same keys."""
+    seen = []
+
+    class Lists(SparVARPolicy):
+        def _relative_lists(self, idx_RHGK, si_from, si_to, run):
+            out = super()._relative_lists(idx_RHGK, si_from, si_to, run)
+            seen.append(out is not None)
+            return out
+
+    class MaskPath(SparVARPolicy):
+        def _relative_lists(self, idx_RHGK, si_from, si_to, run):
+            return None
+
+    cfg = SparVARConfig(decision_scale=-3, top_keys=0.3, query_group=4, local_window=3, sink_scales=3)
+    lists, _ = _run(adapter, inputs, Lists(cfg))
+    masks, _ = _run(adapter, inputs, MaskPath(cfg))
+    assert seen and all(seen)
+    torch.testing.assert_close(lists.images, masks.images, rtol=0, atol=1e-6)

@@ -450,14 +450,17 @@ def _anchor_case(shape, prev_hw, V, device):
     assert bool((roles_k == ref.TOKEN_COPIED).any()) and bool((roles_k == ref.TOKEN_EXCLUDED).any())
 
 
-def _colsum_case(R, H, l, Lk, d, group, dtype, device):
+def _colsum_case(R, H, l, Lk, d, group, dtype, device, with_lse=False):
+    """``with_lse``: each query's log-sum-exp handed in (from a float64 pass), as SparVAR's dense
+    pass hands cuDNN's; both paths then skip their own."""
     ref, *_, cs = _ops()
     g = _gen(6)
     q = _rand((R, H, l, d), g, device, dtype=dtype)
     k = _rand((R, H, Lk, d), g, device, dtype=dtype)
     scale = d ** -0.5
-    got = cs.attention_colsum(q, k, scale, group)
-    want = ref.attention_colsum(q, k, scale, group)
+    lse = (q.double() @ k.double().transpose(-1, -2) * scale).logsumexp(-1).float() if with_lse else None
+    got = cs.attention_colsum(q, k, scale, group, lse)
+    want = ref.attention_colsum(q, k, scale, group, lse)
     G = -(-l // group)
     oracle = torch.zeros(R, H, G, Lk, dtype=torch.float64, device=device)
     p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, dim=-1)
@@ -468,11 +471,26 @@ def _colsum_case(R, H, l, Lk, d, group, dtype, device):
     torch.testing.assert_close(got.sum(-1).double(), oracle.sum(-1), rtol=1e-4, atol=0)
 
 
-def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3):
+def _attention_lse_case(R, H, l, Lk, d, dtype, device):
+    """SparVAR's decision-scale pass: the output of plain dense attention, and on a CUDA GPU each
+    query's log-sum-exp (cuDNN's), within float32 summation error of a float64 pass."""
+    from sparsevar.sparse_ops.attention import dense_attention, dense_attention_lse
+    g = _gen(8)
+    q, k, v = (_rand((R, H, n, d), g, device, dtype=dtype) for n in (l, Lk, Lk))
+    out, lse = dense_attention_lse(q, k, v, d ** -0.5)
+    torch.testing.assert_close(out, dense_attention(q, k, v, d ** -0.5), rtol=0, atol=1e-4)   # |out| ~ 0.02
+    assert lse is not None and lse.shape == (R, H, l) and lse.dtype == torch.float32
+    want = (q.double() @ k.double().transpose(-1, -2) * d ** -0.5).logsumexp(-1)
+    torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-3)
+
+
+def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3, add=None):
     """Random per-group key masks (about ``keep`` of the keys, compacted by ``ref.key_lists``; the
     lists overlap the prefix and the bands, which must count once), a shared ``prefix``, and with
     ``band`` a random range per group. Group 0 of row 0 lists no key and, without a prefix or band,
-    reads none; the last group is partial when ``group`` does not divide ``l``."""
+    reads none; the last group is partial when ``group`` does not divide ``l``. ``add`` = (h, w,
+    h', w'): the queries are an h × w map and get a random h' × w' map (one row more than R, as
+    CS4A's O_cache has after the guidance rows halve) resized bilinearly and added."""
     from sparsevar.sparse_ops import group_attention, ref
     g = _gen(7)
     q = _rand((R, H, l, d), g, device, dtype=dtype)
@@ -488,8 +506,16 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
     width = int(listed.sum(-1).max()) + width_slack
     idx, count = ref.key_lists(listed.to(device), width)
     assert torch.equal(count.long().cpu(), listed.sum(-1))
-    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2)
-    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2)
+    extra, up = (), 0.0
+    if add is not None:
+        h, w, h2, w2 = add
+        add_RHpd = _rand((R + 1, H, h2 * w2, d), g, device, dtype=dtype)
+        extra = (add_RHpd, (h, w), (h2, w2))
+        planes = add_RHpd[:R].double().reshape(R * H, h2, w2, d).permute(0, 3, 1, 2)
+        up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
+        up = up.reshape(R, H, d, l).transpose(-1, -2)
+    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra)
+    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra)
     keys = listed.to(device).clone()
     keys[..., :prefix] = True
     if band:
@@ -497,9 +523,9 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
         keys |= ((pos >= band_G2[:, :1]) & (pos <= band_G2[:, 1:]))[None, None]
     s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5                       # (R, H, l, Lk)
     mask = keys.repeat_interleave(group, dim=2)[:, :, :l]
-    oracle = (s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double())
+    oracle = (s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double()) + up
     assert_close_to_oracle("group_sparse_attention", got, want, oracle)
-    if not prefix and not band:
+    if not prefix and not band and add is None:
         assert got[0, 0, :group].abs().max().item() == 0.0                          # a group with no key: zeros
 
 
@@ -584,9 +610,19 @@ def _(device="cpu"):
     _group_attention_case(2, 2, 45, 90, 16, 16, 0.2, torch.float32, device, prefix=21, band=True)
 
 
+@case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-add-fp32")
+def _(device="cpu"):
+    _group_attention_case(2, 2, 45, 90, 16, 16, 0.2, torch.float32, device, prefix=21, band=True, add=(5, 9, 3, 4))
+
+
 @case("attention_colsum-R1H2-l50-Lk77-d32-bf16")
 def _(device="cpu"):
     _colsum_case(1, 2, 50, 77, 32, 16, torch.bfloat16, device)
+
+
+@case("attention_colsum-R2H1-l37-Lk61-d16-lse-fp32")
+def _(device="cpu"):
+    _colsum_case(2, 1, 37, 61, 16, 16, torch.float32, device, with_lse=True)
 
 
 @case("residual_norm_modulate-R2-l13-C96-bf16")
@@ -1119,8 +1155,15 @@ GPU_CASES = {
     "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-bf16":
         lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
                                              band=True),
+    "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-add-bf16":
+        lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
+                                             band=True, add=(64, 64, 40, 40)),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
+    "dense_attention_lse-R2H16-l1600-Lk4121-d128-bf16": lambda device: _attention_lse_case(2, 16, 1600, 4121, 128,
+                                                                                         torch.bfloat16, device),
+    "attention_colsum-R2H16-l1600-Lk4121-d128-lse-bf16":
+        lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device, with_lse=True),
     "qk_norm_rope_store-R2-l4096-H16-d128-bf16": lambda device: _qk_rope_case(2, 4096, 16, 128, 6000, torch.bfloat16,
                                                                              False, device),
     "qk_norm_rope_store-R2-l999-H16-d128-bf16-per-row": lambda device: _qk_rope_case(2, 999, 16, 128, 1200,

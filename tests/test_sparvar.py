@@ -252,17 +252,17 @@ def test_stats_count_the_keys_read_and_flop_speedup_follows(pipe):
 def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_decision_scales_remainder(
         pipe, monkeypatch):
     """At a sparse scale a CS4A layer returns its sparse pass plus O_cache (the decision scale's
-    dense − sparse output, per row and head) bilinearly resized to the scale: recomputed here from
-    the recorded pieces, with O_cache laid out channels-first in float64 for the resize."""
+    dense − sparse output, per row and head) bilinearly resized to the scale: the kernel adds the
+    resize in its epilogue; here the sparse pass is recomputed from the recorded key lists without
+    it, and O_cache resized by ``F.interpolate`` in float64."""
     from sparsevar.policies import sparvar as sparvar_mod
 
-    sparse_out, seen = [], []
+    calls, seen = [], []
     real = sparvar_mod.sparse_ops.group_sparse_attention
 
     def recording(*a, **kw):
-        o = real(*a, **kw)
-        sparse_out.append(o)
-        return o
+        calls.append((a, kw))
+        return real(*a, **kw)
 
     monkeypatch.setattr(sparvar_mod.sparse_ops, "group_sparse_attention", recording)
 
@@ -270,7 +270,8 @@ def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_deci
         def _cs4a(self, ctx, q, k, v, run, st):
             out = super()._cs4a(ctx, q, k, v, run, st)
             entry = run.policy_state[self.name]["cs4a"][ctx.layer]
-            seen.append((ctx.si, run.schedule.hw[ctx.si], entry["si"], entry["o_cache"].clone(), sparse_out[-1], out))
+            seen.append((ctx.si, run.schedule.hw[ctx.si], entry["si"], run.schedule.hw[entry["si"]],
+                         entry["o_cache"].clone(), calls[-1], out))
             return out
 
     pipe.add_policy(Recorder(SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)))
@@ -278,10 +279,11 @@ def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_deci
     S = len(pipe.transformer.config.patch_nums)
     later = [r for r in seen if r[0] > r[2]]
     assert {r[0] for r in later} == {S - 2, S - 1} and all(r[2] == S - 3 for r in later)
-    for si, (h, w), _, o_cache, o_sparse, out in later:
+    for si, (h, w), _, (hS, wS), o_cache, (args, kw), out in later:
         R, H, l, d = out.shape
-        # (R·H, d, hS, wS), made contiguous channels-first here whatever layout the policy keeps
-        planes = o_cache[:R * H].double().contiguous()
+        assert o_cache.shape[1:] == (H, hS * wS, d)
+        o_sparse = sparse_ref.group_sparse_attention(*args[:9])                       # no map to add
+        planes = o_cache[:R].double().reshape(R * H, hS, wS, d).permute(0, 3, 1, 2)    # (R·H, d, hS, wS)
         up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
         want = o_sparse.double() + up.reshape(R, H, d, h * w).transpose(-1, -2)
         assert (out.double() - o_sparse.double()).abs().amax() > 1e-4           # the remainder is not zero
