@@ -226,7 +226,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
                               patch_nums=pn)
 
         def call(gen, kw, batch):
-            out = pipe([i % c.num_classes for i in range(batch)], patch_nums=pn, generator=gen, output_type="pt",
+            out = pipe(torch.arange(batch) % c.num_classes, patch_nums=pn, generator=gen, output_type="pt",
                        **kw)
             return out, lambda st: pipe.flop_speedup(st, pn)
 
@@ -253,7 +253,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
     cfg = pipe.transformer.config
 
     def call(gen, kw, batch):
-        labels = [i % cfg.num_classes for i in range(batch)]
+        labels = torch.arange(batch) % cfg.num_classes     # a tensor: its count is checked before its entries
         out = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
         return out, pipe.flop_speedup
 

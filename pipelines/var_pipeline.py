@@ -236,15 +236,15 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if isinstance(labels, Mapping) or not isinstance(labels, Iterable):
             raise TypeError(f"class_labels must be a class id, a class name, or a list of them, got "
                             f"{type(labels).__name__} {labels!r}")
-        names = self.labels
+        names, num_classes = self.labels, self.num_classes
         ids = []
         for lab in labels:
             if isinstance(lab, (bool, np.bool_)):
                 raise TypeError(f"class_labels entries must be ints or names, got {lab!r}")
             if isinstance(lab, (int, np.integer)):
-                if not 0 <= int(lab) < self.num_classes:
+                if not 0 <= int(lab) < num_classes:
                     raise ValueError(f"class label {int(lab)} is out of range: this model has classes "
-                                     f"0..{self.num_classes - 1}")
+                                     f"0..{num_classes - 1}")
                 ids.append(int(lab))
                 continue
             if not isinstance(lab, str):
@@ -319,12 +319,20 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError("class_labels is required: pass a class id, a class name, or a list of them")
         if isinstance(class_labels, (list, tuple)) and len(class_labels) == 0:
             raise ValueError("class_labels is empty: pass at least one class id or name")
+        def check_call(n):
+            self._check_call(n, "class label", self.memory_needed, guidance_scale, top_k, top_p, num_images_per_prompt,
+                             output_type, generator, callback_on_step_end, callback_on_step_end_tensor_inputs, policies)
+
+        # where the count is known, the memory bound comes before the labels are read one by one
+        counted = isinstance(class_labels, (list, tuple)) or (isinstance(class_labels, torch.Tensor)
+                                                              and class_labels.ndim == 1)
+        if counted and len(class_labels):
+            check_call(len(class_labels))
         ids = self.get_label_ids(class_labels)
         if not ids:
             raise ValueError("class_labels is empty: pass at least one class id or name")
-        self._check_call(len(ids), "class label", self.memory_needed, guidance_scale, top_k, top_p,
-                         num_images_per_prompt, output_type, generator, callback_on_step_end,
-                         callback_on_step_end_tensor_inputs, policies)
+        if not counted:
+            check_call(len(ids))
         return ids
 
     @torch.no_grad()
