@@ -236,7 +236,7 @@ def dense_attention_lse(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torc
                                                                      False, scale=scale)
             R, H, l, _ = q_RHld.shape
             return out[0], out[1].reshape(R, H, l)
-        except (RuntimeError, AttributeError, NotImplementedError) as e:     # this cuDNN / torch: not on offer
+        except (RuntimeError, AttributeError, NotImplementedError, TypeError, IndexError) as e:   # not on offer here
             _CUDNN_LSE["usable"] = False
             log.debug("cuDNN attention with log-sum-exp unavailable (%s); plain dense attention", e)
     return dense_attention(q_RHld, k_RHLd, v_RHLd, scale), None
