@@ -351,10 +351,10 @@ class SparVARPolicy(Policy):
             dynamo = torch._dynamo.config
             limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
             compiled = dynamo.patch(**{limit: FLEX_RECOMPILE_LIMIT})(torch.compile(flex_attention, dynamic=False))
-            # the kernel's tiles match the mask's blocks (its own choice at head dim 64 is 128 keys, which
-            # a 64-key block mask refuses)
-            cache["sparvar.flex"] = functools.partial(
-                compiled, kernel_options={"BLOCK_M": CSLA_BLOCK[0], "BLOCK_N": CSLA_BLOCK[1]})
+            # the kernel's key tiles match the mask's blocks (its own choice at head dim 64 is 128 keys,
+            # which a 64-key block mask refuses); its query tiles stay its own per device (any of its
+            # choices divides 128), so a small GPU's shared memory is not asked for more than it picks
+            cache["sparvar.flex"] = functools.partial(compiled, kernel_options={"BLOCK_N": CSLA_BLOCK[1]})
         key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         if key not in cache:
             cache[key] = csla_block_mask(run.schedule.hw, si, c.sink_scales, c.windows, device)
