@@ -229,17 +229,26 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         if class_labels is None or (isinstance(class_labels, (list, tuple)) and not class_labels):
             raise ValueError(f"class_labels={class_labels!r}: give a class id 0..{self.num_classes - 1} or a class "
                              f"name, or a list of them")
-        labels = self.get_label_ids(class_labels)          # ids or names; a bad one is named
         patch_nums = self.resolve_schedule(height, width, num_scales, patch_nums)
+
+        def check_call(n):
+            return self._check_call(n, "class label", lambda b: self.memory_needed(b, patch_nums), guidance_scale,
+                                    top_k, top_p, num_images_per_prompt, output_type, generator, callback_on_step_end,
+                                    callback_on_step_end_tensor_inputs, policies, layout={"patch_nums": patch_nums})
+
+        # where the count is known, the memory bound comes before the labels are read one by one
+        counted = isinstance(class_labels, (list, tuple)) or (isinstance(class_labels, torch.Tensor)
+                                                              and class_labels.ndim == 1)
+        B = check_call(len(class_labels)) if counted and len(class_labels) else None
+        labels = self.get_label_ids(class_labels)          # ids or names; a bad one is named
         sched = self.schedule(patch_nums)
         if not isinstance(max_pn, (int, np.integer)) or isinstance(max_pn, bool) or max_pn < 1:
             raise ValueError(f"max_pn={max_pn!r}: give the largest side drawn with top-k / top-p and the ramp, an int "
                              f">= 1 (the reference's {MAX_PN})")
         if not isinstance(llamagen_cfg, bool):
             raise TypeError(f"llamagen_cfg must be True or False, got {llamagen_cfg!r}")
-        B = self._check_call(len(labels), "class label", lambda b: self.memory_needed(b, patch_nums), guidance_scale,
-                             top_k, top_p, num_images_per_prompt, output_type, generator, callback_on_step_end,
-                             callback_on_step_end_tensor_inputs, policies, layout={"patch_nums": patch_nums})
+        if B is None:
+            B = check_call(len(labels))
         stack = self._call_policies(policies)
         ids = torch.tensor(labels).repeat_interleave(int(num_images_per_prompt))
         cond = FlexVARConditioning(ids, tuple(h for h, _ in sched.hw), llamagen_cfg=llamagen_cfg, max_pn=int(max_pn))
