@@ -319,6 +319,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             raise ValueError("class_labels is required: pass a class id, a class name, or a list of them")
         if isinstance(class_labels, (list, tuple)) and len(class_labels) == 0:
             raise ValueError("class_labels is empty: pass at least one class id or name")
+
         def check_call(n):
             self._check_call(n, "class label", self.memory_needed, guidance_scale, top_k, top_p, num_images_per_prompt,
                              output_type, generator, callback_on_step_end, callback_on_step_end_tensor_inputs, policies)

@@ -457,10 +457,10 @@ class SparVARPolicy(Policy):
                                      .long(), 0, G_from - 1).to(device)
         return cache[key]
 
-    def _relative_map(self, si_from: int, si_to: int, run, device) -> tuple[torch.Tensor, int, int, bool]:
-        """``relative_key_map`` on ``device`` (int32), its sinks, the prefix every group of scale
-        ``si_to`` reads whole (the sinks, or ``sink_scales`` if more), and whether the map is one to
-        one past that prefix (keys mapped into it are read once anyway: HART's text slots, a
+    def _relative_map(self, si_from: int, si_to: int, run, device) -> tuple[torch.Tensor, int, bool]:
+        """``relative_key_map`` on ``device`` (int32), the prefix every group of scale ``si_to``
+        reads whole (its sinks, or ``sink_scales`` if more), and whether the map is one to one past
+        that prefix (keys mapped into it are read once anyway: HART's text slots, a
         1 × n first "scale", land there)."""
         key = ("sparvar.relative", run.schedule.hw, si_from, si_to, self.config.sink_scales, str(device))
         cache = run.shape_cache
@@ -468,8 +468,7 @@ class SparVARPolicy(Policy):
             map_L, sinks = relative_key_map(run.schedule.hw, si_from, si_to)
             prefix = run.schedule.offsets[min(max(sinks, self.config.sink_scales), si_to + 1)]
             past = map_L[map_L >= prefix]
-            cache[key] = (map_L.to(device=device, dtype=torch.int32), sinks, prefix,
-                          past.unique().numel() == past.numel())
+            cache[key] = (map_L.to(device=device, dtype=torch.int32), prefix, past.unique().numel() == past.numel())
         return cache[key]
 
     def _relative_lists(self, idx_RHGK: torch.Tensor, si_from: int, si_to: int, run):
@@ -477,7 +476,7 @@ class SparVARPolicy(Policy):
         scale's ascending lists, or None where the map is not one to one (the mask path dedupes).
         The map keeps raster order, so the lists stay ascending and distinct."""
         c, sched = self.config, run.schedule
-        map_L, _, prefix, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
+        map_L, prefix, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
         if not injective:
             return None
         G_to = -(-sched.tokens(si_to) // c.query_group)
@@ -500,7 +499,7 @@ class SparVARPolicy(Policy):
         if c.mapping == "verbatim":
             out[..., :L_from] = picked_RHGL
             return out, width
-        map_L, _, sink_end, _ = self._relative_map(si_from, si_to, run, keys_RHGL.device)
+        map_L, sink_end, _ = self._relative_map(si_from, si_to, run, keys_RHGL.device)
         src = picked_RHGL[..., :map_L.shape[0]].to(torch.uint8)
         out = out.to(torch.uint8).scatter_reduce_(-1, map_L.long().expand_as(src), src, reduce="amax").bool()
         out[..., :sink_end] = True                                                       # A_sink ∪ mapped keys

@@ -2,9 +2,10 @@
 twin of ``ref.attention_colsum``.
 
 Two passes, no atomics (research/kernels.md §4.2): pass 1 computes every query's log-sum-exp over
-all keys (online, FA2-style), unless the caller has it from its dense pass; pass 2 gives each program one (row·head, query group, key block),
-recomputes q·kᵀ for the group's queries tile by tile, turns it into probabilities with the LSE and
-sums them over the queries, so each output element is written by exactly one program.
+all keys (online, FA2-style), unless the caller has it from its dense pass; pass 2 gives each
+program one (row·head, query group, key block), recomputes q·kᵀ for the group's queries tile by
+tile, turns it into probabilities with the LSE and sums them over the queries, so each output
+element is written by exactly one program.
 
 ``tl.dot`` on bf16 is wrong in Triton's CPU interpreter (triton#11584), so there the operands are
 cast to float32 first (``UPCAST``); on a GPU bf16/fp16 operands go to the tensor cores with float32

@@ -455,8 +455,8 @@ def _check_add(add_RHpd, hw, add_hw, R, H, l, d) -> None:
         return
     if hw is None or add_hw is None or hw[0] * hw[1] != l or add_RHpd.dim() != 4 or add_RHpd.shape[0] < R \
             or tuple(add_RHpd.shape[1:]) != (H, add_hw[0] * add_hw[1], d):
-        raise ValueError(f"group_sparse_attention: add_RHpd {tuple(add_RHpd.shape)} needs (R' >= {R}, {H}, h'·w', {d}) "
-                         f"with add_hw = (h', w') = {add_hw} and hw = {hw} covering the {l} queries")
+        raise ValueError(f"group_sparse_attention: add_RHpd {tuple(add_RHpd.shape)} needs (R' >= {R}, {H}, h'·w', "
+                         f"{d}) with add_hw = (h', w') = {add_hw} and hw = {hw} covering the {l} queries")
 
 
 def _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group) -> None:
