@@ -511,8 +511,9 @@ class HARTConditioning:
 
 
 class _HARTCall(LayerCall):
-    """Where a HART block runs: the layer's AdaLN modulation (or None) and the scale's constants
-    (the RoPE of its tokens, unit gate, zero shift)."""
+    """Where a HART block runs: the layer's norm modulation (gate₁, mul₁, shift₁, gate₂, mul₂, shift₂),
+    float32 (R or 1, 1, C), the RMSNorm weight folded into each mul; and the RoPE of the scale's
+    tokens."""
 
     __slots__ = ("mod", "rope")
 
@@ -539,7 +540,7 @@ class _HARTWorkspace(Workspace):
         self.cond_RTC: Optional[torch.Tensor] = None
         self.cos_RLd: Optional[torch.Tensor] = None
         self.sin_RLd: Optional[torch.Tensor] = None
-        self.mods: list = []
+        self.norm_mods: list = []      # per layer, _HARTCall.mod's six tensors (held)
         self.head_mod: Optional[tuple] = None
         self.levels_SC: Optional[torch.Tensor] = None
         self.qkv_bias: list = []       # per layer, [q_bias, 0, v_bias] (held)
@@ -612,18 +613,19 @@ class HARTAdapter(ModelAdapter):
         ws.cos_RLd = ws.hold("cos", torch.cat((cos_t, cos_i), 1))
         ws.sin_RLd = ws.hold("sin", torch.cat((sin_t, sin_i), 1))
         pooled = m.block_condition(ws.cond_RTC, mask_BT)
-        ws.mods = [None if pooled is None else
-                   tuple(ws.hold(("mod", i, j), t) for j, t in enumerate(blk.modulation(pooled.to(self.dtype))))
-                   for i, blk in enumerate(m.blocks)]
         ws.head_mod = tuple(ws.hold(("head", j), t) for j, t in enumerate(m.head_modulation(ws.cond_RTC)))
         # what depends on the weights alone is computed again only when they changed (a new in-place
         # version; parameters made under inference mode keep no version: every call)
         weights, versioned = m.weights_key()
-        if not versioned or ws.weights != weights:
+        refresh = not versioned or ws.weights != weights
+        if refresh:
             ws.qkv_bias = [ws.hold(("qkv_bias", i), blk.attn.qkv_bias()) for i, blk in enumerate(m.blocks)]
             ws.levels_SC = ws.hold("levels", m.level_embedding(torch.arange(self.schedule.num_scales,
                                                                             device=dev)).float())
             ws.weights = weights if versioned else None
+        if refresh or pooled is not None:                  # with AdaLN they depend on the condition too
+            ws.norm_mods = [tuple(ws.hold(("norm_mod", i, j), t) for j, t in enumerate(self._norm_mod(blk, pooled)))
+                            for i, blk in enumerate(m.blocks)]
         ws.f_hat.zero_()
         ws.kv.reset()
         if not run.cfg_active:
@@ -643,17 +645,26 @@ class HARTAdapter(ModelAdapter):
         return x_BlC.repeat(R // B, 1, 1)
 
     def chains_layers(self) -> bool:
-        return False
+        return self.ops.kind != "torch"
 
     def chains_into_head(self) -> bool:
         return False
 
+    def _norm_mod(self, blk: HARTBlock, pooled: Optional[torch.Tensor]) -> tuple:
+        """(gate₁, mul₁, shift₁, gate₂, mul₂, shift₂) float32 of a block: mul = w·(1 + s) with w the
+        RMSNorm weight, so that every norm runs as ``RMSNorm(x)·mul + shift`` (shape (R, 1, C) with
+        AdaLN, else (1, 1, C): gates 1, shifts 0)."""
+        w = blk.ln_wo_grad.weight.float().view(1, 1, -1)
+        mod = None if pooled is None else blk.modulation(pooled.to(self.dtype))
+        if mod is None:
+            ones, zeros = torch.ones_like(w), torch.zeros_like(w)
+            return ones, w, zeros, ones, w, zeros
+        g1, g2, s1, s2, b1, b2 = (t.float() for t in mod)
+        return g1, w * (s1 + 1), b1, g2, w * (s2 + 1), b2
+
     def scale_constants(self, si: int, run: RunState, pos: torch.Tensor):
-        """What every layer of the scale shares: the RoPE of its tokens (R, l, d), and the unit
-        gate / zero shift of blocks without AdaLN."""
-        x = run.workspace.cond_RTC
-        ones = x.new_ones(run.rows, 1, x.shape[-1])
-        return self._rope(run, pos), ones, torch.zeros_like(ones)
+        """The RoPE (cos, sin) (R, l, d) of the scale's tokens, which every layer shares."""
+        return self._rope(run, pos)
 
     def _rope(self, run: RunState, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (R, l, d) of positions (l,) shared by the rows or (R, n) per row."""
@@ -665,63 +676,86 @@ class HARTAdapter(ModelAdapter):
 
     def layer_call(self, si: int, i: int, run: RunState, pos, valid_Rn, record: bool, shared) -> _HARTCall:
         ws = run.workspace
-        mod = ws.mods[i]
-        if mod is not None:
-            mod = tuple(t[:run.rows] for t in mod)
-        return _HARTCall(ws.kv, si, i, run, self.ops, pos, valid_Rn, record, mod, shared)
+        return _HARTCall(ws.kv, si, i, run, self.ops, pos, valid_Rn, record, self._mods(i, run), shared)
+
+    @staticmethod
+    def _mods(i: int, run: RunState) -> tuple:
+        return tuple(t[:run.rows] for t in run.workspace.norm_mods[i])
+
+    def _attend(self, i: int, y_RnC: torch.Tensor, call: _HARTCall, idx_Rn=None) -> torch.Tensor:
+        """Self-attention of block ``i`` up to its output projection: q/k/v of the modulated tokens
+        ``y_RnC`` (the layer's or the subset ``idx_Rn`` of them), RoPE, the KV-cache write and the
+        attention over the cache (a policy's, else dense): (R, n, C) in the blocks' dtype."""
+        attn, run = self.blocks[i].attn, call.run
+        R, n, C = y_RnC.shape
+        pos, valid = call.positions(idx_Rn)
+        cos, sin = call.rope if idx_Rn is None else self._rope(run, pos)      # a subset: its own rows
+        qkv = self.ops.linear(y_RnC, attn.qkv_proj.weight, run.workspace.qkv_bias[i])
+        qkv = qkv.view(R, n, 3, attn.num_heads, attn.head_dim)                      # (R, n, 3C) → (R, n, 3, H, d)
+        if attn.l2_norm:                  # cosine attention: q (× its temperature) and k normalised before RoPE
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                          # → 3 × (R, H, n, d)
+            q, k = attn.cosine(q, k)
+            qkv = torch.stack((q, k.to(q.dtype), v), dim=2).transpose(1, 3)        # (R, H, 3, n, d) → (R, n, 3, H, d)
+        k_dst, v_dst = call.reserve(n, idx_Rn, pos, valid)
+        # the temperature folded into q: attention at scale 1
+        q = self.ops.rope_half_store(qkv, cos, sin, attn.scale, k_dst, v_dst)
+        K, V = call.kv.view(call.layer)
+        out = None
+        if run.hooks.attends(call.layer):
+            out = run.policies.attention(SubLayerContext(call.si, call.layer, "self_attn"), q, K, V, run)
+        if out is None:
+            out = dense_attention(q, K, V, scale=1.0, attn_mask=call.kv.key_mask(call.layer))
+        return out.transpose(1, 2).reshape(R, n, C).to(self.dtype)                 # (R, H, n, d) → (R, n, C)
+
+    def _ffn_hidden(self, i: int, y_RnC: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate(y)) · up(y): SwiGLU up to its down projection."""
+        f, ops = self.blocks[i].ffn, self.ops
+        return ops.silu_mul(ops.linear(y_RnC, f.gate_proj.weight), ops.linear(y_RnC, f.up_proj.weight))
 
     def layer(self, i: int, x_RlC: torch.Tensor, call: _HARTCall) -> torch.Tensor:
-        blk, run = self.blocks[i], call.run
-        R, l, C = x_RlC.shape
-        wdtype = self.dtype
-        rope_l, ones, zeros = call.rope
-        if call.mod is not None:
-            g1, g2, s1, s2, b1, b2 = (t.float() for t in call.mod)
-            m1, m2 = s1 + 1, s2 + 1
-        else:
-            g1 = g2 = m1 = m2 = ones
-            b1 = b2 = zeros
-
-        ops, attn, norm = self.ops, blk.attn, blk.ln_wo_grad
+        blk, ops = self.blocks[i], self.ops
+        g1, m1, b1, g2, m2, b2 = call.mod
+        eps, wdtype = blk.ln_wo_grad.eps, self.dtype
 
         def modulate(x, mul, shift):
-            return ops.rms_modulate(x, norm.weight, mul, shift, norm.eps, wdtype)
+            return ops.modulate(x, mul, shift, eps, wdtype, rms=True)
 
         def attn_branch(y_RnC, idx_Rn=None):
-            n = y_RnC.shape[1]
-            pos, valid = call.positions(idx_Rn)
-            cos, sin = rope_l if idx_Rn is None else self._rope(run, pos)      # a subset: its own rows
-            qkv = ops.linear(y_RnC, attn.qkv_proj.weight, run.workspace.qkv_bias[i])
-            q, k, v = qkv.view(R, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # → 3 × (R, H, n, d)
-            if attn.l2_norm:
-                q, k = attn.cosine(q, k)
-            q, k = ops.rope_qk(q, k, cos, sin, attn.scale)  # the temperature folded into q: attention at scale 1
-            k_dst, v_dst = call.reserve(n, idx_Rn, pos, valid)
-            k_dst.copy_(k)
-            v_dst.copy_(v)
-            K, V = call.kv.view(call.layer)
-            out = None
-            if run.hooks.attends(call.layer):
-                out = run.policies.attention(SubLayerContext(call.si, call.layer, "self_attn"), q, K, V, run)
-            if out is None:
-                out = dense_attention(q, K, V, scale=1.0, attn_mask=call.kv.key_mask(call.layer))
-            return ops.linear(out.transpose(1, 2).reshape(R, n, C).to(wdtype), attn.proj.weight,
-                              attn.proj.bias)                                   # (R, H, n, d) → (R, n, C)
+            return ops.linear(self._attend(i, y_RnC, call, idx_Rn), blk.attn.proj.weight, blk.attn.proj.bias)
 
         def ffn_branch(y_RnC, idx_Rn=None):
-            f = blk.ffn
-            return ops.linear(ops.silu_mul(ops.linear(y_RnC, f.gate_proj.weight), ops.linear(y_RnC, f.up_proj.weight)),
-                              f.down_proj.weight)
+            return ops.linear(self._ffn_hidden(i, y_RnC), blk.ffn.down_proj.weight)
 
-        add = self.ops.gated_residual
+        add, run = ops.gated_residual, call.run
         if run.hooks.wraps(i):
             stack = run.policies
             x_RlC = stack.wrap_sublayer(SubLayer(SubLayerContext(call.si, i, "self_attn"), m1, b1, g1, attn_branch,
                                                  modulate, add), x_RlC, run)
             return stack.wrap_sublayer(SubLayer(SubLayerContext(call.si, i, "ffn"), m2, b2, g2, ffn_branch, modulate,
                                                 add), x_RlC, run)
-        x_RlC = add(x_RlC, attn_branch(modulate(x_RlC, m1, b1)).float(), g1)
-        return add(x_RlC, ffn_branch(modulate(x_RlC, m2, b2)).float(), g2)
+        x_RlC = add(x_RlC, attn_branch(modulate(x_RlC, m1, b1)), g1)
+        return add(x_RlC, ffn_branch(modulate(x_RlC, m2, b2)), g2)
+
+    def chain_input(self, i: int, x_RlC: torch.Tensor, run: RunState) -> torch.Tensor:
+        _, m1, b1, *_ = self._mods(i, run)
+        return self.ops.modulate(x_RlC, m1, b1, self.blocks[i].ln_wo_grad.eps, self.dtype, rms=True)
+
+    def chained_layer(self, i: int, x_RlC: torch.Tensor, y_RlC: torch.Tensor, chain_next: bool, call: _HARTCall):
+        """The dense path of block ``i`` without sub-layer wrappers: ``y_RlC`` is its modulated
+        attention input; each output projection runs with its residual add and the next norm
+        (the FFN's, then the next block's when ``chain_next``). Returns (x, the next block's
+        attention input or None)."""
+        blk, ops = self.blocks[i], self.ops
+        g1, _, _, g2, m2, b2 = call.mod
+        eps, wdtype = blk.ln_wo_grad.eps, self.dtype
+        attn, down = blk.attn, blk.ffn.down_proj.weight
+        x_RlC, y_RlC = ops.linear_residual_modulate(self._attend(i, y_RlC, call), attn.proj.weight, attn.proj.bias,
+                                                    x_RlC, g1, m2, b2, eps, wdtype, rms=True)
+        h_RlH = self._ffn_hidden(i, y_RlC)
+        if not chain_next:
+            return ops.gated_residual(x_RlC, ops.linear(h_RlH, down), g2), None
+        _, m1_next, b1_next, *_ = self._mods(i + 1, call.run)
+        return ops.linear_residual_modulate(h_RlH, down, None, x_RlC, g2, m1_next, b1_next, eps, wdtype, rms=True)
 
     def head(self, x_RLC: torch.Tensor, run: RunState, modulated: bool = False) -> torch.Tensor:
         """Float32 logits: at scale 0 of the last text slot only (it predicts the 1×1 code); the last

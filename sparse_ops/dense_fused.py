@@ -1,10 +1,11 @@
 """Triton: the dense path's per-layer elementwise steps, fused. Twins of ``ref.residual_norm_modulate``,
-``ref.qk_norm_store`` (VAR) and ``ref.qk_norm_rope_store`` (Infinity), same signatures.
+``ref.qk_norm_store`` (VAR), ``ref.qk_norm_rope_store`` (Infinity) and ``ref.rope_half_store`` (HART),
+same signatures.
 
 At small batches each elementwise kernel costs more in launch and ramp-up inside a CUDA graph than
 in work, so these kernels exist to remove launches: the gated residual, the next LayerNorm and the
-AdaLN modulation in one pass; q/k cosine normalisation, the temperature and both KV-cache writes in
-another. Rows are held whole in registers; bf16 only at load / store, float32 arithmetic, so the
+AdaLN modulation (or RMSNorm, whose weight the caller folds into the modulation) in one pass; q/k
+cosine normalisation or RoPE, the temperature and both KV-cache writes in another. Rows are held whole in registers; bf16 only at load / store, float32 arithmetic, so the
 kernels also run in Triton's CPU interpreter (research/kernels.md §4.2).
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _add_gated_store(x, branch, g, m2, xo_ptrs):
 @triton.jit
 def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, eps,
                               s_xr, s_xl, s_br, s_bl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
-                              HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                              HAS_RES: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                              PDL: tl.constexpr):
     _gdc.release_then_wait(PDL)
     r = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -54,14 +56,16 @@ def _residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y
         g = _load_row(g_ptr + r * s_gr, c, cm)
         b = tl.load(b_ptr + r * s_br + j[:, None] * s_bl + c[None, :], mask=m2, other=0.0).to(tl.float32)
         x = _add_gated_store(x, b, g, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
-    y = _norm_modulate_rows(x, m2, C, eps, mul, shift)
+    y = _norm_modulate_rows(x, m2, C, eps, mul, shift, RMS)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
                            mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
-                           out_dtype: torch.dtype, pdl: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``ref.residual_norm_modulate``: (x + gate·branch, LN(that)·mul + shift).
+                           out_dtype: torch.dtype, rms: bool = False,
+                           pdl: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``ref.residual_norm_modulate``: (x + gate·branch, LN(that)·mul + shift; RMSNorm
+    with ``rms``).
     ``pdl`` overrides where programmatic dependent launch is used (``_backend.dependent_launch``)."""
     R, n, C = x_RlC.shape
     if x_RlC.stride(-1) != 1:
@@ -85,7 +89,7 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
         x_RlC, b, g, mul_R1C, shift_R1C, xo, y, n, C, float(eps),
         x_RlC.stride(0), x_RlC.stride(1), b.stride(0), b.stride(1), g.stride(0), mul_R1C.stride(0),
         shift_R1C.stride(0), xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
-        HAS_RES=has_res, ROWS=rows, BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        HAS_RES=has_res, RMS=rms, ROWS=rows, BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return xo, y
 
 
@@ -191,6 +195,62 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     if R and l:
         _qk_norm_rope_store_kernel[(l, R)](
             qkv_Rl3Hd, mult, cos, sin, q_RlHd, k_dst_RHld, v_dst_RHld, H, D,
+            qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), cos.stride(0), cos.stride(1),
+            q_RlHd.stride(0), q_RlHd.stride(1),
+            k_dst_RHld.stride(0), k_dst_RHld.stride(1), k_dst_RHld.stride(2),
+            v_dst_RHld.stride(0), v_dst_RHld.stride(1), v_dst_RHld.stride(2),
+            BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4 if H * D <= 2048 else 8)
+    return q_RlHd.transpose(1, 2)                            # (R, l, H, d) → (R, H, l, d) view
+
+
+@triton.jit
+def _rope_half_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, D, q_scale,
+                            s_ar, s_al, s_cr, s_cl, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl,
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    m2 = (h < H)[:, None] & dm[None, :]
+    hd = h[:, None] * D + d[None, :]                         # (H, d) inside one (3, H, d) token row
+    half = D // 2
+    partner = h[:, None] * D + ((d + half) % D)[None, :]     # rotate-half: channel j pairs with j ± d/2
+    src = qkv_ptr + r * s_ar + t * s_al
+    q = tl.load(src + hd, mask=m2, other=0.0).to(tl.float32)
+    qp = tl.load(src + partner, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(src + H * D + hd, mask=m2, other=0.0).to(tl.float32)
+    kp = tl.load(src + H * D + partner, mask=m2, other=0.0).to(tl.float32)
+    v = tl.load(src + 2 * H * D + hd, mask=m2, other=0.0)
+    cs = tl.load(cos_ptr + r * s_cr + t * s_cl + d, mask=dm, other=0.0)[None, :]
+    sn = tl.load(sin_ptr + r * s_cr + t * s_cl + d, mask=dm, other=0.0)[None, :]
+    sn = tl.where((d < half)[None, :], -sn, sn)              # [−x₂, x₁]·sin
+    q = (q * cs + qp * sn) * q_scale
+    k = k * cs + kp * sn
+    tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
+    hs = h[:, None].to(tl.int64)
+    tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)
+    tl.store(v_ptr + r * s_vr + hs * s_vh + t * s_vl + d[None, :], v.to(v_ptr.dtype.element_ty), mask=m2)
+
+
+def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float,
+                    k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``ref.rope_half_store``: rotate-half RoPE of q (× ``q_scale``) as (R, H, l, d)
+    and of k, written with raw v into their cache slots. One program per token and row; every load
+    and store is a contiguous row, the pair partners come from the same cache lines."""
+    R, l, three, H, D = qkv_Rl3Hd.shape
+    assert three == 3 and D % 2 == 0 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)
+    if qkv_Rl3Hd.stride(-1) != 1 or qkv_Rl3Hd.stride(-2) != D or qkv_Rl3Hd.stride(2) != H * D:
+        qkv_Rl3Hd = qkv_Rl3Hd.contiguous()
+    assert k_dst_RHld.stride(-1) == 1 and v_dst_RHld.stride(-1) == 1, "cache slots need a contiguous head dim"
+    cos, sin = cos_Rld.to(torch.float32).expand(R, l, D), sin_Rld.to(torch.float32).expand(R, l, D)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_RlHd = torch.empty(R, l, H, D, device=qkv_Rl3Hd.device, dtype=qkv_Rl3Hd.dtype)
+    if R and l:
+        _rope_half_store_kernel[(l, R)](
+            qkv_Rl3Hd, cos, sin, q_RlHd, k_dst_RHld, v_dst_RHld, H, D, float(q_scale),
             qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), cos.stride(0), cos.stride(1),
             q_RlHd.stride(0), q_RlHd.stride(1),
             k_dst_RHld.stride(0), k_dst_RHld.stride(1), k_dst_RHld.stride(2),

@@ -39,12 +39,15 @@ def _launch_shape(C: int, rows_total: Optional[int] = None) -> tuple[int, int, i
 
 
 @triton.jit
-def _norm_modulate_rows(xf, m2, C, eps, mul, shift):
-    """LayerNorm of every row of ``xf`` (ROWS, BLOCK_C) float32 (masked columns ignored), then
-    · ``mul`` + ``shift`` (float32 rows of BLOCK_C, from :func:`_load_row`): the float32 result.
-    Shared with ``dense_fused`` and ``linear_residual``."""
-    mean = tl.sum(xf, axis=1) / C
-    xc = tl.where(m2, xf - mean[:, None], 0.0)
+def _norm_modulate_rows(xf, m2, C, eps, mul, shift, RMS: tl.constexpr):
+    """LayerNorm (``RMS``: RMSNorm, no mean taken out) of every row of ``xf`` (ROWS, BLOCK_C) float32
+    (masked columns ignored), then · ``mul`` + ``shift`` (float32 rows of BLOCK_C, from
+    :func:`_load_row`): the float32 result. Shared with ``dense_fused`` and ``linear_residual``."""
+    if RMS:
+        xc = tl.where(m2, xf, 0.0)
+    else:
+        mean = tl.sum(xf, axis=1) / C
+        xc = tl.where(m2, xf - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / C
     rstd = 1.0 / tl.sqrt(var + eps)
     return xc * rstd[:, None] * mul[None, :] + shift[None, :]
@@ -84,7 +87,7 @@ def _gather_norm_mod_kernel(x_ptr, idx_ptr, mul_ptr, shift_ptr, y_ptr, xg_ptr,
     if WRITE_X:
         tl.store(xg_ptr + r * stride_gr + j[:, None].to(tl.int64) * stride_gl + c[None, :], x, mask=m2)
     if NORM:
-        y = _norm_modulate_rows(x.to(tl.float32), m2, C, eps, mul, shift)
+        y = _norm_modulate_rows(x.to(tl.float32), m2, C, eps, mul, shift, False)
         tl.store(y_ptr + r * stride_yr + j[:, None].to(tl.int64) * stride_yl + c[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=m2)
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import ref
 from ._backend import CHAIN_ROWS
 
 
@@ -33,10 +34,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 # what torch.compile fuses under "compile".
 
 def modulate(x_RlC: torch.Tensor, mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """LN(x)·mul + shift (LayerNorm without affine, in float32), returned in ``out_dtype``.
-    ``mul`` is 1 + scale (precomputed once per image)."""
-    y = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
+             out_dtype: torch.dtype, rms: bool = False) -> torch.Tensor:
+    """LN(x)·mul + shift (LayerNorm without affine, in float32; with ``rms`` RMSNorm without its
+    weight, which ``mul`` then holds), returned in ``out_dtype``. ``mul`` is 1 + scale (precomputed
+    once per image)."""
+    if rms:
+        y = ref.rms_normalize(x_RlC.float(), eps)
+    else:
+        y = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
     return torch.addcmul(shift_R1C, y, mul_R1C).to(out_dtype)
 
 
@@ -48,10 +53,11 @@ def qk_normalize(qk_Rl2Hd: torch.Tensor, mult_2H1: torch.Tensor) -> torch.Tensor
 
 
 def residual_modulate(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor,
-                      mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype):
+                      mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                      rms: bool = False):
     """``gated_residual`` followed by the next sub-layer's ``modulate``: (new x, next branch input)."""
     x_RlC = gated_residual(x_RlC, branch_RlC, gate_R1C)
-    return x_RlC, modulate(x_RlC, mul_R1C, shift_R1C, eps, out_dtype)
+    return x_RlC, modulate(x_RlC, mul_R1C, shift_R1C, eps, out_dtype, rms)
 
 
 def gated_residual(x_RlC: torch.Tensor, branch_RlC: torch.Tensor, gate_R1C: torch.Tensor) -> torch.Tensor:
@@ -70,7 +76,7 @@ def _qk_rope(qk_Rl2Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Te
     return q, rope_pairs(qk[:, :, 1].contiguous(), cos_Rl1P, sin_Rl1P)
 
 
-# ---- HART's steps (llama blocks: RMSNorm, rotate-half RoPE, SwiGLU) in plain torch ----------------------
+# ---- HART's llama steps (RMSNorm, rotate-half RoPE, SwiGLU) in plain torch ------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight · x / √(mean(x²) + eps)``: the mean of squares in float32, cast back to x's dtype."""
     xf = x.float()
@@ -84,21 +90,18 @@ def rope_rotate_half(x_BHLd: torch.Tensor, cos_BLd: torch.Tensor, sin_BLd: torch
     return x_BHLd * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rms_modulate(x_RlC: torch.Tensor, weight_C: torch.Tensor, mul_R1C: torch.Tensor, shift_R1C: torch.Tensor,
-                 eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm(x)·mul + shift in float32, returned in ``out_dtype`` (``mul`` = 1 + scale)."""
-    return (rms_norm(x_RlC, weight_C, eps).float() * mul_R1C + shift_R1C).to(out_dtype)
-
-
-def rope_qk(q_RHld: torch.Tensor, k_RHld: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor,
-            q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q and k, q then times ``q_scale`` (the attention temperature)."""
-    return rope_rotate_half(q_RHld, cos_Rld, sin_Rld) * q_scale, rope_rotate_half(k_RHld, cos_Rld, sin_Rld)
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) · up (SwiGLU's middle)."""
     return F.silu(gate) * up
+
+
+def _rope_half(qk_Rl2Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float):
+    """``ref.rope_half_store`` without the cache write, for torch.compile: (q in the input dtype, k in
+    float32), each (R, l, H, d)."""
+    qk = qk_Rl2Hd.float()
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk = qk * cos_Rld[:, :, None, None] + torch.cat((-x2, x1), dim=-1) * sin_Rld[:, :, None, None]
+    return (qk[:, :, 0] * q_scale).to(qk_Rl2Hd.dtype), qk[:, :, 1]
 
 
 KERNEL_KINDS = ("torch", "triton", "compile")
@@ -109,13 +112,13 @@ class Kernels:
     instance per adapter (no global cache); the attributes are the steps.
 
     kind: ``"torch"`` (plain torch: the reference, and the only kind on the CPU); ``"triton"`` (this
-    package's hand-written Triton kernels: ``sparse_ops.dense_fused`` for LayerNorm + AdaLN with the
-    residual add and for the q/k norm + KV-cache write, one launch each; the GEMM of
+    package's hand-written Triton kernels: ``sparse_ops.dense_fused`` for LayerNorm or RMSNorm + AdaLN
+    with the residual add and for the q/k norm or RoPE + KV-cache write, one launch each; the GEMM of
     ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows; ``qk_norm_attend`` —
     VAR's q/k norm, cache write and unmasked attention in one launch, None under the other kinds;
     VAR's guidance (``cfg_guide``), scale input (``stage_embed``) and latent update
     (``phi_accumulate``) and the cross-attention softmax in one launch each; torch.compile for the
-    gated residual and HART's steps, ``rms_modulate``, ``rope_qk`` and ``silu_mul``); ``"compile"``
+    gated residual and HART's ``silu_mul``); ``"compile"``
     (each plain-torch step compiled by torch.compile at its first call, with dynamic token counts so
     every scale shares a kernel).
 
@@ -139,17 +142,15 @@ class Kernels:
         self.row_padding = row_padding
         self._row_tables: dict = {}      # CUDA device index → its table or None, read at first use
         self._compiled_rope = None
+        self._compiled_rope_half = None
         self.linear = dense_linear
         self.qk_norm_attend = None          # VAR's norm + cache write + attention in one launch ("triton" only)
-        from . import ref as sparse_ref
-
-        self.bias_softmax = sparse_ref.bias_softmax
-        self.cfg_guide = sparse_ref.cfg_guide      # (1 + t)·cond − t·uncond in float32
-        self.stage_embed = sparse_ref.stage_embed  # VAR's input map of a scale
-        self.phi_accumulate = sparse_ref.phi_accumulate  # VAR's latent update f_hat += φ(h)
+        self.bias_softmax = ref.bias_softmax
+        self.cfg_guide = ref.cfg_guide      # (1 + t)·cond − t·uncond in float32
+        self.stage_embed = ref.stage_embed  # VAR's input map of a scale
+        self.phi_accumulate = ref.phi_accumulate  # VAR's latent update f_hat += φ(h)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
-                   residual_modulate=residual_modulate, rms_modulate=rms_modulate, rope_qk=rope_qk,
-                   silu_mul=silu_mul)
+                   residual_modulate=residual_modulate, silu_mul=silu_mul)
         for name, fn in fns.items():
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled else fn)
         if kind == "triton":
@@ -159,6 +160,7 @@ class Kernels:
             self.residual_modulate = functools.partial(sparse_ops.residual_norm_modulate, backend="triton")
             self.qk_normalize_store = functools.partial(sparse_ops.qk_norm_store, backend="triton")
             self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
+            self.rope_half_store = functools.partial(sparse_ops.rope_half_store, backend="triton")
             self.qk_norm_attend = functools.partial(sparse_ops.qk_norm_attend, backend="triton")
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)        # bound: reads the table
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
@@ -170,11 +172,11 @@ class Kernels:
             # the compiled norm, and two plain copies write the cache
             self.qk_normalize_store = self._norm_then_store
             self.qk_norm_rope_store = self._rope_norm_then_store
+            self.rope_half_store = self._rope_half_then_store
         else:
-            from . import ref
-
             self.qk_normalize_store = ref.qk_norm_store
             self.qk_norm_rope_store = ref.qk_norm_rope_store
+            self.rope_half_store = ref.rope_half_store
 
     # A long reduction (K ≥ 2N, the FFN's second product) on (CHUNK_ROWS, 2·CHUNK_ROWS) rows runs
     # through cuBLAS in row blocks of CHUNK_ROWS: its heuristic takes a slow kernel there
@@ -220,7 +222,8 @@ class Kernels:
                 return y.view(*x.shape[:-1], N)                                         # (M, N) → (…, N)
         return dense_linear(x, weight, bias, gelu)
 
-    def linear_residual_modulate(self, h_RlK, weight, bias, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype):
+    def linear_residual_modulate(self, h_RlK, weight, bias, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype,
+                                 rms=False):
         """``residual_modulate(x, linear(h, weight, bias), gate, mul, shift, …)``: an output projection
         into the residual stream and the next sub-layer's AdaLN input. Under ``"triton"`` at most
         ``SMALL_GEMM_ROWS`` rows run as a split-K product whose splits the norm's launch adds
@@ -231,13 +234,21 @@ class Kernels:
             from . import ops as sparse_ops
 
             return sparse_ops.linear_residual_norm_modulate(h_RlK, weight, bias, x_RlC, gate_R1C, mul_R1C, shift_R1C,
-                                                            eps, out_dtype, backend="triton")
+                                                            eps, out_dtype, rms, backend="triton")
         return self.residual_modulate(x_RlC, self.linear(h_RlK, weight, bias), gate_R1C, mul_R1C, shift_R1C, eps,
-                                      out_dtype)
+                                      out_dtype, rms)
 
     @staticmethod
-    def _fused_modulate(kernel, x, mul, shift, eps, out_dtype):
-        return kernel(x, None, None, mul, shift, eps, out_dtype, backend="triton")[1]
+    def _fused_modulate(kernel, x, mul, shift, eps, out_dtype, rms=False):
+        return kernel(x, None, None, mul, shift, eps, out_dtype, rms, backend="triton")[1]
+
+    def _rope_half_then_store(self, qkv_Rl3Hd, cos_Rld, sin_Rld, q_scale, k_dst_RHld, v_dst_RHld):
+        if self._compiled_rope_half is None:
+            self._compiled_rope_half = torch.compile(_rope_half, dynamic=True, fullgraph=True)
+        q_RlHd, k_RlHd = self._compiled_rope_half(qkv_Rl3Hd[:, :, :2], cos_Rld, sin_Rld, q_scale)
+        k_dst_RHld.copy_(k_RlHd.transpose(1, 2))
+        v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+        return q_RlHd.transpose(1, 2)
 
     def _rope_norm_then_store(self, qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P, k_dst_RHld, v_dst_RHld):
         if self._compiled_rope is None:

@@ -38,7 +38,7 @@ MIN_SPLIT_K = 512
 def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr, xo_ptr, y_ptr, n, C, M, eps,
                                  s_xr, s_xl, s_gr, s_mr, s_sr, s_or, s_ol, s_yr, s_yl,
                                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BRANCH_DTYPE: tl.constexpr,
-                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                                 RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     _gdc.release_then_wait(PDL)
     r = tl.program_id(1).to(tl.int64)
     j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -57,16 +57,17 @@ def _reduce_residual_norm_kernel(ws_ptr, b_ptr, x_ptr, g_ptr, mul_ptr, shift_ptr
     branch = acc.to(BRANCH_DTYPE).to(tl.float32)                         # the product, rounded as unfused
     x = tl.load(x_ptr + r * s_xr + j[:, None] * s_xl + c[None, :], mask=m2, other=0.0).to(tl.float32)
     x = _add_gated_store(x, branch, g, m2, xo_ptr + r * s_or + j[:, None] * s_ol + c[None, :])
-    y = _norm_modulate_rows(x, m2, C, eps, mul, shift)
+    y = _norm_modulate_rows(x, m2, C, eps, mul, shift, RMS)
     tl.store(y_ptr + r * s_yr + j[:, None] * s_yl + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
                                   x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
-                                  shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                                  shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, rms: bool = False,
                                   config: Optional[LinearConfig] = None,
                                   pdl: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``ref.linear_residual_norm_modulate``: (x + gate·(h·wᵀ + b), LN(that)·mul + shift).
+    """Triton twin of ``ref.linear_residual_norm_modulate``: (x + gate·(h·wᵀ + b), LN(that)·mul + shift;
+    RMSNorm with ``rms``).
     ``config`` overrides the product's launch shape (benchmarks), ``pdl`` where programmatic
     dependent launch is used (``_backend.dependent_launch``; tests)."""
     R, l, K = h_RlK.shape
@@ -82,7 +83,7 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
     if K == 0:                                                           # an empty product: the bias alone
         from . import ref
         return ref.linear_residual_norm_modulate(h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps,
-                                                 out_dtype)
+                                                 out_dtype, rms)
     xo = torch.empty_like(x_RlC, memory_format=torch.contiguous_format)
     y = empty_rows((R, l, C), dtype=out_dtype, device=x_RlC.device)      # spare rows: the next product may pad
     if R == 0 or l == 0 or C == 0:
@@ -101,6 +102,6 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
         ws, b, x_RlC, gate_R1C, mul_R1C, shift_R1C, xo, y, l, C, R * l, float(eps),
         x_RlC.stride(0), x_RlC.stride(1), gate_R1C.stride(0), mul_R1C.stride(0), shift_R1C.stride(0),
         xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
-        SPLIT_K=ws.shape[0], HAS_BIAS=bias_C is not None, BRANCH_DTYPE=_TL_DTYPES[h_RlK.dtype], ROWS=rows,
+        SPLIT_K=ws.shape[0], HAS_BIAS=bias_C is not None, BRANCH_DTYPE=_TL_DTYPES[h_RlK.dtype], RMS=rms, ROWS=rows,
         BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return xo, y

@@ -22,7 +22,7 @@ _TRITON_MODULES = {
     "restore_residual": "restore", "pivotal_tokens": "pivotal", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum", "group_sparse_attention": "group_attention",
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
-    "qk_norm_rope_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
+    "qk_norm_rope_store": "dense_fused", "rope_half_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
     "group_norm_silu": "group_norm", "stage_embed": "stage_embed", "phi_accumulate": "phi",
 }
@@ -108,21 +108,22 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
-                           mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
-                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + gate·branch, LN(·)·mul + shift) in one pass (see ``ref.residual_norm_modulate``)."""
+                           mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                           rms: bool = False, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate·branch, LN(·)·mul + shift) in one pass; RMSNorm with ``rms`` (see
+    ``ref.residual_norm_modulate``)."""
     return implementation("residual_norm_modulate", backend, x_RlC.device)(x_RlC, branch_RlC, gate_R1C, mul_R1C,
-                                                                           shift_R1C, eps, out_dtype)
+                                                                           shift_R1C, eps, out_dtype, rms)
 
 
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
                                   x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
-                                  shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, *,
+                                  shift_R1C: torch.Tensor, eps: float, out_dtype: torch.dtype, rms: bool = False, *,
                                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(x + gate·(h·wᵀ + b), LN(·)·mul + shift): an output projection into the residual stream and the
-    next AdaLN input (see ``ref.linear_residual_norm_modulate``)."""
+    next AdaLN input; RMSNorm with ``rms`` (see ``ref.linear_residual_norm_modulate``)."""
     return implementation("linear_residual_norm_modulate", backend, x_RlC.device)(
-        h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype)
+        h_RlK, weight_CK, bias_C, x_RlC, gate_R1C, mul_R1C, shift_R1C, eps, out_dtype, rms)
 
 
 def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
@@ -144,6 +145,14 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     """Cosine q/k with RoPE (Infinity); k and v into their cache slots (see ``ref.qk_norm_rope_store``)."""
     return implementation("qk_norm_rope_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P,
                                                                          k_dst_RHld, v_dst_RHld)
+
+
+def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float,
+                    k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Rotate-half RoPE of q (× ``q_scale``) and k (HART); k and v into their cache slots (see
+    ``ref.rope_half_store``)."""
+    return implementation("rope_half_store", backend, qkv_Rl3Hd.device)(qkv_Rl3Hd, cos_Rld, sin_Rld, q_scale,
+                                                                      k_dst_RHld, v_dst_RHld)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gelu: bool = False, *,

@@ -32,26 +32,35 @@ def _flat_rows(idx_Rn: torch.Tensor, L: int) -> torch.Tensor:
 
 
 # ---- (e) the dense path's fused elementwise steps ---------------------------------------------------
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / √(mean(x²) + eps)`` over the last dim, in x's dtype (RMSNorm without its weight)."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],
                            mul_R1C: torch.Tensor, shift_R1C: torch.Tensor, eps: float,
-                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                           out_dtype: torch.dtype, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', y): ``x' = x + gate · branch`` in x's dtype (``x' = x`` when ``branch`` is None) and
-    ``y = LN(x') · mul + shift`` (LayerNorm without affine, in float32) as ``out_dtype`` — a
-    sub-layer's gated residual followed by the next sub-layer's AdaLN input."""
+    ``y = LN(x') · mul + shift`` (LayerNorm without affine, in float32; with ``rms`` RMSNorm without
+    its weight, which the caller folds into ``mul``) as ``out_dtype`` — a sub-layer's gated residual
+    followed by the next sub-layer's AdaLN input."""
     if branch_RlC is not None:
         x_RlC = torch.addcmul(x_RlC, branch_RlC, gate_R1C).to(x_RlC.dtype)
-    y_RlC = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
+    if rms:
+        y_RlC = rms_normalize(x_RlC.to(torch.promote_types(x_RlC.dtype, torch.float32)), eps)  # float64 oracle
+    else:
+        y_RlC = F.layer_norm(x_RlC.float(), (x_RlC.shape[-1],), eps=eps)
     return x_RlC, torch.addcmul(shift_R1C, y_RlC, mul_R1C).to(out_dtype)
 
 
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
                                   x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
                                   shift_R1C: torch.Tensor, eps: float,
-                                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                                  out_dtype: torch.dtype, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A sub-layer's output projection, its gated residual and the next sub-layer's AdaLN input:
     ``branch = h · weightᵀ + bias`` in h's dtype, then ``residual_norm_modulate(x, branch, …)``."""
     return residual_norm_modulate(x_RlC, linear(h_RlK, weight_CK, bias_C), gate_R1C, mul_R1C, shift_R1C, eps,
-                                  out_dtype)
+                                  out_dtype, rms)
 
 
 def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: torch.Tensor,
@@ -102,6 +111,23 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     k_dst_RHld.copy_(k_RlHd.transpose(1, 2))                                       # (R, l, H, d) → (R, H, l, d)
     v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
     return q_RlHd.transpose(1, 2).to(qkv_Rl3Hd.dtype)
+
+
+def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float,
+                    k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """HART's q/k step with the KV-cache write: q and k rotated by rotate-half RoPE (channel j pairs
+    with j ± d/2: ``x·cos + [−x₂, x₁]·sin``, ``cos``/``sin`` (R or 1, l, d) float32), in float32 and
+    rounded once; q then times ``q_scale`` (the attention temperature). k (rounded to the cache
+    dtype) and raw v are written into their cache slots (R, H, l, d); returns q (R, H, l, d) in
+    qkv's dtype."""
+    acc = torch.promote_types(qkv_Rl3Hd.dtype, torch.float32)                       # float32 (float64 oracle)
+    qk_Rl2Hd = qkv_Rl3Hd[:, :, :2].to(acc)
+    x1, x2 = qk_Rl2Hd.chunk(2, dim=-1)
+    cos, sin = cos_Rld[:, :, None, None].to(acc), sin_Rld[:, :, None, None].to(acc)    # (R, l, 1, 1, d)
+    qk_Rl2Hd = qk_Rl2Hd * cos + torch.cat((-x2, x1), dim=-1) * sin
+    k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))                            # (R, l, H, d) → (R, H, l, d)
+    v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
+    return (qk_Rl2Hd[:, :, 0] * q_scale).transpose(1, 2).to(qkv_Rl3Hd.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -84,28 +84,69 @@ def test_graphs_replay_eager_codes_exactly(setup):
     assert not torch.equal(torch.cat([c.flatten(1) for c in replayed], 1), torch.cat([c.flatten(1) for c in again], 1))
 
 
-def test_compiled_steps_track_the_plain_torch_steps():
-    """HART's per-layer steps under the "triton" kernels (torch.compile of the plain functions) against
-    the plain torch functions, on the shapes of a small and a large scale, bf16 in, as the layer calls them."""
-    from sparsevar.sparse_ops.kernels import Kernels, rms_modulate, rope_qk, silu_mul
-    fused = Kernels("triton")
+@pytest.mark.parametrize("kind", ["triton", "compile"])
+def test_fused_steps_track_the_plain_torch_steps(kind):
+    """HART's per-layer steps under the fused kernels against the plain torch ones, bf16 in, on the
+    shapes of a small and a large scale as the layer calls them: RMSNorm·AdaLN with and without the
+    residual (the norm's weight folded into mul), rotate-half RoPE with the KV-cache write, SiLU·up."""
+    from sparsevar.sparse_ops.kernels import TORCH_KERNELS as plain, Kernels
+    fused = Kernels(kind)
     g = torch.Generator("cuda").manual_seed(0)
     for n in (4, 1296):
         x = torch.randn(2, n, 1536, device="cuda", generator=g) * 3
-        w = (torch.rand(1536, device="cuda", generator=g) + 0.5).bfloat16()
-        mul, shift = torch.randn(2, 1, 1536, device="cuda", generator=g), torch.randn(2, 1, 1536, device="cuda", generator=g)
-        want = rms_modulate(x, w, mul, shift, 1e-6, torch.bfloat16)
-        torch.testing.assert_close(fused.rms_modulate(x, w, mul, shift, 1e-6, torch.bfloat16).float(), want.float(),
+        branch = torch.randn(2, n, 1536, device="cuda", generator=g).bfloat16()
+        gate, mul, shift = (torch.randn(2, 1, 1536, device="cuda", generator=g) for _ in range(3))
+        torch.testing.assert_close(fused.modulate(x, mul, shift, 1e-6, torch.bfloat16, rms=True).float(),
+                                   plain.modulate(x, mul, shift, 1e-6, torch.bfloat16, rms=True).float(),
                                    rtol=1.6e-2, atol=1e-2)
-        q, k = (torch.randn(2, 24, n, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
-        ang = torch.rand(2, n, 64, device="cuda", generator=g) * 6
-        # the plain steps round x·cos and x'·sin to bf16 before adding them, the compiled one rounds once:
-        # where the two terms cancel the results differ by up to an ulp of the terms (|x| ≤ ~5: 0.03)
-        for got, ref in zip(fused.rope_qk(q, k, ang.cos(), ang.sin(), 1.0), rope_qk(q, k, ang.cos(), ang.sin(), 1.0)):
-            torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=3.2e-2)
-        q_got, _ = fused.rope_qk(q, k, ang.cos(), ang.sin(), 0.125)
-        torch.testing.assert_close(q_got.float(), rope_qk(q, k, ang.cos(), ang.sin(), 0.125)[0].float(), rtol=1.6e-2,
-                                   atol=4e-3)
+        for got, want in zip(fused.residual_modulate(x, branch, gate, mul, shift, 1e-6, torch.bfloat16, True),
+                             plain.residual_modulate(x, branch, gate, mul, shift, 1e-6, torch.bfloat16, True)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+        qkv = torch.randn(2, n, 3, 24, 64, device="cuda", generator=g).bfloat16()
+        half = torch.rand(2, n, 32, device="cuda", generator=g) * 6
+        ang = torch.cat((half, half), dim=-1)
+        outs = []
+        for ops in (fused, plain):
+            k_dst, v_dst = (torch.zeros(2, 24, n, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+            outs.append((ops.rope_half_store(qkv, ang.cos(), ang.sin(), 0.125, k_dst, v_dst), k_dst, v_dst))
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=4e-3)
+        assert torch.equal(outs[0][2], qkv[:, :, 2].transpose(1, 2))                      # v: a plain copy
         a, b = (torch.randn(2, n, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
-        torch.testing.assert_close(fused.silu_mul(a, b).float(), silu_mul(a, b).float(), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(fused.silu_mul(a, b).float(), plain.silu_mul(a, b).float(), rtol=1.6e-2, atol=1e-2)
 
+
+@pytest.mark.parametrize("kind", ["triton", "compile"])
+def test_chained_dense_path_draws_what_a_neutral_wrapper_draws(kind, hart_official_files, hart_fixture_dir):
+    """Dense runs the fused path (each output projection with its residual and the next RMSNorm,
+    across block borders); a policy whose sub-layer wrapper runs each sub-layer as it is (the
+    contract's default) takes the same kernels one sub-layer at a time: the fixture model on CUDA in
+    float32 draws the same greedy codes at every scale and the same picture."""
+    from sparsevar.engine.contract import Policy, PolicyStack, ScalePlan
+    from sparsevar.engine.sampler import generate
+    from sparsevar.engine.state import SamplingSettings
+    from sparsevar.models.hart import HARTAdapter, HARTConditioning
+    from sparsevar.models.loading import load_hart_tokenizer, load_hart_transformer
+
+    class WrapEverySubLayer(Policy):
+        name = "wrap-every-sub-layer"
+
+        def plan_scale(self, si, run):
+            return ScalePlan(hooks=frozenset({"wrap_sublayer"}), static=True)
+
+    adapter = HARTAdapter(load_hart_transformer(hart_official_files["llm"]).cuda().eval(),
+                          load_hart_tokenizer(hart_official_files["tokenizer"]).cuda().eval())
+    adapter.set_kernels(kind)
+    assert adapter.chains_layers()
+    inputs = {k: v.cuda() for k, v in load_file(hart_fixture_dir / "inputs.safetensors").items()}
+    runs = []
+    for policies in ((), (WrapEverySubLayer(),)):
+        codes = []
+        cond = HARTConditioning(inputs["context"], inputs["context_position_ids"], inputs["context_mask"])
+        out = generate(adapter, cond, 2, settings=SamplingSettings(guidance_scale=4.5, top_k=1, top_p=0.0),
+                       generator=torch.Generator("cuda").manual_seed(0), policies=PolicyStack(policies),
+                       callback=lambda si, d: codes.append(d["codes"].clone()))
+        runs.append((codes, out.images))
+    (dense, img_d), (neutral, img_n) = runs
+    assert len(dense) == adapter.schedule.num_scales and all(torch.equal(a, b) for a, b in zip(dense, neutral))
+    torch.testing.assert_close(img_n, img_d, rtol=0, atol=1e-5)

@@ -79,25 +79,32 @@ def _ops():
     return ref, gather_modulate, restore, select, anchor, colsum
 
 
-def _residual_norm_case(R, l, C, out_dtype, device):
+def _residual_norm_case(R, l, C, out_dtype, device, rms=False):
+    """Gated residual + LayerNorm (``rms``: RMSNorm, HART's, whose weight comes folded into mul) +
+    AdaLN, with and without the residual."""
     from sparsevar.sparse_ops import dense_fused, ref
     g = _gen(7)
     x = _rand((R, l, C), g, device, scale=3.0, offset=0.5)                    # float32 residual stream
     branch = _rand((R, l, C), g, device, dtype=torch.bfloat16)
     ada = _rand((R, 6, C), g, device, scale=0.3) + torch.tensor([0, 0, 1, 1, 0, 0], device=device)[None, :, None]
     gate, mul, shift = ada[:, 0:1], ada[:, 2:3], ada[:, 4:5]      # (R, 1, C) rows of an (R, 6, C) table, as VAR passes
-    x_new, y = dense_fused.residual_norm_modulate(x, branch, gate, mul, shift, 1e-6, out_dtype)
+    x_new, y = dense_fused.residual_norm_modulate(x, branch, gate, mul, shift, 1e-6, out_dtype, rms)
     assert y.dtype == out_dtype and x_new.dtype == x.dtype
-    want_x, want_y = ref.residual_norm_modulate(x, branch, gate, mul, shift, 1e-6, out_dtype)
+    want_x, want_y = ref.residual_norm_modulate(x, branch, gate, mul, shift, 1e-6, out_dtype, rms)
     ox, oy = ref.residual_norm_modulate(x.double(), branch.double(), gate.double(), mul.double(), shift.double(),
-                                        1e-6, torch.float64)
+                                        1e-6, torch.float64, rms)
     assert_close_to_oracle("residual_norm_modulate (x)", x_new, want_x, ox, one_step=True)
     assert_close_to_oracle("residual_norm_modulate (y)", y, want_y, oy, one_step=True)
-    x_same, y_only = dense_fused.residual_norm_modulate(x, None, None, mul, shift, 1e-6, out_dtype)
+    x_same, y_only = dense_fused.residual_norm_modulate(x, None, None, mul, shift, 1e-6, out_dtype, rms)
     assert x_same is x                                                       # no residual: x untouched
-    _, oy = ref.residual_norm_modulate(x.double(), None, None, mul.double(), shift.double(), 1e-6, torch.float64)
+    _, oy = ref.residual_norm_modulate(x.double(), None, None, mul.double(), shift.double(), 1e-6, torch.float64, rms)
     assert_close_to_oracle("residual_norm_modulate (no residual)", y_only,
-                           ref.residual_norm_modulate(x, None, None, mul, shift, 1e-6, out_dtype)[1], oy, one_step=True)
+                           ref.residual_norm_modulate(x, None, None, mul, shift, 1e-6, out_dtype, rms)[1], oy,
+                           one_step=True)
+    if rms:        # the oracle's own rule: x / √(mean(x²) + eps) · mul + shift, the mean left in
+        xd = x.double()
+        direct = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * mul.double() + shift.double()
+        torch.testing.assert_close(oy, direct, rtol=1e-12, atol=1e-12)
 
 
 def _qk_norm_case(R, l, H, d, T, dtype, device):
@@ -179,6 +186,37 @@ def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
     assert empty.shape == (R, H, 0, d)
 
 
+def _rope_half_case(R, l, H, d, T, dtype, per_row, device):
+    """HART's rotate-half RoPE with the cache write into slots [3, 3 + l) of layer 1; RoPE tables
+    shared by the rows (1, l, d) or per row (R, l, d), as a subset of tokens has them."""
+    from sparsevar.sparse_ops import dense_fused, ref
+    g = _gen(13)
+    qkv = _rand((R, l, 3, H, d), g, device, dtype=dtype, scale=2.0)
+    half = _rand((R if per_row else 1, l, d // 2), g, device, scale=3.0)
+    angle = torch.cat((half, half), dim=-1)                                  # [θ, θ], as HART's tables
+    cos, sin = angle.cos(), angle.sin()
+    caches = [tuple(torch.zeros(2, R, H, T, d, device=device, dtype=dtype) for _ in "kv") for _ in range(2)]
+    outs = []
+    for fn, (k_c, v_c) in zip((dense_fused.rope_half_store, ref.rope_half_store), caches):
+        outs.append(fn(qkv, cos, sin, 0.125, k_c[1, :, :, 3:3 + l], v_c[1, :, :, 3:3 + l]))
+    (kk, vk), (rk, rv) = caches
+    ok = torch.zeros(R, H, l, d, dtype=torch.float64, device=device)
+    oq = ref.rope_half_store(qkv.double(), cos.double(), sin.double(), 0.125, ok, torch.zeros_like(ok))
+    # the oracle's own rule, written out: channel j < d/2 gives x_j·cos − x_{j+d/2}·sin, the rest x_j·cos + x_{j−d/2}·sin
+    x = qkv.double()[:, :, 0].transpose(1, 2)                                 # (R, H, l, d)
+    c, s_ = cos.double()[:, None], sin.double()[:, None]
+    direct = torch.cat((x[..., :d // 2] * c[..., :d // 2] - x[..., d // 2:] * s_[..., :d // 2],
+                        x[..., d // 2:] * c[..., d // 2:] + x[..., :d // 2] * s_[..., d // 2:]), dim=-1) * 0.125
+    torch.testing.assert_close(oq, direct, rtol=1e-12, atol=1e-12)
+    assert outs[0].shape == (R, H, l, d) and outs[0].dtype == dtype
+    assert_close_to_oracle("rope_half_store (q)", outs[0], outs[1], oq, one_step=True)
+    assert_close_to_oracle("rope_half_store (k)", kk[1, :, :, 3:3 + l], rk[1, :, :, 3:3 + l], ok, one_step=True)
+    assert torch.equal(vk, rv) and torch.equal(vk[1, :, :, 3:3 + l], qkv[:, :, 2].transpose(1, 2))   # v: a copy
+    assert not kk[0].any() and not kk[1, :, :, :3].any() and not kk[1, :, :, 3 + l:].any()   # only its slots
+    empty = dense_fused.rope_half_store(qkv[:, :0], cos[:, :0], sin[:, :0], 0.125, kk[1, :, :, :0], vk[1, :, :, :0])
+    assert empty.shape == (R, H, 0, d)
+
+
 def _linear_case(M, N, K, bias, gelu, dtype, device, configs=()):
     """y = x·wᵀ (+ b) (then tanh-GELU) with the shape's own launch and the given ones (split-K
     among them): each within 2× the torch path's error of the float64 result (or one rounding step
@@ -199,10 +237,11 @@ def _linear_case(M, N, K, bias, gelu, dtype, device, configs=()):
     assert lead.shape == (1, M, N) and torch.equal(lead[0], L.linear(x, w, b, gelu))
 
 
-def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
-    """Output projection + gated residual + LayerNorm + AdaLN, the splits added by the norm's launch:
-    within 2× the torch path's error of the float64 result (or one rounding step), and bit for bit
-    the unfused Triton path (the product, then ``residual_norm_modulate``) at the same launch shape."""
+def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=(), rms=False):
+    """Output projection + gated residual + LayerNorm (``rms``: RMSNorm) + AdaLN, the splits added by
+    the norm's launch: within 2× the torch path's error of the float64 result (or one rounding
+    step), and bit for bit the unfused Triton path (the product, then ``residual_norm_modulate``) at
+    the same launch shape."""
     from sparsevar.sparse_ops import dense_fused, linear as L, linear_residual, ref
     g = _gen(12)
     h = _rand((R, l, K), g, device, dtype=dtype)
@@ -212,10 +251,11 @@ def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
     ada = _rand((R, 6, C), g, device, scale=0.3) + torch.tensor([0, 0, 1, 1, 0, 0], device=device)[None, :, None]
     gate, mul, shift = ada[:, 0:1], ada[:, 2:3], ada[:, 4:5]
     ox, oy = ref.linear_residual_norm_modulate(h.double(), w.double(), None if b is None else b.double(), x.double(),
-                                               gate.double(), mul.double(), shift.double(), 1e-6, torch.float64)
-    tx, ty = ref.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype)
+                                               gate.double(), mul.double(), shift.double(), 1e-6, torch.float64, rms)
+    tx, ty = ref.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype, rms)
     for cfg in (None, *configs):
-        gx, gy = linear_residual.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype, config=cfg)
+        gx, gy = linear_residual.linear_residual_norm_modulate(h, w, b, x, gate, mul, shift, 1e-6, dtype, rms,
+                                                               config=cfg)
         assert gx.dtype == x.dtype and gy.dtype == dtype and gy.shape == (R, l, C)
         # the branch is rounded to bf16 before the residual: the one-step rule applies to it, scaled
         # by the gate, on top of the float32 stream's own error
@@ -225,7 +265,8 @@ def _linear_residual_case(R, l, K, C, bias, dtype, device, configs=()):
         use = cfg or L.choose_config(R * l, C, K, 1 if device == "cpu" else
                                      torch.cuda.get_device_properties(device).multi_processor_count,
                                      min_split_k=linear_residual.MIN_SPLIT_K)
-        ux, uy = dense_fused.residual_norm_modulate(x, L.linear(h, w, b, config=use), gate, mul, shift, 1e-6, dtype)
+        ux, uy = dense_fused.residual_norm_modulate(x, L.linear(h, w, b, config=use), gate, mul, shift, 1e-6, dtype,
+                                                    rms)
         assert torch.equal(gx, ux) and torch.equal(gy, uy), f"linear_residual {cfg}: differs from the unfused path"
 
 
@@ -635,6 +676,21 @@ def _(device="cpu"):
     _residual_norm_case(3, 37, 160, torch.float32, device)
 
 
+@case("residual_norm_modulate-R2-l13-C96-rms-bf16")
+def _(device="cpu"):
+    _residual_norm_case(2, 13, 96, torch.bfloat16, device, rms=True)
+
+
+@case("rope_half_store-R2-l13-H3-d16-bf16-shared")
+def _(device="cpu"):
+    _rope_half_case(2, 13, 3, 16, 29, torch.bfloat16, False, device)
+
+
+@case("rope_half_store-R3-l7-H5-d24-fp32-per-row")
+def _(device="cpu"):
+    _rope_half_case(3, 7, 5, 24, 12, torch.float32, True, device)
+
+
 @case("qk_norm_store-R2-l13-H3-d16-bf16")
 def _(device="cpu"):
     _qk_norm_case(2, 13, 3, 16, 29, torch.bfloat16, device)
@@ -782,6 +838,12 @@ def _(device="cpu"):
 @case("phi_accumulate-B1-C20-1x1")
 def _(device="cpu"):
     _phi_case(1, 20, 1, 1, torch.float32, device)
+
+
+@case("linear_residual-R2-l5-K64-C48-rms-split2-bf16")
+def _(device="cpu"):
+    from sparsevar.sparse_ops.linear import LinearConfig
+    _linear_residual_case(2, 5, 64, 48, True, torch.bfloat16, device, [LinearConfig(16, 16, 16, 2, 4, 1)], rms=True)
 
 
 @case("linear_residual-R1-l20-K96-C33-nobias-fp32")
@@ -1164,6 +1226,15 @@ GPU_CASES = {
                                                                                          torch.bfloat16, device),
     "attention_colsum-R2H16-l1600-Lk4121-d128-lse-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device, with_lse=True),
+    # HART's shapes (24 heads of 64, width 1536): the last scale's rows with CFG, and a subset per row
+    "rope_half_store-R2-l4096-H24-d64-bf16": lambda device: _rope_half_case(2, 4096, 24, 64, 9751, torch.bfloat16,
+                                                                           False, device),
+    "rope_half_store-R2-l777-H24-d64-bf16-per-row": lambda device: _rope_half_case(2, 777, 24, 64, 1200,
+                                                                                  torch.bfloat16, True, device),
+    "residual_norm_modulate-R2-l4096-C1536-rms-bf16": lambda device: _residual_norm_case(2, 4096, 1536, torch.bfloat16,
+                                                                                         device, rms=True),
+    "linear_residual-R2-l9-K4096-C1536-rms-bf16": lambda device: _linear_residual_case(2, 9, 4096, 1536, False,
+                                                                                       torch.bfloat16, device, rms=True),
     "qk_norm_rope_store-R2-l4096-H16-d128-bf16": lambda device: _qk_rope_case(2, 4096, 16, 128, 6000, torch.bfloat16,
                                                                              False, device),
     "qk_norm_rope_store-R2-l999-H16-d128-bf16-per-row": lambda device: _qk_rope_case(2, 999, 16, 128, 1200,
