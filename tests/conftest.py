@@ -273,11 +273,48 @@ def tiny_infinity_files(tmp_path_factory):
     return files
 
 
+# ---- the Triton interpreter run, started as soon as the tests are collected ------------------------------------
+# tests/test_sparse_ops.py runs its kernel cases through Triton's CPU interpreter in one subprocess (the
+# interpreter must be switched on before triton is imported). It is single-threaded and takes about a
+# minute, so it starts here, in the background, and overlaps the tests before it; its fixture waits for it.
+INTERPRETER_TEST = "test_sparse_ops.py::test_triton_kernel_matches_reference_in_the_interpreter"
+_INTERPRETER_RUN: dict = {}
+
+
+def pytest_collection_finish(session):
+    if importlib.util.find_spec("triton") is None or \
+            not any(INTERPRETER_TEST in item.nodeid for item in session.items):
+        return                                           # the fixture says what is missing, or nothing needs it
+    import subprocess
+    import sys
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="sparsevar-interp-"))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    with open(folder / "output.txt", "w") as log:       # a file, not a pipe: nothing blocks its writes
+        proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "test_sparse_ops.py"), "--interpret",
+                                 str(folder / "results.json"), "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    _INTERPRETER_RUN.update(proc=proc, folder=folder)
+
+
+@pytest.fixture(scope="session")
+def interpreter_run():
+    """(the running interpreter subprocess, its folder: results.json and output.txt once it ends), or
+    None when it was not started."""
+    return (_INTERPRETER_RUN["proc"], _INTERPRETER_RUN["folder"]) if _INTERPRETER_RUN else None
+
+
 # ---- CI: no check may pass by skipping ---------------------------------------------------------------------
 # With SPARSEVAR_NO_SKIP=1 (set by .ci/run) a skipped test fails the run: a check CI is meant to run that
 # cannot run (no Triton, no Chromium, a fixture family missing, an unsupported version) is a red CI, not
 # a quiet skip. Tests deselected by a marker expression (``-m "not gpu"``) are not skipped, so not counted.
 def pytest_sessionfinish(session, exitstatus):
+    if _INTERPRETER_RUN:
+        proc = _INTERPRETER_RUN["proc"]
+        if proc.poll() is None:                           # its tests did not run (stopped early): no orphan
+            proc.kill()
+            proc.wait()
+        import shutil
+        shutil.rmtree(_INTERPRETER_RUN["folder"], ignore_errors=True)
     if os.environ.get("SPARSEVAR_NO_SKIP") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -952,7 +952,7 @@ def _triton_installed() -> bool:
 
 
 @pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory):
+def interpreter_results(tmp_path_factory, interpreter_run):
     if not _triton_installed():
         pytest.skip("triton is not installed (pip install -e '.[dev]' on Linux installs it)")
     from importlib.metadata import version
@@ -962,14 +962,24 @@ def interpreter_results(tmp_path_factory):
         pytest.fail(f"triton {version('triton')}'s interpreter fails on runtime loop bounds with NumPy "
                     f"{np.__version__} (int() of a 1-element array; triton 3.8 works): pip install 'numpy<2.4' "
                     f"or a newer triton", pytrace=False)
-    out = tmp_path_factory.mktemp("interp") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret", str(out)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"interpreter run failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    if interpreter_run is not None:             # started in the background when the tests were collected
+        proc, folder = interpreter_run
+        try:
+            returncode = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out, stdout, stderr = folder / "results.json", (folder / "output.txt").read_text(), ""
+    else:
+        out = tmp_path_factory.mktemp("interp") / "results.json"
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret", str(out)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        returncode, stdout, stderr = res.returncode, res.stdout, res.stderr
+    assert returncode == 0, f"interpreter run failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
     results = json.loads(out.read_text())
-    print(f"interpreter cases: {time.perf_counter() - t0:.1f} s in all, "
+    print(f"interpreter cases: waited {time.perf_counter() - t0:.1f} s for them; "
           + ", ".join(f"{k} {v['sec']:.1f} s" for k, v in results.items()))
     return results
 
@@ -1430,9 +1440,9 @@ def test_varlen_attention_equals_masked_sdpa(R, H, l, Lk, d):
 
 # ---- the interpreter subprocess ----------------------------------------------------------------------
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--interpret":
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--interpret":
         assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (set before triton is imported)"
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) == 4 else max(1, min(2, os.cpu_count() or 1)))
         Path(sys.argv[2]).write_text(json.dumps(run_cases(sorted(CASES), "cpu"), indent=1))
     else:
-        sys.exit(f"usage: TRITON_INTERPRET=1 {sys.argv[0]} --interpret RESULTS.json")
+        sys.exit(f"usage: TRITON_INTERPRET=1 {sys.argv[0]} --interpret RESULTS.json [THREADS]")
