@@ -64,10 +64,27 @@ class ModelAdapter:
         cfg = self.transformer.config
         return cfg.depth, cfg.num_heads, cfg.embed_dim // cfg.num_heads
 
+    # where a family's workspace can give the last scale's K/V one buffer shared by the layers
+    # (engine/kv_cache.py), whether it does: "auto" (when the whole cache would be large,
+    # ``kv_tail_needed``), True or False; None where the family's workspace has no tail
+    kv_tail = None
+
     def kv_tail_used(self, schedule: ScaleSchedule, rows: int, slots) -> bool:
         """Whether a generation of ``rows`` rows over ``schedule`` (with a compressing policy's
-        ``slots``) gives the last scale's K/V a tail shared by the layers (engine/kv_cache.py)."""
-        return False
+        ``slots``) gives the last scale's K/V a tail shared by the layers: ``kv_tail`` as set, or on
+        "auto" when the whole cache would be large. A compressed cache (``slots``) passes its last
+        scale through the tail whatever this says."""
+        if self.kv_tail is None:
+            return False
+        if self.kv_tail not in ("auto", True, False):
+            raise ValueError(f"kv_tail={self.kv_tail!r}: choose 'auto', True (a last-scale tail shared by the "
+                             f"layers) or False (the whole cache per layer)")
+        if self.kv_tail != "auto":
+            return self.kv_tail
+        from .kv_cache import kv_tail_needed
+        layers, heads, head_dim = self.kv_layout()
+        full = 2 * layers * rows * schedule.total_tokens * heads * head_dim * self.dtype.itemsize
+        return kv_tail_needed(full, self.device)
 
     def kv_cache_bytes(self, batch_size: int, schedule: ScaleSchedule, slots=None) -> int:
         """The bytes of the KV cache a generation allocates ([cond; uncond] rows), computed by

@@ -174,14 +174,15 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     def memory_needed(self, batch_size: int) -> dict[str, int]:
         """A lower bound of the bytes one call of ``batch_size`` images allocates, by part: the KV
-        cache ([cond; uncond] rows, text slots included), the last scale's float32 logits and the
-        diffusion head's rows, and the decoder's full-resolution activation with the output images."""
+        cache ([cond; uncond] rows, text slots included, the last scale in the layers' shared tail
+        when the adapter's ``kv_tail`` is on), the last scale's float32 logits and the diffusion
+        head's rows, and the decoder's full-resolution activation with the output images."""
         cfg, vq = self.transformer.config, self.vqvae
-        R, el = 2 * batch_size, _dtype_of(self.transformer).itemsize
-        L = cfg.context_token + sum(p * p for p in cfg.patch_nums[1:])
+        R = 2 * batch_size
         last = cfg.patch_nums[-1] ** 2
         side = cfg.patch_nums[-1] * vq.downsample_factor
-        return {"KV cache": cfg.depth * R * L * (2 * cfg.embed_dim * el + 8),
+        adapter = self.adapter()
+        return {"KV cache": adapter.kv_cache_bytes(batch_size, adapter.schedule),
                 "logits": R * last * cfg.vocab_size * 4 + R * last * cfg.diff_width * 4 * 4,
                 "decoder": batch_size * side * side * (vq.config.ch * _dtype_of(vq).itemsize + 3 * 4)}
 

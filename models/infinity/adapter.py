@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ...engine.adapter import ModelAdapter
-from ...engine.kv_cache import KVCache, kv_tail_needed
+from ...engine.kv_cache import KVCache
 from ...engine.sampling import sample_codes_per_image
 from ...engine.state import RunState
 from ...engine.workspace import Workspace
@@ -203,7 +203,9 @@ class InfinityAdapter(ModelAdapter):
         # "auto" | "always" | "never": fold the cross-attention's projections into the text memory
         # (_InfinityWorkspace.set_text); "auto" does where that is less work (short prompts)
         self.absorb_cross_attention = "auto"
-        # "auto" | True | False: give the last scale's K/V one buffer shared by the layers (kv_tail_needed)
+        # the last scale's K/V in one buffer shared by the layers when the whole cache would be large
+        # (ModelAdapter.kv_tail_used; 2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB,
+        # 2048² 10.9 GB instead of 18.9)
         self.kv_tail = "auto"
 
     @property
@@ -217,19 +219,6 @@ class InfinityAdapter(ModelAdapter):
     def kv_layout(self) -> tuple[int, int, int]:
         cfg = self.transformer.config
         return cfg.depth, cfg.num_heads, self.transformer.head_dim
-
-    def kv_tail_used(self, schedule, rows: int, slots) -> bool:
-        """``kv_tail`` as set, or on "auto" when the whole cache would be large (``kv_tail_needed``:
-        2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB; 2048² 10.9 GB instead of
-        18.9). A compressed cache (``slots``) passes its last scale through the tail whatever this says."""
-        if self.kv_tail not in ("auto", True, False):
-            raise ValueError(f"kv_tail={self.kv_tail!r}: choose 'auto', True (a last-scale tail shared by the "
-                             f"layers) or False (the whole cache per layer)")
-        if self.kv_tail != "auto":
-            return self.kv_tail
-        layers, heads, head_dim = self.kv_layout()
-        full = 2 * layers * rows * schedule.total_tokens * heads * head_dim * self.dtype.itemsize
-        return kv_tail_needed(full, self.device)
 
     # ---- adapter interface ----------------------------------------------------------------------
     @torch.no_grad()
