@@ -141,6 +141,29 @@ def qk_norm_store(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_dst_RHld: t
 
 
 @triton.jit
+def _load_qkv_pairs(src, hd, partner, m2, HD):
+    """q, k (float32) with each channel's RoPE partner (``partner``: its offsets in a head row), and
+    raw v, of one (3, H, d) token row at ``src``. Whole rows are loaded contiguously; each partner
+    comes from the same cache lines (L1). Shared by Infinity's and HART's kernels."""
+    q = tl.load(src + hd, mask=m2, other=0.0).to(tl.float32)
+    qp = tl.load(src + partner, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(src + HD + hd, mask=m2, other=0.0).to(tl.float32)
+    kp = tl.load(src + HD + partner, mask=m2, other=0.0).to(tl.float32)
+    v = tl.load(src + 2 * HD + hd, mask=m2, other=0.0)
+    return q, qp, k, kp, v
+
+
+@triton.jit
+def _store_q_and_cache(q, k, v, q_ptr, k_ptr, v_ptr, r, t, h, d, hd, m2,
+                       s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl):
+    """q into its (R, l, H, d) output, k and v into their (R, H, ·, d) cache slots at token ``t``."""
+    tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
+    hs = h[:, None].to(tl.int64)
+    tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)
+    tl.store(v_ptr + r * s_vr + hs * s_vh + t * s_vl + d[None, :], v.to(v_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, mult_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, D,
                                s_ar, s_al, s_cr, s_cl, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -152,13 +175,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, mult_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr
     m2 = hm[:, None] & (d < D)[None, :]
     hd = h[:, None] * D + d[None, :]                         # (H, d) inside one (3, H, d) token row
     partner = h[:, None] * D + (d ^ 1)[None, :]              # the other channel of each RoPE pair
-    src = qkv_ptr + r * s_ar + t * s_al
-    # whole rows are loaded contiguously; each pair partner comes from the same cache lines (L1)
-    q = tl.load(src + hd, mask=m2, other=0.0).to(tl.float32)
-    qp = tl.load(src + partner, mask=m2, other=0.0).to(tl.float32)
-    k = tl.load(src + H * D + hd, mask=m2, other=0.0).to(tl.float32)
-    kp = tl.load(src + H * D + partner, mask=m2, other=0.0).to(tl.float32)
-    v = tl.load(src + 2 * H * D + hd, mask=m2, other=0.0)
+    q, qp, k, kp, v = _load_qkv_pairs(qkv_ptr + r * s_ar + t * s_al, hd, partner, m2, H * D)
     mq = tl.load(mult_ptr + h, mask=hm, other=0.0)
     q_scale = mq / tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), 1e-12)
     k_scale = 1.0 / tl.maximum(tl.sqrt(tl.sum(k * k, axis=1)), 1e-12)
@@ -168,10 +185,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, mult_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr
     sn = tl.where((d % 2 == 0)[None, :], -sn, sn)
     q = (q * cs + qp * sn) * q_scale[:, None]
     k = (k * cs + kp * sn) * k_scale[:, None]
-    tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
-    hs = h[:, None].to(tl.int64)
-    tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)
-    tl.store(v_ptr + r * s_vr + hs * s_vh + t * s_vl + d[None, :], v.to(v_ptr.dtype.element_ty), mask=m2)
+    _store_q_and_cache(q, k, v, q_ptr, k_ptr, v_ptr, r, t, h, d, hd, m2, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl)
 
 
 def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1P: torch.Tensor,
@@ -180,21 +194,30 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     normalised, rotated k and raw v written into their cache slots. One program per token and row;
     every load and store is a contiguous row (even and odd channels loaded separately are far
     slower)."""
-    R, l, three, H, D = qkv_Rl3Hd.shape
+    R, l, _, H, D = qkv_Rl3Hd.shape
     P = D // 2
+    cos = cos_Rl1P.to(torch.float32).expand(R, l, 1, P)
+    sin = sin_Rl1P.to(torch.float32).expand(R, l, 1, P)
+    mult = q_mult_H1.reshape(H).to(torch.float32).contiguous()
+    return _launch_rope_store(_qk_norm_rope_store_kernel, qkv_Rl3Hd, mult, cos, sin, k_dst_RHld, v_dst_RHld)
+
+
+def _launch_rope_store(kernel, qkv_Rl3Hd: torch.Tensor, q_arg, cos: torch.Tensor, sin: torch.Tensor,
+                       k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
+    """Launch a RoPE + KV-cache-write kernel (Infinity's or HART's, which share their signature but
+    for ``q_arg``: q's multipliers or its scale) with one program per token and row; ``cos``/``sin``
+    (R, l, …) float32 rows. Returns q (R, H, l, d), a view of (R, l, H, d)."""
+    R, l, three, H, D = qkv_Rl3Hd.shape
     assert three == 3 and D % 2 == 0 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)
     if qkv_Rl3Hd.stride(-1) != 1 or qkv_Rl3Hd.stride(-2) != D or qkv_Rl3Hd.stride(2) != H * D:
         qkv_Rl3Hd = qkv_Rl3Hd.contiguous()
     assert k_dst_RHld.stride(-1) == 1 and v_dst_RHld.stride(-1) == 1, "cache slots need a contiguous head dim"
-    cos = cos_Rl1P.to(torch.float32).expand(R, l, 1, P)
-    sin = sin_Rl1P.to(torch.float32).expand(R, l, 1, P)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    mult = q_mult_H1.reshape(H).to(torch.float32).contiguous()
     q_RlHd = torch.empty(R, l, H, D, device=qkv_Rl3Hd.device, dtype=qkv_Rl3Hd.dtype)
     if R and l:
-        _qk_norm_rope_store_kernel[(l, R)](
-            qkv_Rl3Hd, mult, cos, sin, q_RlHd, k_dst_RHld, v_dst_RHld, H, D,
+        kernel[(l, R)](
+            qkv_Rl3Hd, q_arg, cos, sin, q_RlHd, k_dst_RHld, v_dst_RHld, H, D,
             qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), cos.stride(0), cos.stride(1),
             q_RlHd.stride(0), q_RlHd.stride(1),
             k_dst_RHld.stride(0), k_dst_RHld.stride(1), k_dst_RHld.stride(2),
@@ -205,7 +228,7 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
 
 
 @triton.jit
-def _rope_half_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, D, q_scale,
+def _rope_half_store_kernel(qkv_ptr, q_scale, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, D,
                             s_ar, s_al, s_cr, s_cl, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -217,21 +240,13 @@ def _rope_half_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, D
     hd = h[:, None] * D + d[None, :]                         # (H, d) inside one (3, H, d) token row
     half = D // 2
     partner = h[:, None] * D + ((d + half) % D)[None, :]     # rotate-half: channel j pairs with j ± d/2
-    src = qkv_ptr + r * s_ar + t * s_al
-    q = tl.load(src + hd, mask=m2, other=0.0).to(tl.float32)
-    qp = tl.load(src + partner, mask=m2, other=0.0).to(tl.float32)
-    k = tl.load(src + H * D + hd, mask=m2, other=0.0).to(tl.float32)
-    kp = tl.load(src + H * D + partner, mask=m2, other=0.0).to(tl.float32)
-    v = tl.load(src + 2 * H * D + hd, mask=m2, other=0.0)
+    q, qp, k, kp, v = _load_qkv_pairs(qkv_ptr + r * s_ar + t * s_al, hd, partner, m2, H * D)
     cs = tl.load(cos_ptr + r * s_cr + t * s_cl + d, mask=dm, other=0.0)[None, :]
     sn = tl.load(sin_ptr + r * s_cr + t * s_cl + d, mask=dm, other=0.0)[None, :]
     sn = tl.where((d < half)[None, :], -sn, sn)              # [−x₂, x₁]·sin
     q = (q * cs + qp * sn) * q_scale
     k = k * cs + kp * sn
-    tl.store(q_ptr + r * s_qr + t * s_ql + hd, q.to(q_ptr.dtype.element_ty), mask=m2)
-    hs = h[:, None].to(tl.int64)
-    tl.store(k_ptr + r * s_kr + hs * s_kh + t * s_kl + d[None, :], k.to(k_ptr.dtype.element_ty), mask=m2)
-    tl.store(v_ptr + r * s_vr + hs * s_vh + t * s_vl + d[None, :], v.to(v_ptr.dtype.element_ty), mask=m2)
+    _store_q_and_cache(q, k, v, q_ptr, k_ptr, v_ptr, r, t, h, d, hd, m2, s_qr, s_ql, s_kr, s_kh, s_kl, s_vr, s_vh, s_vl)
 
 
 def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float,
@@ -239,22 +254,6 @@ def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: tor
     """Triton twin of ``ref.rope_half_store``: rotate-half RoPE of q (× ``q_scale``) as (R, H, l, d)
     and of k, written with raw v into their cache slots. One program per token and row; every load
     and store is a contiguous row, the pair partners come from the same cache lines."""
-    R, l, three, H, D = qkv_Rl3Hd.shape
-    assert three == 3 and D % 2 == 0 and k_dst_RHld.shape == (R, H, l, D) and v_dst_RHld.shape == (R, H, l, D)
-    if qkv_Rl3Hd.stride(-1) != 1 or qkv_Rl3Hd.stride(-2) != D or qkv_Rl3Hd.stride(2) != H * D:
-        qkv_Rl3Hd = qkv_Rl3Hd.contiguous()
-    assert k_dst_RHld.stride(-1) == 1 and v_dst_RHld.stride(-1) == 1, "cache slots need a contiguous head dim"
+    R, l, _, _, D = qkv_Rl3Hd.shape
     cos, sin = cos_Rld.to(torch.float32).expand(R, l, D), sin_Rld.to(torch.float32).expand(R, l, D)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    q_RlHd = torch.empty(R, l, H, D, device=qkv_Rl3Hd.device, dtype=qkv_Rl3Hd.dtype)
-    if R and l:
-        _rope_half_store_kernel[(l, R)](
-            qkv_Rl3Hd, cos, sin, q_RlHd, k_dst_RHld, v_dst_RHld, H, D, float(q_scale),
-            qkv_Rl3Hd.stride(0), qkv_Rl3Hd.stride(1), cos.stride(0), cos.stride(1),
-            q_RlHd.stride(0), q_RlHd.stride(1),
-            k_dst_RHld.stride(0), k_dst_RHld.stride(1), k_dst_RHld.stride(2),
-            v_dst_RHld.stride(0), v_dst_RHld.stride(1), v_dst_RHld.stride(2),
-            BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4 if H * D <= 2048 else 8)
-    return q_RlHd.transpose(1, 2)                            # (R, l, H, d) → (R, H, l, d) view
+    return _launch_rope_store(_rope_half_store_kernel, qkv_Rl3Hd, float(q_scale), cos, sin, k_dst_RHld, v_dst_RHld)
