@@ -42,7 +42,7 @@ from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention
-from ..sparse_ops.kernels import TORCH_KERNELS, Kernels, rms_norm, rope_rotate_half
+from ..sparse_ops.kernels import rms_norm, rope_rotate_half
 
 HART_SCHEDULE_1024 = (1, 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)
 # Sizes for models built with random weights (HARTPipeline.from_random): the release's best estimate
@@ -234,12 +234,11 @@ class _ResBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 3 * width))
 
-    def forward(self, x, silu_y, ops):
+    def forward(self, x, silu_y):
         """x + gate · mlp(LN(x)·(1 + scale) + shift), (shift, scale, gate) from SiLU(y) (computed once
         for every block)."""
         shift, scale, gate = self.adaLN_modulation[1](silu_y).chunk(3, dim=-1)
-        h = ops.adaln_layer_norm(x, self.in_ln.weight, self.in_ln.bias, shift, scale, self.in_ln.eps)
-        return ops.gated_add(x, gate, self.mlp(h))
+        return x + gate * self.mlp(self.in_ln(x) * (1 + scale) + shift)
 
 
 class _FinalLayer(nn.Module):
@@ -248,9 +247,9 @@ class _FinalLayer(nn.Module):
         self.linear = nn.Linear(width, out)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
 
-    def forward(self, x, silu_y, ops):
+    def forward(self, x, silu_y):
         shift, scale = self.adaLN_modulation[1](silu_y).chunk(2, dim=-1)
-        return self.linear(ops.adaln_layer_norm(x, None, None, shift, scale, 1e-6))
+        return self.linear(F.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift)
 
 
 class DiffusionMLP(nn.Module):
@@ -266,14 +265,12 @@ class DiffusionMLP(nn.Module):
         self.res_blocks = nn.ModuleList(_ResBlock(width) for _ in range(depth))
         self.final_layer = _FinalLayer(width, 2 * z_channels)
 
-    def forward(self, x_NC: torch.Tensor, t_N: torch.Tensor, z_NC: torch.Tensor, ops: Kernels = TORCH_KERNELS
-                ) -> torch.Tensor:
-        """``ops``: the kernels of the AdaLN norm and the gated residual (sparse_ops.kernels)."""
+    def forward(self, x_NC: torch.Tensor, t_N: torch.Tensor, z_NC: torch.Tensor) -> torch.Tensor:
         x = self.input_proj(x_NC)
         silu_y = F.silu(self.time_embed(t_N) + self.cond_embed(z_NC))      # every block's AdaLN input
         for block in self.res_blocks:
-            x = block(x, silu_y, ops)
-        return self.final_layer(x, silu_y, ops)
+            x = block(x, silu_y)
+        return self.final_layer(x, silu_y)
 
 
 class _DiffLoss(nn.Module):
@@ -323,14 +320,13 @@ class RespacedIDDPM:
 
 def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch.Tensor,
                     z_uncond_NC: Optional[torch.Tensor], guidance: float, noise_init_NC: torch.Tensor,
-                    noise_steps: Sequence[torch.Tensor], temperature: float = 1.0,
-                    ops: Kernels = TORCH_KERNELS) -> torch.Tensor:
+                    noise_steps: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """The continuous residual of N last-scale tokens (N, Cvae), already × 0.6 (hart.md §5).
 
     With ``z_uncond_NC`` (guidance), each step runs the net on [x; x] with [z_cond; z_uncond],
     guides ε = (1 + t)·ε_cond − t·ε_uncond and keeps the conditional half's variance value; without,
     the net runs on x with z_cond alone. ``noise_steps``: one (N, Cvae) draw per reverse step, in
-    loop order (the last is unused). ``ops``: the kernels the net's elementwise steps run on."""
+    loop order (the last is unused)."""
     x = noise_init_NC.float()
     C = x.shape[1]
     dev = x.device
@@ -339,11 +335,11 @@ def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch
     for i in reversed(range(len(schedule.timesteps))):
         t_N = torch.full((x.shape[0],), schedule.timesteps[i], device=dev, dtype=torch.int64)
         if z_uncond_NC is not None:
-            out = net(torch.cat((x, x)).to(dt), t_N.repeat(2), z_NC, ops).float()
+            out = net(torch.cat((x, x)).to(dt), t_N.repeat(2), z_NC).float()
             eps_c, eps_u = out[:, :C].chunk(2)
             eps, v = eps_c * (1 + guidance) - guidance * eps_u, out[:x.shape[0], C:]
         else:
-            out = net(x.to(dt), t_N, z_NC, ops).float()
+            out = net(x.to(dt), t_N, z_NC).float()
             eps, v = out[:, :C], out[:, C:]
         x0 = (schedule.at(schedule.sqrt_recip, i, dev) * x - schedule.at(schedule.sqrt_recipm1, i, dev) * eps).clamp(-1, 1)
         mean = schedule.at(schedule.coef1, i, dev) * x0 + schedule.at(schedule.coef2, i, dev) * x
@@ -852,7 +848,7 @@ class HARTAdapter(ModelAdapter):
         init, steps = self._diffusion_noise(run, B * l, Cv)
         z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
         r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),
-                               init, steps, ops=self.ops)
+                               init, steps)
         tokens_BlC = residual_BlC + r_NC.view(B, l, Cv)
         ws.f_hat.add_(tokens_BlC.transpose(1, 2).reshape(B, Cv, p, p))
 

@@ -95,18 +95,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def adaln_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                     shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm(x) (with its affine where given) · (1 + scale) + shift, in x's dtype: the AdaLN
-    input of the blocks of HART's diffusion MLP (per-token scale and shift)."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps) * (1 + scale) + shift
-
-
-def gated_add(x: torch.Tensor, gate: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x + gate · h, in x's dtype (HART's diffusion MLP blocks)."""
-    return x + gate * h
-
-
 def _rope_half(qk_Rl2Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float):
     """``ref.rope_half_store`` without the cache write, for torch.compile: (q in the input dtype, k in
     float32), each (R, l, H, d)."""
@@ -130,7 +118,7 @@ class Kernels:
     VAR's q/k norm, cache write and unmasked attention in one launch, None under the other kinds;
     VAR's guidance (``cfg_guide``), scale input (``stage_embed``) and latent update
     (``phi_accumulate``) and the cross-attention softmax in one launch each; torch.compile for the
-    gated residual and HART's ``silu_mul`` and diffusion-MLP steps); ``"compile"``
+    gated residual and HART's ``silu_mul``); ``"compile"``
     (each plain-torch step compiled by torch.compile at its first call, with dynamic token counts so
     every scale shares a kernel).
 
@@ -162,8 +150,7 @@ class Kernels:
         self.stage_embed = ref.stage_embed  # VAR's input map of a scale
         self.phi_accumulate = ref.phi_accumulate  # VAR's latent update f_hat += φ(h)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
-                   residual_modulate=residual_modulate, silu_mul=silu_mul, adaln_layer_norm=adaln_layer_norm,
-                   gated_add=gated_add)
+                   residual_modulate=residual_modulate, silu_mul=silu_mul)
         for name, fn in fns.items():
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled else fn)
         if kind == "triton":

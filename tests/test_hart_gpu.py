@@ -88,9 +88,7 @@ def test_graphs_replay_eager_codes_exactly(setup):
 def test_fused_steps_track_the_plain_torch_steps(kind):
     """HART's per-layer steps under the fused kernels against the plain torch ones, bf16 in, on the
     shapes of a small and a large scale as the layer calls them: RMSNorm·AdaLN with and without the
-    residual (the norm's weight folded into mul), rotate-half RoPE with the KV-cache write, SiLU·up,
-    and the diffusion MLP's AdaLN LayerNorm and gated residual. The plain bf16 steps round each
-    product and sum; the fused ones round once."""
+    residual (the norm's weight folded into mul), rotate-half RoPE with the KV-cache write, SiLU·up."""
     from sparsevar.sparse_ops.kernels import TORCH_KERNELS as plain, Kernels
     fused = Kernels(kind)
     g = torch.Generator("cuda").manual_seed(0)
@@ -116,19 +114,6 @@ def test_fused_steps_track_the_plain_torch_steps(kind):
         assert torch.equal(outs[0][2], qkv[:, :, 2].transpose(1, 2))                      # v: a plain copy
         a, b = (torch.randn(2, n, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
         torch.testing.assert_close(fused.silu_mul(a, b).float(), plain.silu_mul(a, b).float(), rtol=1.6e-2, atol=1e-2)
-        # the diffusion MLP's steps: per-token AdaLN over its affine LayerNorm, and its gated residual. The
-        # plain steps round LN(x) (|·| ≤ ~5), its product with 1 + scale (|·| < 32) and the sum, each to bf16
-        # (half an ulp: ≤ 0.016, 0.06, …); where the sum cancels, those roundings stay: atol 0.125
-        xd, shift_d, scale_d, gate_d, h_d = (torch.randn(2 * n, 1024, device="cuda", generator=g).bfloat16()
-                                             for _ in range(5))
-        w_d, b_d = torch.rand(1024, device="cuda", generator=g).bfloat16() + 0.5, torch.randn(
-            1024, device="cuda", generator=g).bfloat16()
-        for wb in ((w_d, b_d), (None, None)):
-            torch.testing.assert_close(fused.adaln_layer_norm(xd, *wb, shift_d, scale_d, 1e-6).float(),
-                                       plain.adaln_layer_norm(xd, *wb, shift_d, scale_d, 1e-6).float(),
-                                       rtol=1.6e-2, atol=0.125)
-        torch.testing.assert_close(fused.gated_add(xd, gate_d, h_d).float(), plain.gated_add(xd, gate_d, h_d).float(),
-                                   rtol=1.6e-2, atol=0.125)
 
 
 @pytest.mark.parametrize("kind", ["triton", "compile"])
