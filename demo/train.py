@@ -145,9 +145,11 @@ class DemoTrainConfig:
             raise ValueError(f"measure_count={self.measure_count!r}: must be 0 (no measurement) or more")
 
     def quick(self) -> "DemoTrainConfig":
-        """A tiny run of every stage (smoke tests: seconds on a CPU; draws no real pictures)."""
-        return replace(self, vq_steps=3, vq_batch=2, vq_data=4, dec_steps=3, var_steps=3, var_batch=2, var_data=8, cls_steps=3,
-                       cls_batch=4, cls_data=4, measure_count=0, compile=False)
+        """A tiny run of every stage with a small transformer (smoke tests: seconds on a CPU; draws no
+        real pictures): the schedule and the tokenizer stay as set."""
+        return replace(self, vq_steps=2, vq_batch=2, vq_data=4, dec_steps=2, var_depth=2, var_width=64, var_heads=2,
+                       var_steps=2, var_batch=2, var_data=8, cls_steps=2, cls_batch=4, cls_data=4, measure_count=0,
+                       compile=False)
 
 
 def _schedule(opt: torch.optim.Optimizer, total: int, warmup: int):
