@@ -34,6 +34,8 @@ DISMISS = """(() => { document.querySelectorAll('.p-dialog-close-button, .p-toas
   .forEach(b => b.click()); return true; })()"""
 FIT = """;(() => { try { app.canvas.ds.scale = 0.8; app.canvas.ds.offset = [60, 150];
   app.canvas.setDirty(true, true); } catch (e) {} return true; })()"""
+# resolves after the page has drawn two more frames: what was set before is on the canvas
+FRAMES = "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))"
 
 
 def find_chromium() -> str | None:
@@ -129,10 +131,12 @@ async def run(url: str, out_dir: Path, workflows: list[Path]) -> dict:
                     wf = json.loads(path.read_text())
                     await cdp.evaluate(DISMISS)
                     await cdp.evaluate(f"app.loadGraphData({json.dumps(wf)})")
-                    await cdp.pump(1.5)
+                    await cdp.evaluate(FRAMES)
+                    await cdp.pump(0.5)                          # late toasts and console errors
                     alerts = await cdp.evaluate(ALERTS)          # toasts are not console errors
                     await cdp.evaluate(DISMISS + FIT)
-                    await cdp.pump(1.0)
+                    await cdp.evaluate(FRAMES)
+                    await cdp.pump(0.2)
                     state = await cdp.evaluate(
                         "JSON.stringify({n: app.graph._nodes.length, types: app.graph._nodes.map(n => n.type),"
                         " unknown: app.graph._nodes.filter(n => !LiteGraph.registered_node_types[n.type])"
