@@ -4,7 +4,8 @@ policies' rules, the backend choice and the attention dispatch.
 Kernels run twice over the same cases (``CASES`` below):
 - in CI through Triton's CPU interpreter, in one subprocess (``TRITON_INTERPRET=1`` must be set
   before triton is imported, and diffusers imports triton whenever it is installed, so the
-  variable cannot be set inside this test session): this file run as a script does that;
+  variable cannot be set inside this test session): this file run as a script does that, started
+  in the background as soon as the tests are collected (tests/conftest.py), one thread;
 - natively in bf16 on a GPU (``pytest -m gpu``), at odd and at production shapes.
 
 Tolerance rule for every float output, with its reason: the kernel's largest error against a
