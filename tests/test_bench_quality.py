@@ -447,7 +447,7 @@ def test_main_lists_settings_and_reports_errors(capsys):
     assert "unknown setting 'bogus'" in capsys.readouterr().err
 
 
-def test_sparvar_settings_parse_and_run_without_a_teacher_forced_measure(tmp_path):
+def test_sparvar_settings_parse_and_run_without_a_teacher_forced_measure(tiny, tmp_path):
     """SparVAR's forms build its preset (top_keys replaced), compose with skipping, refuse token-subset
     methods, and a sweep reports them with the teacher-forced columns nan (its decision scale both
     changes the output and stores state) while the other settings keep theirs."""
@@ -459,8 +459,8 @@ def test_sparvar_settings_parse_and_run_without_a_teacher_forced_measure(tmp_pat
     assert bq.parse_setting("sparvar-preset").sparvar == bq.SPARVAR_PRESETS["var"]
     with pytest.raises(ValueError, match="combines SparVAR with a method that computes a token subset"):
         bq.parse_setting("sparvar-preset+fastvar-preset")
-    rows = bq.run_quality(settings=["sparvar-preset", "skip-last-1"], seeds=[0], out_dir=tmp_path, log=lambda m: None,
-                          classifier=False)
+    rows = bq.run_quality(tiny, settings=["sparvar-preset", "skip-last-1"], seeds=[0], out_dir=tmp_path,
+                          log=lambda m: None, classifier=False)
     by = {r["setting"]: r for r in rows}
     assert math.isnan(by["sparvar-preset"]["teacher_psnr_db"]) and by["sparvar-preset"]["psnr_db"] > 0
     assert by["sparvar-preset"]["flop_speedup"] > 1.0
