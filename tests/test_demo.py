@@ -114,9 +114,9 @@ def test_demo_model_is_small_and_names_its_classes(demo_pipe):
 
 @pytest.fixture(scope="module")
 def demo_batch(demo_pipe):
-    """Three images of every class at the default settings, image i from its own generator seeded i
+    """Two images of every class at the default settings, image i from its own generator seeded i
     (so any leading part of the batch is the same as a batch of those images alone)."""
-    labels = list(range(NUM_CLASSES)) * 3
+    labels = list(range(NUM_CLASSES)) * 2
     gens = [torch.Generator().manual_seed(i) for i in range(len(labels))]
     # drawn a class set at a time: on a CPU a whole batch at once costs more per image (60: 3.0 s against 2.1)
     images = [demo_pipe(labels[i:i + NUM_CLASSES], generator=gens[i:i + NUM_CLASSES], output_type="pt").images
@@ -127,23 +127,23 @@ def demo_batch(demo_pipe):
 def test_generated_images_show_their_class(demo_batch):
     """Issue #34: the shipped classifier recognises ≥ 80 % of generated images at default settings:
     81.9 % of 360 pictures on an H200 (``measure_demo``, seeds 0–2; the 512-schedule model, Session
-    25), 83.3 % of these 36 on a CPU (one generator per image, seeds 0–35; 85.0 % of the first 60).
-    A random guess is 8 %. Misses are mostly the simple shapes (box read as disc, ring as crescent).
-    The bound, 65 %, sits 2.6 standard errors of a 36-image sample (±6.4 %) under the GPU rate: a
-    different CPU's float rounding can flip sampled tokens and change individual images, but not
-    the rate."""
+    25), 79.2 % of these 24 on a CPU (one generator per image, seeds 0–23; 83.3 % of the first 36,
+    85.0 % of the first 60). A random guess is 8 %. Misses are mostly the simple shapes (box read as
+    disc, ring as crescent). The bound, 60 %, sits 2.8 standard errors of a 24-image sample (±7.9 %)
+    under the GPU rate: a different CPU's float rounding can flip sampled tokens and change
+    individual images, but not the rate."""
     labels, images = demo_batch
     assert images.shape == (len(labels), 3, 256, 256)
     clf = SceneClassifier.from_file(DEMO_MODEL_DIR / "classifier.safetensors", NUM_CLASSES)
     with torch.no_grad():
         acc = (clf(images).argmax(-1) == labels).float().mean().item()
-    assert acc >= 0.65, f"classifier accuracy {acc:.2f} on generated images"
+    assert acc >= 0.60, f"classifier accuracy {acc:.2f} on generated images"
 
 
 def test_demo_pictures_have_crisp_edges(demo_batch):
     """Issue #34: at least 0.4 % of a generated picture's pixels on strong edges (rendered scenes:
     0.5–1.9 %; the first demo model's pictures 0.03–0.07 %). Measured here: median 3.2 %, tenth
-    percentile 1.5 %; over 360
+    percentile 1.3 %; over 360
     pictures on an H200 (``measure_demo``) median 2.7 %, tenth percentile 1.2 %."""
     fraction = strong_edge_fraction(demo_batch[1]) * 100
     low, median = torch.quantile(fraction, 0.1).item(), fraction.median().item()
@@ -155,9 +155,9 @@ def test_demo_pictures_have_no_smudge_in_the_top_left_corner(demo_pipe, demo_bat
     (ratio 4–8 on every class and seed; rendered scenes are at 1.0). Its GroupNorm decoder (one
     channel per group at 32 channels) had learned a spike of huge activations there; the decoder
     now normalises per pixel and pads by replication (``demo/train.py``, stage ``decoder``).
-    Measured on the 512-schedule model (CPU): at most 1.97 over these 36 pictures, 1.26 over 12
-    reconstructions; ``measure_demo``: at most 1.95 over 360 (H200)."""
-    labels, images = demo_batch                                             # three per class
+    Measured on the 512-schedule model (CPU): at most 1.34 over these 24 pictures (1.97 over the first
+    60), 1.26 over 12 reconstructions; ``measure_demo``: at most 1.95 over 360 (H200)."""
+    labels, images = demo_batch                                             # two per class
     ratios = [corner_smudge_ratio(images)]
     scenes = render_scenes(torch.arange(NUM_CLASSES), torch.Generator().manual_seed(5))
     with torch.no_grad():
