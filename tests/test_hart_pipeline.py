@@ -168,3 +168,36 @@ def test_convert_save_and_load_a_pipeline_folder_give_the_same_pictures(official
     assert main(["generate", "--prompt", "w5", "--model", str(out), "--text-encoder", str(official["text_encoder"]),
                  "--out", str(tmp_path / "y.png"), "--quiet"]) == 2
     assert "is a converted HART folder with its text encoder inside" in capsys.readouterr().err
+
+
+def test_the_last_scales_shared_kv_tail_changes_nothing_and_is_counted(pipe):
+    """HART gives its last scale's K/V one tail shared by the layers where that makes the cache
+    smaller (the whole per-layer cache is the other layout): the same codes and picture either way,
+    and the memory check counts the cache that is built. The tail holds one layer's whole cache, so
+    it pays only past a depth: here (2 layers) it does not, at the release size (24) it does."""
+    adapter = pipe.adapter()
+    sch, depth = adapter.schedule, pipe.transformer.config.depth
+    smaller = sch.total_tokens < depth * sch.tokens(sch.num_scales - 1)
+    assert adapter.kv_tail == smaller
+    runs = {}
+    try:
+        for tail in (True, False):
+            adapter.kv_tail = tail
+            codes = []
+            out = pipe(["w5 w6 w7"], generator=torch.Generator().manual_seed(3), output_type="pt",
+                       callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"]) or d)
+            kv = adapter._workspace.kv
+            last = adapter.schedule.tokens(adapter.schedule.num_scales - 1)
+            assert kv.transient == (last if tail else 0)
+            assert pipe.memory_needed(1)["KV cache"] == kv.nbytes()
+            runs[tail] = (codes, out.images, kv.nbytes())
+    finally:
+        adapter.kv_tail = smaller
+    (codes_t, img_t, bytes_t), (codes_f, img_f, bytes_f) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(codes_t, codes_f)) and torch.equal(img_t, img_f)
+    assert (bytes_t < bytes_f) == smaller
+    big = HARTPipeline.from_random("hart-0.7b", device="meta", dtype="bfloat16").adapter()   # release size, no weights
+    assert big.kv_tail
+    tail_bytes = big.kv_cache_bytes(1, big.schedule)
+    big.kv_tail = False
+    assert tail_bytes < 0.65 * big.kv_cache_bytes(1, big.schedule)             # 1.79 against 2.88 GB
