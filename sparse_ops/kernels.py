@@ -85,9 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_rotate_half(x_BHLd: torch.Tensor, cos_BLd: torch.Tensor, sin_BLd: torch.Tensor) -> torch.Tensor:
     """x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] (halves of the head dim)."""
-    cos, sin = cos_BLd[:, None].to(x_BHLd.dtype), sin_BLd[:, None].to(x_BHLd.dtype)
-    x1, x2 = x_BHLd.chunk(2, dim=-1)
-    return x_BHLd * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return ref.rope_half(x_BHLd, cos_BLd[:, None].to(x_BHLd.dtype), sin_BLd[:, None].to(x_BHLd.dtype))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -98,9 +96,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _rope_half(qk_Rl2Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float):
     """``ref.rope_half_store`` without the cache write, for torch.compile: (q in the input dtype, k in
     float32), each (R, l, H, d)."""
-    qk = qk_Rl2Hd.float()
-    x1, x2 = qk.chunk(2, dim=-1)
-    qk = qk * cos_Rld[:, :, None, None] + torch.cat((-x2, x1), dim=-1) * sin_Rld[:, :, None, None]
+    qk = ref.rope_half(qk_Rl2Hd.float(), cos_Rld[:, :, None, None], sin_Rld[:, :, None, None])
     return (qk[:, :, 0] * q_scale).to(qk_Rl2Hd.dtype), qk[:, :, 1]
 
 
@@ -141,8 +137,7 @@ class Kernels:
         # "triton" only: cuBLAS products on the row counts of this GPU's shipped table (sparse_ops.gemm_rows)
         self.row_padding = row_padding
         self._row_tables: dict = {}      # CUDA device index → its table or None, read at first use
-        self._compiled_rope = None
-        self._compiled_rope_half = None
+        self._compiled: dict = {}         # a q/k step → its torch.compile wrapper ("compile" only)
         self.linear = dense_linear
         self.qk_norm_attend = None          # VAR's norm + cache write + attention in one launch ("triton" only)
         self.bias_softmax = ref.bias_softmax
@@ -242,21 +237,21 @@ class Kernels:
     def _fused_modulate(kernel, x, mul, shift, eps, out_dtype, rms=False):
         return kernel(x, None, None, mul, shift, eps, out_dtype, rms, backend="triton")[1]
 
-    def _rope_half_then_store(self, qkv_Rl3Hd, cos_Rld, sin_Rld, q_scale, k_dst_RHld, v_dst_RHld):
-        if self._compiled_rope_half is None:
-            self._compiled_rope_half = torch.compile(_rope_half, dynamic=True, fullgraph=True)
-        q_RlHd, k_RlHd = self._compiled_rope_half(qkv_Rl3Hd[:, :, :2], cos_Rld, sin_Rld, q_scale)
+    def _compiled_then_store(self, fn, qkv_Rl3Hd, k_dst_RHld, v_dst_RHld, *args):
+        """The q/k step ``fn`` of q and k (compiled at its first call), then k and raw v into their cache
+        slots as plain copies (compiled in, the writes gave more kernels); returns q (R, H, l, d)."""
+        if fn not in self._compiled:
+            self._compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        q_RlHd, k_RlHd = self._compiled[fn](qkv_Rl3Hd[:, :, :2], *args)
         k_dst_RHld.copy_(k_RlHd.transpose(1, 2))
         v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
         return q_RlHd.transpose(1, 2)
 
+    def _rope_half_then_store(self, qkv_Rl3Hd, cos_Rld, sin_Rld, q_scale, k_dst_RHld, v_dst_RHld):
+        return self._compiled_then_store(_rope_half, qkv_Rl3Hd, k_dst_RHld, v_dst_RHld, cos_Rld, sin_Rld, q_scale)
+
     def _rope_norm_then_store(self, qkv_Rl3Hd, q_mult_H1, cos_Rl1P, sin_Rl1P, k_dst_RHld, v_dst_RHld):
-        if self._compiled_rope is None:
-            self._compiled_rope = torch.compile(_qk_rope, dynamic=True, fullgraph=True)
-        q_RlHd, k_RlHd = self._compiled_rope(qkv_Rl3Hd[:, :, :2], q_mult_H1, cos_Rl1P, sin_Rl1P)
-        k_dst_RHld.copy_(k_RlHd.transpose(1, 2))
-        v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
-        return q_RlHd.transpose(1, 2)
+        return self._compiled_then_store(_qk_rope, qkv_Rl3Hd, k_dst_RHld, v_dst_RHld, q_mult_H1, cos_Rl1P, sin_Rl1P)
 
     def _norm_then_store(self, qkv_Rl3Hd, mult_2H1, k_dst_RHld, v_dst_RHld):
         qk_Rl2Hd = self.qk_normalize(qkv_Rl3Hd[:, :, :2], mult_2H1)

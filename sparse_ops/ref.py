@@ -113,6 +113,13 @@ def qk_norm_rope_store(qkv_Rl3Hd: torch.Tensor, q_mult_H1: torch.Tensor, cos_Rl1
     return q_RlHd.transpose(1, 2).to(qkv_Rl3Hd.dtype)
 
 
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim: ``x·cos + [−x₂, x₁]·sin`` (channel j pairs with j ± d/2;
+    ``cos``/``sin`` broadcast against x, in the dtype the caller computes in)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: torch.Tensor, q_scale: float,
                     k_dst_RHld: torch.Tensor, v_dst_RHld: torch.Tensor) -> torch.Tensor:
     """HART's q/k step with the KV-cache write: q and k rotated by rotate-half RoPE (channel j pairs
@@ -121,10 +128,8 @@ def rope_half_store(qkv_Rl3Hd: torch.Tensor, cos_Rld: torch.Tensor, sin_Rld: tor
     dtype) and raw v are written into their cache slots (R, H, l, d); returns q (R, H, l, d) in
     qkv's dtype."""
     acc = torch.promote_types(qkv_Rl3Hd.dtype, torch.float32)                       # float32 (float64 oracle)
-    qk_Rl2Hd = qkv_Rl3Hd[:, :, :2].to(acc)
-    x1, x2 = qk_Rl2Hd.chunk(2, dim=-1)
     cos, sin = cos_Rld[:, :, None, None].to(acc), sin_Rld[:, :, None, None].to(acc)    # (R, l, 1, 1, d)
-    qk_Rl2Hd = qk_Rl2Hd * cos + torch.cat((-x2, x1), dim=-1) * sin
+    qk_Rl2Hd = rope_half(qkv_Rl3Hd[:, :, :2].to(acc), cos, sin)
     k_dst_RHld.copy_(qk_Rl2Hd[:, :, 1].transpose(1, 2))                            # (R, l, H, d) → (R, H, l, d)
     v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))
     return (qk_Rl2Hd[:, :, 0] * q_scale).transpose(1, 2).to(qkv_Rl3Hd.dtype)
