@@ -1207,8 +1207,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--skip-last", type=int, default=0, help="skip the last N scales (0 … scales - 1)")
     a.add_argument("--cond-only-from", type=int, help="run from this scale on without guidance (negative: from the end)")
     a.add_argument("--low-vram", action="store_true",
-                   help="fit the device's memory: text encoder streaming, model CPU offload, ScaleKV, then ScaleKV "
-                        "with either, as the estimate (pipe.estimate_memory) needs; says what it enabled")
+                   help="fit the device's memory: text encoder streaming, model CPU offload, ScaleKV, ScaleKV "
+                        "with either, then sequential CPU offload (without and with ScaleKV), as the estimate "
+                        "(pipe.estimate_memory) needs; says what it enabled")
     a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")
     g.set_defaults(func=cmd_generate)
 
@@ -1341,7 +1342,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--card-gb", type=float, nargs="+", default=[80.0], metavar="GB",
                    help="simulated card sizes (torch.cuda.set_per_process_memory_fraction)")
     m.add_argument("--settings", nargs="+", default=["dense", "offload", "scalekv", "scalekv+offload"],
-                   help="dense, offload, scalekv, stream, stream+scalekv, scalekv+offload, "
+                   help="dense, offload, scalekv, stream, stream+scalekv, scalekv+offload, sequential, "
+                        "sequential+scalekv, "
                         "scalekv+offload+cond-only-last-3")
     m.add_argument("--runs", type=int, default=3)
     m.add_argument("--warmup", type=int, default=1)

@@ -35,6 +35,10 @@ SETTINGS: dict[str, tuple[Callable, str]] = {
                        "ScaleKV preset + text encoder streamed block by block"),
     "scalekv+offload": (lambda pipe: (pipe.enable_scalekv(), pipe.enable_model_cpu_offload()),
                         "ScaleKV preset + model CPU offload"),
+    "sequential": (lambda pipe: pipe.enable_sequential_cpu_offload(),
+                   "enable_sequential_cpu_offload(): the blocks' matrices and the text encoder's blocks streamed"),
+    "sequential+scalekv": (lambda pipe: (pipe.enable_scalekv(), pipe.enable_sequential_cpu_offload()),
+                           "ScaleKV preset + sequential CPU offload"),
     "scalekv+offload+cond-only-last-3": (
         lambda pipe: (pipe.enable_scalekv(), pipe.enable_scale_skip(cond_only_from=-3),
                       pipe.enable_model_cpu_offload()),
@@ -68,6 +72,7 @@ def _pipeline(name: str, dtype: torch.dtype, vae_dtype: torch.dtype, real_text_e
 def _reset(pipe) -> None:
     """Back to every component on the GPU, no policy, no workspace."""
     pipe.disable_model_cpu_offload()
+    pipe.disable_sequential_cpu_offload()
     pipe.disable_text_encoder_streaming()
     pipe.to("cuda")
     for name in [p.name for p in pipe.policies]:

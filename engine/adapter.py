@@ -45,6 +45,9 @@ class ModelAdapter:
         self.ops: Kernels = TORCH_KERNELS
         self._workspace: Optional[Workspace] = None    # one at a time: the last call's shape's
         self._workspace_key = None
+        # the blocks' matrices streamed from CPU memory layer by layer (pipelines/offload.py's
+        # LayerStream: ``enter(i)`` / ``leave(i)`` / ``forget()`` / ``release()``), or None
+        self.layer_stream = None
 
     @property
     def device(self) -> torch.device:
@@ -58,6 +61,20 @@ class ModelAdapter:
         """Family, schedule and layer topology (what policies validate their settings against)."""
         return ModelInfo(family=self.family, schedule=self.schedule, num_layers=self.num_layers,
                          layer_groups=self.layer_groups, sublayers=self.sublayers, choices=self.choices)
+
+    def streamed_blocks(self):
+        """The transformer blocks in order, each with all its weights on the device while the caller
+        works on it: what a ``begin`` that reads every block's matrices (per-generation projections)
+        walks, so that it also runs under a layer stream."""
+        stream = self.layer_stream
+        for i, blk in enumerate(self.blocks):
+            if stream is not None:
+                stream.enter(i)
+            try:
+                yield blk
+            finally:
+                if stream is not None:
+                    stream.leave(i)
 
     def kv_layout(self) -> tuple[int, int, int]:
         """(layers, heads, head_dim) of the self-attention KV cache (memory estimates)."""

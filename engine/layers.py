@@ -79,7 +79,10 @@ def run_layers(adapter, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optio
     chained = [adapter.chains_layers() and not hooks.wraps(i) for i in range(N)] + [into_head]
     shared = adapter.scale_constants(si, run, pos)
     y_RlC = None                                       # a chained layer's modulated attention input
+    stream = adapter.layer_stream                      # weights streamed layer by layer, or None
     for i in range(N):
+        if stream is not None:
+            stream.enter(i)
         x_in = x_RlC
         call = adapter.layer_call(si, i, run, pos, valid_Rn, record, shared)
         if chained[i]:
@@ -93,6 +96,8 @@ def run_layers(adapter, si: int, idx_Bn: Optional[torch.Tensor], valid_Bn: Optio
                 collected.append((i, x_in, x_RlC))
             else:
                 stack.observe(si, ("layer", i), x_in, x_RlC, run)
+        if stream is not None:
+            stream.leave(i)
     if idx_Rn is not None:
         x_RlC = scatter_rows(x0_RLC, idx_Rn, x_RlC)                                  # (R, n, C) → (R, L, C)
     return x_RlC, collected, (y_RlC if into_head else None)

@@ -116,13 +116,17 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         info = dataclasses.replace(info, schedule=schedule)
     run = RunState(schedule=info.schedule, batch_size=batch_size, settings=settings, info=info,
                    generator=generator, policies=policies, device=adapter.device, dtype=adapter.dtype)
-    use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs
+    stream = adapter.layer_stream
+    # a layer stream copies weights between the layers on the host's schedule: eager scales
+    use_graphs = cuda_graphs and run.device.type == "cuda" and adapter.supports_cuda_graphs and stream is None
     whole_scales = use_graphs and adapter.supports_scale_graphs
     run.cuda_graphs = use_graphs
     ok = False
     try:
         policies.validate(run.info)
         run.kv_slots = policies.kv_slots(run.info)
+        if stream is not None:
+            stream.forget()                            # the weights' CPU copies may have changed since
         adapter.begin(run, conditioning)
         policies.begin(run)
         timer = _ScaleTimer(run.device)
@@ -203,5 +207,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         ok = True
         return GenerationResult(images=images, latent=adapter.latent(run).clone(), stats=run.stats)
     finally:
+        if stream is not None and not ok:
+            stream.release()                           # every block back on its CPU copy
         adapter.end(run, keep_workspace=keep_workspace and ok)
         trim_host_heap(run.device)      # CPU: this call's freed activations back to the OS (engine/memory.py)

@@ -234,7 +234,7 @@ class FlexVARAdapter(VARAdapter):
         labels_B = cond.class_labels.to(self.device, torch.long)
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))     # (2B, D)
         ws.sos_R1C.copy_(cond_RD.unsqueeze(1) + m.pos_start + ws.pos_1LC[:, :1])
-        ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
+        ws.ada_NR6C.copy_(m.block_adaln(cond_RD, self.streamed_blocks()))
         ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.kv.reset()
         run.model_state.update(llamagen_cfg=cond.llamagen_cfg, max_pn=int(cond.max_pn))

@@ -635,7 +635,7 @@ class HARTAdapter(ModelAdapter):
             ws.weights = weights if versioned else None
         if refresh or pooled is not None:                  # with AdaLN they depend on the condition too
             ws.norm_mods = [tuple(ws.hold(("norm_mod", i, j), t) for j, t in enumerate(self._norm_mod(blk, pooled)))
-                            for i, blk in enumerate(m.blocks)]
+                            for i, blk in enumerate(self.streamed_blocks())]
         ws.f_hat.zero_()
         ws.kv.reset()
         if not run.cfg_active:

@@ -19,7 +19,7 @@ the reference gets from autocast).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -237,18 +237,20 @@ class VARTransformer(ModelMixin, ConfigMixin):
     def null_class(self) -> int:
         return self.config.num_classes
 
-    def block_adaln(self, cond_RD: torch.Tensor) -> torch.Tensor:
+    def block_adaln(self, cond_RD: torch.Tensor, blocks: Optional[Iterable[VARBlock]] = None) -> torch.Tensor:
         """Every block's modulation for the condition rows: (depth, R, 6, C) float32, in the order
-        γ1, γ2, 1+s1, 1+s2, b1, b2."""
+        γ1, γ2, 1+s1, 1+s2, b1, b2. ``blocks``: the blocks as the caller walks them (default
+        ``self.blocks``; the adapter's ``streamed_blocks``)."""
         R, C = cond_RD.shape[0], self.config.embed_dim
+        blocks = self.blocks if blocks is None else blocks
         if self.config.shared_aln:
             shared = self.shared_ada_lin(cond_RD).view(R, 6, C)
-            return torch.stack([blk.adaln(shared) for blk in self.blocks])
+            return torch.stack([blk.adaln(shared) for blk in blocks])
         # every block's ada_lin is SiLU then its own Linear: the SiLU once, the products stacked, the
         # "+ 1" of the scales once over all blocks (the per-block path launched ~6 kernels a block)
         act_RD = F.silu(cond_RD)
         ada_NR6C = torch.stack([F.linear(act_RD, blk.ada_lin[1].weight, blk.ada_lin[1].bias)
-                                for blk in self.blocks]).view(len(self.blocks), R, 6, C).float()
+                                for blk in blocks]).view(len(self.blocks), R, 6, C).float()
         ada_NR6C[:, :, 2:4] += 1
         return ada_NR6C
 
@@ -425,7 +427,7 @@ class VARAdapter(ModelAdapter):
         cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
         first_l = self.schedule.tokens(0)
         ws.sos_R1C.copy_(cond_RD.unsqueeze(1).expand(-1, first_l, -1) + m.pos_start + ws.lvl_pos_1LC[:, :first_l])
-        ws.ada_NR6C.copy_(m.block_adaln(cond_RD))
+        ws.ada_NR6C.copy_(m.block_adaln(cond_RD, self.streamed_blocks()))
         ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
         ws.f_hat_BChw.zero_()
         ws.kv.reset()

@@ -27,7 +27,7 @@ from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARP
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
 from ..sparse_ops._backend import resolve_backend
 from .memory import ACTIVATION_BYTES_PER_CHANNEL, MemoryEstimate
-from .offload import BlockStream, ModelOffload, stream_bytes
+from .offload import BlockStream, LayerStream, ModelOffload, layer_stream_bytes, stream_bytes
 from ..sparse_ops.kernels import KERNEL_KINDS
 from .defaults import VAR_DEFAULTS, FamilyDefaults
 
@@ -203,6 +203,7 @@ class AcceleratedPipelineMixin:
         self._interrupt, self._current_scale = False, None
         self._model_offload: Optional[ModelOffload] = None
         self._text_stream: Optional[BlockStream] = None
+        self._layer_stream: Optional[LayerStream] = None
 
     # ---- offload (diffusers' semantics, pipelines/offload.py) ------------------------------------
     def enable_model_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
@@ -219,6 +220,9 @@ class AcceleratedPipelineMixin:
         gpu_id / device: the GPU to run on (diffusers' arguments; default ``cuda:0``). Needs CUDA."""
         gpu = _gpu(gpu_id, device, "enable_model_cpu_offload needs a CUDA GPU to offload from ({}); on the CPU "
                                    "every component already is in CPU memory: leave it out")
+        if self._layer_stream is not None:
+            raise ValueError("enable_model_cpu_offload() while sequential CPU offload is on: call "
+                             "pipe.disable_sequential_cpu_offload() first")
         if self._text_stream is not None:
             raise ValueError("enable_model_cpu_offload() while the text encoder streams: call "
                              "pipe.disable_text_encoder_streaming() first (model offload moves the text encoder too)")
@@ -272,12 +276,64 @@ class AcceleratedPipelineMixin:
     def text_encoder_streaming(self) -> bool:
         return self._text_stream is not None
 
+    def enable_sequential_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
+        """For the smallest cards: keep the transformer blocks' weight matrices (nearly all of its
+        weights) in pinned CPU memory and stream them to the GPU layer by layer as the scale loop
+        runs them — the next layer's copy overlapping the current layer's work — and stream the
+        text encoder's blocks the same way (:meth:`enable_text_encoder_streaming`). The GPU holds
+        two blocks' matrices of each, the rest of the transformer (embeddings, norms, head) and the
+        tokenizer. Every scale copies every block once, so a call is bound by the host-to-device
+        copies; the scales run eagerly (no CUDA graphs). The same pictures as without it.
+
+        diffusers moves every leaf module to the GPU in its ``forward`` through accelerate hooks; the
+        engine never calls the blocks' ``forward``, so the layer loop moves their weights itself.
+
+        gpu_id / device: the GPU to run on (default ``cuda:0``). Needs CUDA; not with model CPU
+        offload. :meth:`disable_sequential_cpu_offload` stops it."""
+        gpu = _gpu(gpu_id, device, "enable_sequential_cpu_offload needs a CUDA GPU to stream to ({}); on the CPU "
+                                   "every weight already is in CPU memory: leave it out")
+        if self._model_offload is not None:
+            raise ValueError("enable_sequential_cpu_offload() while model CPU offload is on: call "
+                             "pipe.disable_model_cpu_offload() first")
+        self.disable_sequential_cpu_offload()
+        self.release_memory()
+        adapter = self.adapter()
+        self._layer_stream = stream = LayerStream(adapter.blocks, gpu)
+        adapter.layer_stream = stream
+        streamed = {id(t) for pairs in stream.host for t, _ in pairs}
+        for name, module in self.components.items():
+            if isinstance(module, torch.nn.Module) and name != "text_encoder":
+                for t in (*module.parameters(), *module.buffers()):
+                    if id(t) not in streamed:
+                        t.data = t.data.to(gpu)
+        self._text_stream_of_offload = False
+        if isinstance(getattr(self, "text_encoder", None), torch.nn.Module) and self._text_stream is None:
+            self.enable_text_encoder_streaming(device=gpu)
+            self._text_stream_of_offload = True        # disable_sequential_cpu_offload stops it too
+        torch.cuda.empty_cache()
+        return self
+
+    def disable_sequential_cpu_offload(self):
+        """Stop it: the streamed weights stay in CPU memory (``pipe.to("cuda")`` moves everything back)."""
+        if self._layer_stream is not None:
+            self._layer_stream.close()
+            self._layer_stream = None
+            if self._adapter is not None:
+                self._adapter.layer_stream = None
+            if self._text_stream_of_offload:
+                self.disable_text_encoder_streaming()
+        return self
+
+    @property
+    def sequential_cpu_offload(self) -> bool:
+        return self._layer_stream is not None
+
     def _buffer_bytes(self) -> int:
         """GPU bytes held for weights outside the components' parameters: model offload's weight buffer
-        and the text encoder stream's two slots (between calls the parameters point at CPU memory)."""
-        offload = self._model_offload.buffer if self._model_offload is not None else None
-        stream = self._text_stream.slots if self._text_stream is not None else None
-        return sum(t.numel() for t in (offload, stream) if t is not None)
+        and the streams' two slots (between calls the parameters point at CPU memory)."""
+        held = [s.buffer if s is self._model_offload else s.slots
+                for s in (self._model_offload, self._text_stream, self._layer_stream) if s is not None]
+        return sum(t.numel() for t in held if t is not None)
 
     def _offload_groups(self) -> list[tuple[str, ...]]:
         """The sets of components model offload loads together: the loop's (the others load alone)."""
@@ -292,34 +348,37 @@ class AcceleratedPipelineMixin:
         raise NotImplementedError
 
     def _memory_tries(self, gpu: Optional[bool] = None) -> list:
-        """(how to enable it, the policies, model offload, text encoder streaming) of each memory
-        setting this pipeline lacks, in the order :meth:`enable_low_vram` tries them: those that keep
-        the pictures first (text encoder streaming, then model offload, which copies every weight at
-        every call), then the ScaleKV preset (where the enabled policies can take it) alone and
-        with each of them. ``gpu``: whether the pipeline runs on a GPU (default: where it is now)."""
+        """(how to enable it, the policies, the placement: ``estimate_memory``'s offload arguments) of
+        each memory setting this pipeline lacks, in the order :meth:`enable_low_vram` tries them:
+        those that keep the pictures first (text encoder streaming, then model offload, which copies
+        every weight at every call), then the ScaleKV preset (where the enabled policies can take it)
+        alone and with each of them, and last sequential CPU offload (the same pictures, but every
+        weight copied at every scale) alone and with ScaleKV. ``gpu``: whether the pipeline runs on
+        a GPU (default: where it is now)."""
         stack = list(self._policies)
         names = {p.name for p in stack}
         if gpu is None:
             gpu = self.adapter().device.type == "cuda" or self.model_cpu_offload or self.text_encoder_streaming
-        free = gpu and not self.model_cpu_offload
-        stream = [("pipe.enable_text_encoder_streaming()", stack, None, True)] if free and \
+        free = gpu and not self.model_cpu_offload and not self.sequential_cpu_offload
+        stream = [("pipe.enable_text_encoder_streaming()", stack, dict(text_encoder_streaming=True))] if free and \
             isinstance(getattr(self, "text_encoder", None), torch.nn.Module) and not self.text_encoder_streaming else []
-        offload = [("pipe.enable_model_cpu_offload()", stack, True, False)] if free and not self.text_encoder_streaming \
-            else []
+        offload = [("pipe.enable_model_cpu_offload()", stack, dict(model_cpu_offload=True, text_encoder_streaming=False))] \
+            if free and not self.text_encoder_streaming else []
+        sequential = [("pipe.enable_sequential_cpu_offload()", stack, dict(sequential_cpu_offload=True))] if free else []
         if "scalekv" in names or names & set(ScaleKVPolicy.incompatible):
-            return stream + offload
+            return stream + offload + sequential
         kept = stack + [ScaleKVPolicy(self.scalekv_preset)]
-        return stream + offload + [("pipe.enable_scalekv() / --scalekv", kept, None, None)] + \
-            [(f"{text} + pipe.enable_scalekv()", kept, o, t) for text, _, o, t in stream + offload]
+        return stream + offload + [("pipe.enable_scalekv() / --scalekv", kept, {})] + \
+            [(f"{text} + pipe.enable_scalekv()", kept, how) for text, _, how in stream + offload] + \
+            sequential + [(f"{text} + pipe.enable_scalekv()", kept, how) for text, _, how in sequential]
 
     def memory_options(self, batch_size: int, height: Optional[int] = None, width: Optional[int] = None,
                        available: int = 0) -> list[str]:
         """The memory settings this pipeline lacks whose :meth:`estimate_memory` of such a call fits in
         ``available`` bytes (see :meth:`_memory_tries`); each as "how to enable it (estimated peak)"."""
         out = []
-        for text, policies, offload, streaming in self._memory_tries():
-            est = self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
-                                       text_encoder_streaming=streaming)
+        for text, policies, how in self._memory_tries():
+            est = self.estimate_memory(batch_size, height, width, policies=policies, **how)
             if est.fits(available):
                 out.append(f"{text} ({_gb(est.peak_bytes)})")
         return out
@@ -332,10 +391,11 @@ class AcceleratedPipelineMixin:
         allocator's reserve) fits ``available`` bytes (default: all this process may hold there, the
         pipeline's own weights included); else the first of text encoder streaming and model CPU
         offload (the same pictures; each prompt copies the text encoder's blocks / each call every
-        weight), the ScaleKV preset (its compressed cache changes the pictures) and ScaleKV with
-        either, whose estimate fits. A pipeline still in CPU memory (load it there for a card that
-        cannot hold it whole) goes to ``device`` as the choice needs: whole, all but the text
-        encoder's blocks, or under offload. Returns what it enabled; a ValueError with the estimate
+        weight), the ScaleKV preset (its compressed cache changes the pictures), ScaleKV with
+        either, and last sequential CPU offload (the same pictures, slowest: every weight copied at
+        every scale) alone and with ScaleKV, whose estimate fits. A pipeline still in CPU memory (load
+        it there for a card that cannot hold it whole) goes to ``device`` as the choice needs: whole,
+        all but the streamed blocks, or under offload. Returns what it enabled; a ValueError with the estimate
         when nothing fits. The reserve is that of PyTorch's allocator with expandable segments
         (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), which small cards want."""
         here = self._execution_device if self.model_cpu_offload else self.adapter().device
@@ -355,22 +415,26 @@ class AcceleratedPipelineMixin:
             raise ValueError(f"enable_low_vram(available={available!r}): give the bytes the device has for this "
                              f"pipeline, an int >= 0, or leave it out (what the device has)")
         est = self.estimate_memory(batch_size, height, width, **layout)
-        tries = [(None, list(self._policies), None, None)] + self._memory_tries(gpu=target.type == "cuda")
-        for text, policies, offload, streaming in tries:
-            if self.estimate_memory(batch_size, height, width, policies=policies, model_cpu_offload=offload,
-                                    text_encoder_streaming=streaming, **layout).reserved_bytes > available:
+        tries = [(None, list(self._policies), {})] + self._memory_tries(gpu=target.type == "cuda")
+        for text, policies, how in tries:
+            if self.estimate_memory(batch_size, height, width, policies=policies, **how,
+                                    **layout).reserved_bytes > available:
                 continue
             done = []
-            if streaming:
+            if how.get("sequential_cpu_offload"):
+                self.enable_sequential_cpu_offload(device=target)
+                done.append("sequential CPU offload")
+            elif how.get("text_encoder_streaming"):
                 for name, module in self.components.items():
                     if isinstance(module, torch.nn.Module) and name != "text_encoder":
                         module.to(target)
                 self.enable_text_encoder_streaming(device=target)
                 done.append("text encoder streaming")
-            elif offload:
+            elif how.get("model_cpu_offload"):
                 self.enable_model_cpu_offload(device=target)
                 done.append("model CPU offload")
-            elif target.type != "meta" and not self.model_cpu_offload and not self.text_encoder_streaming and any(
+            elif target.type != "meta" and not self.model_cpu_offload and not self.text_encoder_streaming and \
+                    not self.sequential_cpu_offload and any(
                     p.device != target for m in self.components.values() if isinstance(m, torch.nn.Module)
                     for p in m.parameters()):
                 self.to(target)                # the components not there yet (meta: an estimate-only pipeline)
@@ -380,20 +444,22 @@ class AcceleratedPipelineMixin:
             return done
         raise ValueError(f"{batch_size} image(s) at this size need {est} with this pipeline's settings, and "
                          f"{_gb(available)} is available on {target.type}; none of text encoder streaming, model CPU "
-                         f"offload, ScaleKV or ScaleKV with either would fit: lower batch_size or the size")
+                         f"offload, ScaleKV, sequential CPU offload or ScaleKV with any of them would fit: lower batch_size or "
+                         f"the size")
 
     def estimate_memory(self, batch_size: int = 1, height: Optional[int] = None, width: Optional[int] = None,
                         policies: Optional[Sequence[Policy]] = None,
                         model_cpu_offload: Optional[bool] = None, text_encoder_streaming: Optional[bool] = None,
-                        **layout) -> MemoryEstimate:
+                        sequential_cpu_offload: Optional[bool] = None, **layout) -> MemoryEstimate:
         """The GPU memory a call of ``batch_size`` images at ``height`` × ``width`` (the family's
         default size when left out) will need, before it starts: by phase (prompt, scale loop,
         decode), the weights on the device (all of them, or under model offload the phase's), the
         KV cache (exact, with the policies' compression: ``policies`` or the enabled ones), the
         loop's activations (estimated) and the decoder's. ``.peak_bytes`` grows with the batch;
         ``str()`` names the peak phase and its parts. ``model_cpu_offload``: estimate as if offload
-        were on (True) or off (False); default as it is; ``text_encoder_streaming`` likewise. ``layout``: the family's other size
-        arguments (FlexVAR: ``patch_nums``)."""
+        were on (True) or off (False); default as it is; ``text_encoder_streaming`` and
+        ``sequential_cpu_offload`` likewise. ``layout``: the family's other size arguments (FlexVAR:
+        ``patch_nums``)."""
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         schedule, parts = self._memory_layout(int(batch_size), height, width, **layout)
@@ -408,9 +474,17 @@ class AcceleratedPipelineMixin:
         weights = {k: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
                    for k, m in self.components.items() if isinstance(m, torch.nn.Module)}
         offload = self.model_cpu_offload if model_cpu_offload is None else bool(model_cpu_offload)
-        streaming = self.text_encoder_streaming if text_encoder_streaming is None else bool(text_encoder_streaming)
+        sequential = self.sequential_cpu_offload if sequential_cpu_offload is None else bool(sequential_cpu_offload)
+        streaming = sequential or (self.text_encoder_streaming if text_encoder_streaming is None
+                                   else bool(text_encoder_streaming))
+        if offload and sequential:
+            raise ValueError("estimate_memory(model_cpu_offload=True, sequential_cpu_offload=True): the two cannot "
+                             "be on together; estimate one of them")
         if streaming and not offload and "text_encoder" in weights:     # two blocks and the embeddings
             weights["text_encoder"] = stream_bytes(self.text_encoder)
+        if sequential:                 # the blocks' matrices: two at a time
+            away, slots = layer_stream_bytes(adapter.blocks)
+            weights["transformer"] += slots - away
 
         if offload:                    # every phase: the weight buffer the components take turns in
             buffer = max([sum(weights.get(k, 0) for k in g) for g in self._offload_groups()] + list(weights.values()))
@@ -456,6 +530,9 @@ class AcceleratedPipelineMixin:
             raise ValueError(f"to({what}) while model CPU offload is on (it keeps the components' weights in CPU "
                              f"memory and moves each to the GPU while it runs); call "
                              f"pipe.disable_model_cpu_offload() first")
+        if getattr(self, "_layer_stream", None) is not None:
+            raise ValueError(f"to({what}) while sequential CPU offload is on (it keeps the transformer blocks' "
+                             f"weights in CPU memory); call pipe.disable_sequential_cpu_offload() first")
         if getattr(self, "_text_stream", None) is not None:
             raise ValueError(f"to({what}) while the text encoder streams (its blocks stay in CPU memory); call "
                              f"pipe.disable_text_encoder_streaming() first")
@@ -802,6 +879,9 @@ class AcceleratedPipelineMixin:
         with the progress bar and ``callback_on_step_end``; post-process into the family's output."""
         self._load_component(*self.LOOP_COMPONENTS)
         adapter = self.adapter()
+        if self._layer_stream is not None and adapter.layer_stream is not self._layer_stream:
+            raise ValueError("the transformer was replaced after enable_sequential_cpu_offload(): call "
+                             "pipe.disable_sequential_cpu_offload() and enable it again")
         graphs = adapter.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._interrupt = False
         settings = SamplingSettings(guidance_scale=float(guidance_scale), top_k=int(top_k), top_p=float(top_p))
@@ -854,6 +934,8 @@ class AcceleratedPipelineMixin:
             self._model_offload.release()
         if self._text_stream is not None:
             self._text_stream.release()
+        if self._layer_stream is not None:
+            self._layer_stream.release()
 
     @staticmethod
     def _postprocess(x: torch.Tensor, output_type: str):

@@ -110,12 +110,24 @@ class ModelOffload:
 def _blocks_of(module: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
     """The module's largest ``ModuleList`` by parameter count: a text encoder's layers (T5's
     ``encoder.block``, Qwen2's ``layers``)."""
-    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
 def _tensors(module: torch.nn.Module) -> list:
     return [*module.parameters(), *module.buffers()]
+
+
+def _linear_weights(block: torch.nn.Module) -> list:
+    """The weight matrices of a block's ``nn.Linear`` layers: what a layer stream moves (its vectors,
+    norms and gains stay on the device)."""
+    return [m.weight for m in block.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _slot_bytes(groups) -> int:
+    """One slot's bytes: the largest group of tensors, each 256-byte aligned."""
+    return _round_up(max((sum(_round_up(t.numel() * t.element_size(), ALIGN) for t in g) for g in groups),
+                         default=0), SEGMENT)
 
 
 def stream_bytes(module: torch.nn.Module) -> int:
@@ -124,50 +136,41 @@ def stream_bytes(module: torch.nn.Module) -> int:
     blocks = _blocks_of(module)
     inside = {id(t) for t in _tensors(blocks)} if blocks is not None else set()
     rest = sum(t.numel() * t.element_size() for t in _tensors(module) if id(t) not in inside)
-    block = max((sum(_round_up(t.numel() * t.element_size(), ALIGN) for t in _tensors(b)) for b in blocks),
-                default=0) if blocks is not None else 0
-    return rest + 2 * _round_up(block, SEGMENT)
+    return rest + 2 * (_slot_bytes([_tensors(b) for b in blocks]) if blocks is not None else 0)
 
 
-class BlockStream:
-    """A module (a text encoder) whose blocks live in pinned CPU memory and stream to ``device`` as its
-    ``forward`` reaches them; the rest of it (embeddings, final norm) stays on ``device``.
+def layer_stream_bytes(blocks: Sequence[torch.nn.Module]) -> tuple[int, int]:
+    """(bytes a :class:`LayerStream` of ``blocks`` keeps off the device, bytes of its two slots)."""
+    groups = [_linear_weights(b) for b in blocks]
+    return sum(t.numel() * t.element_size() for g in groups for t in g), 2 * _slot_bytes(groups)
 
-    Two GPU slots take turns: a block's forward pre-hook points its weights at its slot (waiting for
-    that slot's copy) and starts copying the next block into the other slot on a copy stream, which
-    first waits until the block that last used that slot has run; the forward hook points the
-    weights back at the CPU. So the copy of block i + 1 overlaps the work of block i, and the GPU
-    holds two blocks at a time (:func:`stream_bytes`)."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device):
-        self.device = torch.device(device)
-        self.blocks = _blocks_of(module)
-        if self.blocks is None:
-            raise ValueError(f"{type(module).__name__} has no list of blocks to stream")
-        inside = {id(t) for t in _tensors(self.blocks)}
-        for t in _tensors(module):
-            if id(t) not in inside:
-                t.data = t.data.to(self.device)
-        self.host = []                                     # per block: [(tensor whose .data is swapped, pinned copy)]
-        for block in self.blocks:
+class _SlotStream:
+    """Groups of tensors (one per block) kept in pinned CPU memory and put on ``device`` one group at a
+    time through two GPU slots that take turns: :meth:`enter` points group i's tensors at its slot
+    (waiting for that slot's copy) and starts copying the next group into the other slot on a copy
+    stream, which first waits until the group that last used that slot has run; :meth:`leave` points
+    them back at the CPU. So the copy of group i + 1 overlaps the work of group i, and the device
+    holds two groups at a time. ``cyclic``: after the last group the first is fetched again (a
+    transformer's layers run once per scale)."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device, cyclic: bool):
+        self.device, self.cyclic = torch.device(device), cyclic
+        self.host = []                                     # per group: [(tensor whose .data is swapped, pinned copy)]
+        for g in groups:
             pairs = []
-            for t in _tensors(block):
+            for t in g:
                 pinned = t.data.to("cpu").pin_memory()
                 pairs.append((t, pinned))
                 t.data = pinned
             self.host.append(pairs)
-        self.slot_bytes = _round_up(max(sum(_round_up(p.numel() * p.element_size(), ALIGN) for _, p in pairs)
-                                        for pairs in self.host), SEGMENT)
-        self.views: Optional[list] = None                  # per block: its tensors' views into its slot
+        self.slot_bytes = _slot_bytes([[p for _, p in pairs] for pairs in self.host])
+        self.views: Optional[list] = None                  # per group: its tensors' views into its slot
         self.slots: Optional[torch.Tensor] = None          # (2, slot_bytes) uint8
         self.copy_stream = torch.cuda.Stream(self.device)
-        self.holds = [-1, -1]                              # the block whose copy each slot holds (or is getting)
+        self.holds = [-1, -1]                              # the group whose copy each slot holds (or is getting)
         self.copied: list = [None, None]                   # per slot: event after its copy
-        self.used: list = [None, None]                     # per slot: event after the last block that read it
-        self.handles = []
-        for i, block in enumerate(self.blocks):
-            self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._before(i)))
-            self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._after(i)))
+        self.used: list = [None, None]                     # per slot: event after the last group that read it
 
     def _allocate(self) -> None:
         self.slots = torch.empty(2, self.slot_bytes, dtype=torch.uint8, device=self.device)
@@ -182,7 +185,7 @@ class BlockStream:
             self.views.append(views)
 
     def _copy(self, i: int) -> None:
-        """Start copying block ``i`` into its slot, once the block that last read the slot has run."""
+        """Start copying group ``i`` into its slot, once the group that last read the slot has run."""
         k = i % 2
         with torch.cuda.stream(self.copy_stream):
             if self.used[k] is not None:
@@ -193,7 +196,8 @@ class BlockStream:
             self.copied[k].record(self.copy_stream)
         self.holds[k] = i
 
-    def _before(self, i: int) -> None:
+    def enter(self, i: int) -> None:
+        """Group ``i``'s tensors on the device (work queued after this reads them)."""
         if self.slots is None:
             self._allocate()
         k = i % 2
@@ -202,19 +206,27 @@ class BlockStream:
         torch.cuda.current_stream(self.device).wait_event(self.copied[k])
         for (t, _), view in zip(self.host[i], self.views[i]):
             t.data = view
-        if i + 1 < len(self.blocks) and self.holds[(i + 1) % 2] != i + 1:
-            self._copy(i + 1)
+        n = len(self.host)
+        j = (i + 1) % n if self.cyclic else i + 1
+        if j < n and j % 2 != k and self.holds[j % 2] != j:     # (an odd count's wrap shares i's slot: not yet)
+            self._copy(j)
 
-    def _after(self, i: int) -> None:
+    def leave(self, i: int) -> None:
+        """Group ``i``'s tensors back on their CPU copies (its slot is free once the work queued so far
+        has run)."""
         k = i % 2
         self.used[k] = torch.cuda.Event()
         self.used[k].record(torch.cuda.current_stream(self.device))
         for t, pinned in self.host[i]:
             t.data = pinned
 
+    def forget(self) -> None:
+        """Copy every group again at its next :meth:`enter` (its CPU copy may have changed)."""
+        self.holds = [-1, -1]
+
     def release(self) -> None:
-        """Free the two slots (the next forward allocates them again); every block back on its CPU copy,
-        also after a forward that raised between a block's hooks."""
+        """Free the two slots (the next :meth:`enter` allocates them again); every group back on its CPU
+        copy, also after work that raised between an enter and its leave."""
         self.copy_stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
         for pairs in self.host:
@@ -223,9 +235,47 @@ class BlockStream:
         self.slots, self.views, self.holds = None, None, [-1, -1]
         self.copied, self.used = [None, None], [None, None]
 
+
+class BlockStream(_SlotStream):
+    """A module (a text encoder) whose blocks live in pinned CPU memory and stream to ``device`` as its
+    ``forward`` reaches them (a forward pre-hook enters a block, a forward hook leaves it); the rest
+    of it (embeddings, final norm) stays on ``device``. The GPU holds two blocks at a time
+    (:func:`stream_bytes`)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        blocks = _blocks_of(module)
+        if blocks is None:
+            raise ValueError(f"{type(module).__name__} has no list of blocks to stream")
+        inside = {id(t) for t in _tensors(blocks)}
+        for t in _tensors(module):
+            if id(t) not in inside:
+                t.data = t.data.to(device)
+        super().__init__([_tensors(b) for b in blocks], device, cyclic=False)
+        self.blocks = blocks
+        self.handles = []
+        for i, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self.enter(i)))
+            self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self.leave(i)))
+
     def close(self) -> None:
         """Stop streaming: the hooks go; the blocks stay in (pinned) CPU memory, the rest on the device."""
         self.release()
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+class LayerStream(_SlotStream):
+    """A transformer whose blocks' linear weights (nearly all of its weights) live in pinned CPU
+    memory and stream to ``device`` layer by layer as the engine runs them (engine/layers.py enters
+    and leaves each layer; a family's ``begin`` walks its blocks through
+    :meth:`~..engine.adapter.ModelAdapter.each_block`); everything else of the transformer — the
+    blocks' vectors and norms, embeddings, head — stays on ``device``. The GPU holds two blocks'
+    matrices at a time (:func:`layer_stream_bytes`); each scale copies every block once."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device):
+        super().__init__([_linear_weights(b) for b in blocks], device, cyclic=True)
+
+    def close(self) -> None:
+        """Stop streaming: the matrices stay in (pinned) CPU memory."""
+        self.release()

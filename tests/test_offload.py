@@ -17,6 +17,14 @@ def test_offload_without_a_gpu_is_refused_in_one_line():
     assert not pipe.model_cpu_offload
 
 
+def test_sequential_offload_without_a_gpu_is_refused_in_one_line():
+    pipe = InfinityPipeline.from_random("infinity-tiny")
+    with pytest.raises(ValueError, match="enable_sequential_cpu_offload needs a CUDA GPU to stream to .*device='cpu'"):
+        pipe.enable_sequential_cpu_offload(device="cpu")
+    assert not pipe.sequential_cpu_offload and not pipe.text_encoder_streaming
+    assert all(not p.is_pinned() for p in pipe.transformer.parameters())
+
+
 def test_text_encoder_streaming_is_refused_without_a_gpu_or_a_text_encoder():
     with pytest.raises(ValueError, match=r"enable_text_encoder_streaming\(\): VARPipeline has no text encoder"):
         VARPipeline.from_random("var-tiny").enable_text_encoder_streaming()
@@ -174,6 +182,92 @@ def test_low_vram_places_a_pipeline_loaded_on_the_cpu_as_its_choice_needs():
                              output_type="pt").images, images)
 
 
+def _linear_weights(pipe) -> list:
+    return [m.weight for b in pipe.adapter().blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _family(name: str):
+    """(a tiny pipeline of family ``name`` on the GPU in bf16, a seeded call of it)."""
+    from sparsevar import FlexVARPipeline, HARTPipeline
+    if name == "infinity":
+        pipe = _infinity_with_t5_layers(3)
+        args = dict(prompt=["w3 w4 w5", "w9 w10"], height=256, width=256)
+    else:
+        cls, args = {"var": (VARPipeline, dict(class_labels=[1, 7])),
+                     "flexvar": (FlexVARPipeline, dict(class_labels=[3, 5])),
+                     "hart": (HARTPipeline, dict(prompt=["w3 w4", "w5"]))}[name]
+        pipe = cls.from_random(device="cuda", dtype=torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+
+    def call(**kw):
+        return pipe(**args, generator=torch.Generator("cuda").manual_seed(0), output_type="pt", **kw).images
+    return pipe, call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["var", "flexvar", "infinity", "hart"])
+def test_sequential_offload_keeps_the_pictures_and_holds_two_blocks(family):
+    """The blocks' matrices live in pinned CPU memory and visit the GPU two at a time during the
+    scale loop (and the text encoder's blocks during the prompt); the pictures are those of the
+    pipeline kept on the GPU (replayed from CUDA graphs there, eager here)."""
+    from sparsevar.pipelines.offload import ALIGN, SEGMENT
+    pipe, call = _family(family)
+    resident = call()
+    matrices = _linear_weights(pipe)
+    matrix_bytes = sum(w.nbytes for w in matrices)
+    total = _weights(pipe.transformer)
+    before = torch.cuda.memory_allocated()
+    pipe.enable_sequential_cpu_offload()
+    assert pipe.sequential_cpu_offload and pipe.text_encoder_streaming == (family in ("infinity", "hart"))
+    assert all(w.device.type == "cpu" and w.is_pinned() for w in matrices)
+    assert all(p.device.type == "cuda" for p in pipe.transformer.parameters() if all(p is not w for w in matrices))
+    assert before - torch.cuda.memory_allocated() >= matrix_bytes          # (and the text encoder's blocks)
+    first, second = call(), call()
+    assert torch.equal(first, resident) and torch.equal(second, resident)
+    assert all(w.device.type == "cpu" for w in matrices)                   # back after the call
+    largest = max(sum(-(-m.weight.nbytes // ALIGN) * ALIGN for m in b.modules() if isinstance(m, torch.nn.Linear))
+                  for b in pipe.adapter().blocks)
+    slot = pipe._layer_stream.slot_bytes
+    assert largest <= slot < largest + SEGMENT and pipe._layer_stream.slots.numel() == 2 * slot
+    est = pipe.estimate_memory(2, **({"height": 256, "width": 256} if family == "infinity" else {}))
+    assert est.phases["scale loop"]["transformer weights"] == total - matrix_bytes + 2 * slot
+    with pytest.raises(ValueError, match="while sequential CPU offload is on"):
+        pipe.to("cuda")
+    with pytest.raises(ValueError, match=r"enable_model_cpu_offload\(\) while sequential CPU offload is on"):
+        pipe.enable_model_cpu_offload()
+    pipe.disable_sequential_cpu_offload()
+    assert not pipe.text_encoder_streaming
+    pipe.to("cuda")
+    assert torch.equal(call(), resident)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_layer_stream_enters_each_group_with_its_own_values_pass_after_pass(count):
+    """Groups of tensors entered in turn, several passes over an odd or even count (the last group and
+    the first share a slot when the count is odd): each enter sees its own group's values, also
+    with a long kernel queued before every read, and after a leave the tensors are the CPU copies."""
+    from sparsevar.pipelines.offload import _SlotStream
+    g = torch.Generator().manual_seed(0)
+    groups = [[torch.randn(512, 256 + 64 * i, generator=g), torch.randn(1000 + i, generator=g)] for i in range(count)]
+    expected = [sum(float(t.double().sum()) for t in grp) for grp in groups]
+    stream = _SlotStream(groups, "cuda", cyclic=True)
+    busy = torch.randn(2048, 2048, device="cuda")
+    sums = []
+    for _ in range(3):
+        for i, grp in enumerate(groups):
+            stream.enter(i)
+            for _ in range(4):
+                busy = busy @ busy / 50                                  # keeps the GPU behind the host
+            sums.append(sum(t.double().sum() for t in grp))
+            stream.leave(i)
+            assert all(t.device.type == "cpu" for t in grp)
+    got = [float(s) for s in sums]
+    assert got == pytest.approx(expected * 3, rel=1e-9)
+    stream.release()
+    assert stream.slots is None
+
+
 # ---- estimate_memory (pipelines/memory.py) ------------------------------------------------------------
 def _weights(module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
@@ -253,6 +347,24 @@ def _infinity_2b_on_meta():
                             vae=torch.nn.Module.to(vae, torch.bfloat16), text_encoder=t5, tokenizer=tokenizer)
 
 
+def test_sequential_estimate_holds_two_blocks_of_matrices():
+    """Infinity-2B: each block's linear layers are 16·C² weights (qkv 3, proj 1, cross q 1, kv 2, proj 1,
+    FFN 4 + 4), in bf16 268 MB for C = 2048; under sequential offload two of them (slot-rounded) stay."""
+    pipe = _infinity_2b_on_meta()
+    C, depth = 2048, 32
+    block = 16 * C * C * 2
+    dense = pipe.estimate_memory(1, 1024, 1024)
+    seq = pipe.estimate_memory(1, 1024, 1024, sequential_cpu_offload=True)
+    slot = -(-block // (2 << 20)) * (2 << 20)
+    assert dense.phases["scale loop"]["transformer weights"] - seq.phases["scale loop"]["transformer weights"] == \
+        depth * block - 2 * slot
+    from sparsevar.pipelines.offload import stream_bytes
+    assert seq.phases["prompt"]["text_encoder weights"] == stream_bytes(pipe.text_encoder)
+    assert seq.peak_bytes < pipe.estimate_memory(1, 1024, 1024, text_encoder_streaming=True).peak_bytes - 3 * 10 ** 9
+    with pytest.raises(ValueError, match="cannot be on together"):
+        pipe.estimate_memory(1, 1024, 1024, sequential_cpu_offload=True, model_cpu_offload=True)
+
+
 def test_low_vram_enables_what_the_estimate_needs_and_nothing_more():
     pipe = _infinity_2b_on_meta()
     dense = pipe.estimate_memory(1, 1024, 1024)
@@ -261,7 +373,7 @@ def test_low_vram_enables_what_the_estimate_needs_and_nothing_more():
     assert dense.phases["scale loop"]["KV cache"] == 32 * 2 * 10521 * (2 * 2048 * 2 + 8)
     assert pipe.enable_low_vram(1, 1024, 1024, available=int(1.3 * dense.peak_bytes)) == []
     assert len(pipe.policies) == 0
-    with pytest.raises(ValueError, match="none of text encoder streaming, model CPU offload, ScaleKV or ScaleKV with either would fit"):
+    with pytest.raises(ValueError, match="none of text encoder streaming, model CPU offload, ScaleKV, sequential CPU offload or ScaleKV with any of them would fit"):
         pipe.enable_low_vram(1, 1024, 1024, available=4 * 10 ** 9)
     # the allocator's reserve: the loop's activations (2 rows × 4096 tokens × 2048 channels × 70 B) once more
     assert dense.reserved_bytes == dense.peak_bytes + 2 * 4096 * 2048 * 70

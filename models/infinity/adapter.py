@@ -4,7 +4,7 @@ BSQ-VAE latent."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ class _InfinityWorkspace(Workspace):
         self.image_buffer: Optional[torch.Tensor] = None   # decoded images of graphed runs (see decode)
         self.graph_inputs = None              # what captured graphs point at (weights, KV cache, text buffers)
 
-    def set_text(self, blocks: Sequence[InfinityBlock], ca_RTC: torch.Tensor, lens: Sequence[int],
+    def set_text(self, blocks: Iterable[InfinityBlock], ca_RTC: torch.Tensor, lens: Sequence[int],
                  absorb: str = "auto") -> None:
         """Compute every layer's text memory from the projected T5 features ``ca_RTC`` (R, T, C) into
         the static buffers; keys past a row's prompt length are masked out.
@@ -258,7 +258,7 @@ class InfinityAdapter(ModelAdapter):
         ada_NR6C = ws.ada_NR6C[:, :R]
         torch.add(ws.ada_gss_N6C[:, None], m.shared_adaln(cond_RD)[None], out=ada_NR6C)
         ada_NR6C[:, :, 2:4] += 1
-        ws.set_text(m.blocks, ca_RTC, text.lens, self.absorb_cross_attention)
+        ws.set_text(self.streamed_blocks(), ca_RTC, text.lens, self.absorb_cross_attention)
         ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
         run.model_state.update(temperature=float(cond.temperature))
         ws.summed_BdHW.zero_()
