@@ -406,10 +406,11 @@ def _load_infinity(args, device, dtype, say):
     if args.var_ckpt:
         raise CLIError("--var-ckpt is a class-conditional VAR file; text prompts need an Infinity model: pass "
                        "--model (Infinity .pth, 8B shard folder or converted folder) --vae-ckpt and --text-encoder")
+    # on a GPU the text encoder runs and the VAE decodes in bfloat16, as the reference does (and the ComfyUI loader)
     te_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model:
         pipe = InfinityPipeline.from_path(args.model, vae=args.vae_ckpt, text_encoder=args.text_encoder, dtype=dtype,
-                                          text_encoder_dtype=te_dtype)
+                                          vae_dtype=te_dtype, text_encoder_dtype=te_dtype)
     else:
         if args.vae_ckpt or args.text_encoder:
             raise CLIError("--vae-ckpt / --text-encoder go with an Infinity transformer: add --model infinity_2b_reg.pth")
@@ -604,10 +605,36 @@ def _process_state(device):
     return PartialState(cpu=device.type != "cuda")
 
 
+def _launch_processes(args) -> int:
+    """``--num-processes N`` on GPUs: the same command under ``accelerate launch`` (N fresh processes,
+    one GPU each). accelerate's in-process launcher forks, and a forked child cannot use CUDA once
+    the parent has asked the driver for its devices, which importing diffusers already does."""
+    import subprocess
+    argv, drop = [], False
+    for a in args.argv:                                  # the command without --num-processes N
+        if drop:
+            drop = False
+        elif a == "--num-processes":
+            drop = True
+        elif not a.startswith("--num-processes="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu",
+           "-m", "sparsevar", *argv]
+    done = subprocess.run(cmd)
+    if done.returncode:
+        raise CLIError(f"--num-processes {args.num_processes}: the processes stopped with status {done.returncode} "
+                       f"(their messages are above)")
+    return 0
+
+
 def _generate_in_process(args) -> None:
     """One of ``--num-processes`` processes (accelerate's launcher): the same command, its share."""
     args.num_processes = None
     cmd_generate(args)
+
+
+IMAGE_WRITERS = 4                 # background threads writing a folder run's images on a GPU
 
 
 def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
@@ -625,8 +652,10 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
                                                  "scalekv", "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
     out = Path(args.out)
+    # on a GPU a 1024² picture is drawn faster than one CPU core encodes its PNG: write in the background
+    writers = min(IMAGE_WRITERS, os.cpu_count() or 1) if device.type == "cuda" else 0
     try:
-        run = FolderRun(out, settings)
+        run = FolderRun(out, settings, writers=writers)
     except ValueError as e:
         raise CLIError(f"--out {out}: {e}") from None
     order = [(j, n) for j in range(args.num) for n in range(len(items))]   # copy-major: a larger --num appends
@@ -644,20 +673,25 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
     todo = todo[state.process_index::state.num_processes]
     bar = tqdm(total=len(todo), unit="image", disable=args.quiet or not state.is_main_process, desc="images")
     t0 = time.perf_counter()
-    for start in range(0, len(todo), batch):
-        part = todo[start:start + batch]
-        idx = [i for i, _ in part]
-        chosen = [items[n] for _, (j, n) in part]
-        seeds = [image_seed(args.seed, i) for i in idx]
-        gens = [torch.Generator(device).manual_seed(s) for s in seeds]
-        res = pipe(**call_for(chosen), num_images_per_prompt=1, generator=gens)
-        st = res.stats[0]
-        stats = {"batch_size": len(part), "scale_loop_ms": round(st.transformer_ms, 3),
-                 "decode_ms": round(st.decode_ms, 3), "tokens_computed": st.tokens_computed, "tokens": st.tokens}
-        rows = [{key: item, "seed": s, "process_index": state.process_index, "batch": stats}
-                for item, s in zip(chosen, seeds)]
-        run.save(idx, res.images, rows, "PNG")
-        bar.update(len(part))
+    try:
+        for start in range(0, len(todo), batch):
+            part = todo[start:start + batch]
+            idx = [i for i, _ in part]
+            chosen = [items[n] for _, (j, n) in part]
+            seeds = [image_seed(args.seed, i) for i in idx]
+            gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+            res = pipe(**call_for(chosen), num_images_per_prompt=1, generator=gens)
+            st = res.stats[0]
+            stats = {"batch_size": len(part), "scale_loop_ms": round(st.transformer_ms, 3),
+                     "decode_ms": round(st.decode_ms, 3), "tokens_computed": st.tokens_computed, "tokens": st.tokens}
+            rows = [{key: item, "seed": s, "process_index": state.process_index, "batch": stats}
+                    for item, s in zip(chosen, seeds)]
+            run.save(idx, res.images, rows, "PNG")
+            bar.update(len(part))
+        run.flush()
+    except BaseException:
+        run.close()                                      # nothing half-written stays
+        raise
     bar.close()
     dt = time.perf_counter() - t0
     state.wait_for_everyone()
@@ -676,7 +710,9 @@ def cmd_generate(args) -> int:
     text = args.prompt is not None
     _check_generate_args(args, text)
     if args.num_processes is not None and args.num_processes > 1:
-        from accelerate import notebook_launcher                # forks: before any model or CUDA context
+        if _device(args.device).type == "cuda":
+            return _launch_processes(args)
+        from accelerate import notebook_launcher                # forks: before any model is loaded
         notebook_launcher(_generate_in_process, (args,), num_processes=args.num_processes)
         return 0
     folder = _folder_out(args.out)
@@ -1369,6 +1405,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command after its clean-up (nothing half-written is left) with status 130 / 143.
     ``SPARSEVAR_DEBUG=1`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)          # the command as given (--num-processes)
     if getattr(args, "low_vram", False) or (args.command == "bench" and getattr(args, "what", None) == "memory"):
         # small cards: segments that grow in place instead of cached blocks of fixed sizes, which a freed
         # KV cache or weight buffer leaves split (read when CUDA starts; a value the user set is kept)

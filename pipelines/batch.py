@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -52,11 +54,19 @@ class FolderRun:
     """One run's folder: ``run.json`` (settings), ``{i:05d}.{ext}`` images, ``manifest.jsonl``.
 
     settings: what fixes the images (model, sampling, acceleration, base seed): JSON values. A folder
-    that already holds a run with other settings raises ValueError naming the field."""
+    that already holds a run with other settings raises ValueError naming the field.
 
-    def __init__(self, folder, settings: dict, ext: str = "png"):
+    writers: encode and write the images on this many background threads (0: in :meth:`save`
+    itself). Encoding a 1024² PNG takes longer on the CPU than drawing it on a GPU; with writers
+    the next batch's generation overlaps the files of the last ones. Call :meth:`flush` at the end
+    (:meth:`close` after an error)."""
+
+    def __init__(self, folder, settings: dict, ext: str = "png", writers: int = 0):
         self.folder, self.settings, self.ext = Path(folder), dict(settings), ext
         self._stale: set = set()                  # manifest rows without their image (found by todo, dropped by start)
+        self._pool = ThreadPoolExecutor(writers, thread_name_prefix="sparsevar-writer") if writers > 0 else None
+        self._limit = 2 * writers                 # images in flight before save waits for the oldest batch
+        self._pending: deque = deque()            # batches being written: (indices, rows, [(tmp, path)], futures)
         run_file = self.folder / RUN_FILE
         if run_file.is_file():
             saved = json.loads(run_file.read_text())
@@ -112,18 +122,68 @@ class FolderRun:
 
     def save(self, indices: Sequence[int], images: Sequence, rows: Iterable[dict], fmt: str) -> None:
         """Write the images (each under a temporary name, then renamed), then append their manifest
-        rows in one write; ``rows`` are the per-image records without ``index`` / ``file``."""
-        tmps = []
+        rows in one write; ``rows`` are the per-image records without ``index`` / ``file``. With
+        writers the images are written in the background and their rows appended once all of the
+        batch's images are on disk (at a later ``save``, or at :meth:`flush`); ``save`` waits while
+        more than twice as many images as writers are in flight."""
+        tmps = [(self.path(i).with_name(f".{self.path(i).name}.tmp"), self.path(i)) for i in indices]
+        rows = list(rows)
+        if self._pool is None:
+            try:
+                for img, (tmp, _) in zip(images, tmps):
+                    img.save(tmp, format=fmt)
+            except BaseException:
+                self._discard(tmps)
+                raise
+            self._finish(indices, rows, tmps)
+            return
+        futures = [self._pool.submit(img.save, tmp, format=fmt) for img, (tmp, _) in zip(images, tmps)]
+        self._pending.append((list(indices), rows, tmps, futures))
+        while sum(len(b[0]) for b in self._pending) > self._limit:
+            self._complete_oldest()
+        while self._pending and all(f.done() for f in self._pending[0][3]):
+            self._complete_oldest()
+
+    def flush(self) -> None:
+        """Wait for the images in the background and append their rows."""
+        while self._pending:
+            self._complete_oldest()
+
+    def close(self) -> None:
+        """Stop the writers after an error or an interrupt: what is not on disk yet is dropped (no
+        temporary file stays, no row is appended; a rerun draws those images again)."""
+        if self._pool is None:
+            return
+        for *_, futures in self._pending:
+            for f in futures:
+                f.cancel()
+        self._pool.shutdown(wait=True)
+        while self._pending:
+            self._discard(self._pending.popleft()[2])
+
+    def _complete_oldest(self) -> None:
+        indices, rows, tmps, futures = self._pending[0]
         try:
-            for i, img in zip(indices, images):
-                p = self.path(i)
-                tmps.append((p.with_name(f".{p.name}.tmp"), p))
-                img.save(tmps[-1][0], format=fmt)
+            for f in futures:
+                f.result()
+        except BaseException:
+            self.close()
+            raise
+        self._pending.popleft()
+        self._finish(indices, rows, tmps)
+
+    @staticmethod
+    def _discard(tmps) -> None:
+        for tmp, _ in tmps:
+            tmp.unlink(missing_ok=True)
+
+    def _finish(self, indices, rows, tmps) -> None:
+        """Rename a batch's written images into place, then append its rows in one write."""
+        try:
             for tmp, p in tmps:
                 os.replace(tmp, p)
         except BaseException:
-            for tmp, _ in tmps:
-                tmp.unlink(missing_ok=True)
+            self._discard(tmps)
             raise
         lines = [json.dumps({"index": int(i), "file": self.path(i).name, **row}) + "\n" for i, row in zip(indices, rows)]
         with open(self.folder / MANIFEST, "a") as f:             # one write: appends of several processes stay whole

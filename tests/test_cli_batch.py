@@ -55,6 +55,44 @@ def test_folder_run_writes_numbered_images_and_resumes(tmp_path, capsys, tiny):
     assert (out / "00000.png").stat().st_mtime_ns == stamps["00000.png"]
 
 
+class _Fails:
+    """A picture whose encoding fails (a full disk, a bad image) once its turn comes."""
+
+    def save(self, path, format=None):
+        raise OSError(28, "No space left on device")
+
+
+def test_background_writers_write_what_save_writes_and_leave_nothing_after_a_failure(tmp_path):
+    from sparsevar.pipelines.batch import FolderRun
+    rng = np.random.default_rng(0)
+    pictures = [PIL.Image.fromarray(rng.integers(0, 256, (64, 48, 3), dtype=np.uint8)) for _ in range(7)]
+    batches = [[0, 1, 2], [3, 4], [5, 6]]
+    for folder, writers in ((tmp_path / "sync", 0), (tmp_path / "bg", 3)):
+        run = FolderRun(folder, {"seed": 0}, writers=writers)
+        run.start()
+        for idx in batches:
+            run.save(idx, [pictures[i] for i in idx], [{"class": i % 3} for i in idx], "PNG")
+        run.flush()
+        run.close()
+    for i in range(7):
+        assert (tmp_path / "bg" / f"0000{i}.png").read_bytes() == (tmp_path / "sync" / f"0000{i}.png").read_bytes()
+    assert sorted(r["index"] for r in _rows(tmp_path / "bg")) == list(range(7))
+    assert sorted(map(json.dumps, _rows(tmp_path / "bg"))) == sorted(map(json.dumps, _rows(tmp_path / "sync")))
+    # a failing image: its batch and the ones after it leave no file, no temporary file and no row
+    run = FolderRun(tmp_path / "f", {"seed": 0}, writers=2)
+    run.start()
+    run.save([0, 1], pictures[:2], [{}, {}], "PNG")
+    run.flush()
+    with pytest.raises(OSError, match="No space left"):
+        run.save([2, 3], [pictures[2], _Fails()], [{}, {}], "PNG")
+        run.save([4, 5], pictures[4:6], [{}, {}], "PNG")
+        run.flush()
+    run.close()
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["00000.png", "00001.png", "manifest.jsonl",
+                                                                    "run.json"]
+    assert [r["index"] for r in _rows(tmp_path / "f")] == [0, 1]
+
+
 def test_images_do_not_depend_on_the_batch_size(tmp_path, tiny):
     """Each image draws from its own seed (base seed, index): batch 1 and batch 4 give the same
     pictures (to one level of 255: batched and single products round differently)."""
