@@ -1012,6 +1012,9 @@ def cmd_bench_observe(args) -> int:
 def cmd_calibrate(args) -> int:
     from .benchmarks.bench_observe import START_CANDIDATES, TAU_CANDIDATES, check_settings, check_taus, run_calibrate
     _device(args.device)
+    if args.drafters is not None and not args.scalekv:
+        raise CLIError(f"--drafters {args.drafters}: the number of ScaleKV drafter layers goes with --scalekv")
+    _at_least(args.drafters, 1, "--drafters", "give the number of drafter layers, 1 or more")
     try:
         check_settings(args.keep, args.scales, args.seeds)
         check_taus(args.taus, args.starts)
@@ -1031,7 +1034,7 @@ def cmd_calibrate(args) -> int:
     run_calibrate(args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, prompts=prompts,
                   device=args.device, write=not args.dry_run,
                   taus=() if args.layer_only else (args.taus or TAU_CANDIDATES),
-                  starts=args.starts or START_CANDIDATES)
+                  starts=args.starts or START_CANDIDATES, drafters=(args.drafters or 0) if args.scalekv else None)
     return 0
 
 
@@ -1324,6 +1327,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--layer-only", action="store_true",
                    help="measure the observed layer only; keep the family's tau and start scale")
     k.add_argument("--dry-run", action="store_true", help="measure and print; leave the folder as it is")
+    k.add_argument("--scalekv", action="store_true",
+                   help="instead: measure ScaleKV's drafter layers (the layers whose whole cache most improves the "
+                        "pictures against dense) and store them (enable_scalekv() then keeps their cache)")
+    k.add_argument("--drafters", type=int, default=None, metavar="N",
+                   help="with --scalekv: how many drafter layers (default: layers / 16, rounded up)")
     k.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="benchmarks: `bench speed` (GPU), `bench memory` (GPU), `bench quality`, `bench observe`, `bench ops` (GPU)")

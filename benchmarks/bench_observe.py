@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -474,14 +475,81 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
             "seeds": seeds, "settings": settings, "front": [list(p) for p in front]}
 
 
-def write_calibration(folder, calibration: dict) -> Path:
-    """Store ``calibration`` (from :func:`calibrate`) in a pipeline folder's ``model_index.json`` under
-    ``sparsevar_calibration`` (replaced atomically; the weights are not touched). Returns the file."""
+def calibrate_drafters(pipe, seeds: int = 8, count: Optional[int] = None, prompts: Optional[Sequence[str]] = None,
+                       config=None, log: Callable[[str], None] = print, **call_kwargs) -> dict:
+    """ScaleKV's drafter layers (the layers that keep their whole cache) measured on ``pipe``'s
+    checkpoint, and set as its ScaleKV calibration (``pipe.scalekv_preset`` uses them;
+    ``save_pretrained`` keeps them; :func:`write_calibration` stores them in a folder).
+
+    For every seed 0..``seeds``−1 (class ``seed % num_classes``, or ``prompts``, one per seed): the
+    dense picture, ScaleKV (``config``, default the pipeline's preset) with no drafter, and ScaleKV
+    with each layer alone as drafter. A layer's gain is its picture's PSNR against dense minus the
+    no-drafter picture's, paired by seed; the ``count`` layers with the largest mean gain (default
+    ceil(layers / 16): the release's 2 of Infinity-2B's 32 layers and 3 of 8B's 40) become the
+    drafters. (The paper found its drafters by how widely a layer's attention spreads; on the demo
+    model that measure ranks first a layer whose full cache gains nothing, so this measures the
+    pictures instead.) Costs seeds × (layers + 2) generations. Returns the calibration."""
+    from ..policies.scalekv import ScaleKVPolicy
+    from .metrics import psnr
+    info = pipe.adapter().model_info()
+    N = info.num_layers
+    count = math.ceil(N / 16) if count is None else count
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count < N:
+        raise ValueError(f"count={count!r}: give the number of drafter layers, an int from 1 to {N - 1}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 2:
+        raise ValueError(f"seeds={seeds!r}: give the number of seeds, an int >= 2 (the gains are paired by seed)")
+    text = not hasattr(pipe, "num_classes")
+    if text and (prompts is None or isinstance(prompts, str) or len(prompts) != seeds):
+        raise ValueError(f"prompts={prompts!r}: a text-to-image pipeline needs a list of one prompt per seed ({seeds})")
+    config = pipe.scalekv_preset if config is None else config
+    if all(k is None for k in ScaleKVPolicy(config)._keep(info.schedule, info.schedule.num_scales)):
+        raise ValueError(f"ScaleKV's settings ({config}) compress no scale of this model's schedule (it never holds "
+                         f"more than min_tokens={config.min_tokens}): there is nothing to calibrate")
+    dev = pipe.adapter().device
+    variants = [()] + [(i,) for i in range(N)]
+    scores = {v: [] for v in variants}
+    for seed in range(seeds):
+        cond = {"prompt": [prompts[seed]]} if text else {"class_labels": [seed % pipe.num_classes]}
+
+        def draw(policies):
+            return pipe(**cond, generator=torch.Generator(dev).manual_seed(seed), output_type="pt",
+                        policies=policies, **call_kwargs).images.float()
+
+        dense = draw([])
+        for v in variants:
+            got = float(psnr(draw([ScaleKVPolicy(replace(config, drafters=v))]), dense)[0])
+            scores[v].append(min(got, IDENTICAL_PSNR_DB))
+        log(f"  seed {seed} done")
+    base = scores[()]
+    gains = {i: mean_ci95([a - b for a, b in zip(scores[(i,)], base)]) for i in range(N)}
+    order = sorted(range(N), key=lambda i: -gains[i][0])
+    chosen = sorted(order[:count])
+    log(f"calibrate --scalekv: {seeds} seeds; PSNR against dense with no drafter {statistics.fmean(base):.2f} dB; "
+        f"gain of each layer as the only drafter (paired, 95 % interval):")
+    for i in range(N):
+        log(f"  layer {i:3d}  {gains[i][0]:+.2f} ± {gains[i][1]:.2f} dB{'   <- drafter' if i in chosen else ''}")
+    calibration = {"drafters": chosen, "measured": {
+        "what": "PSNR against dense of ScaleKV with one layer as the only drafter, minus that with none, paired "
+                "by seed (sparsevar calibrate --scalekv)",
+        "seeds": seeds, "budget": list(config.budget) if isinstance(config.budget, tuple) else config.budget,
+        "no_drafter_psnr_db": round(statistics.fmean(base), 3),
+        "gain_db": {str(i): round(gains[i][0], 3) for i in range(N)},
+        "ci95_db": {str(i): round(gains[i][1], 3) for i in range(N)}}}
+    pipe.set_scalekv_calibration(calibration)
+    return calibration
+
+
+def write_calibration(folder, calibration: dict, key: str = "sparsevar_calibration") -> Path:
+    """Store ``calibration`` (from :func:`calibrate`, or :func:`calibrate_drafters` with ``key``
+    ``"scalekv_calibration"``) in a pipeline folder's ``model_index.json`` (replaced atomically; the
+    weights are not touched). Returns the file."""
     from ..models.loading import read_json_file
+    from ..policies.scalekv import check_scalekv_calibration
     from ..policies.sparsevar import check_calibration
+    check = {"sparsevar_calibration": check_calibration, "scalekv_calibration": check_scalekv_calibration}[key]
     path = Path(folder) / "model_index.json"
     index = read_json_file(path, "pipeline folder")
-    index["sparsevar_calibration"] = check_calibration(calibration)
+    index[key] = check(calibration)
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
@@ -489,11 +557,13 @@ def write_calibration(folder, calibration: dict) -> Path:
 
 def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
                   device: str = "auto", write: bool = True, log: Callable[[str], None] = print,
-                  taus: Optional[Sequence[float]] = TAU_CANDIDATES, starts: Sequence[int] = START_CANDIDATES) -> dict:
+                  taus: Optional[Sequence[float]] = TAU_CANDIDATES, starts: Sequence[int] = START_CANDIDATES,
+                  drafters: Optional[int] = None) -> dict:
     """``sparsevar calibrate``: load the pipeline folder ``model`` (any family this package loads; in
     bfloat16 on CUDA, float32 on the CPU), :func:`calibrate` it and, when ``write``, store the
     result in the folder. The table of every layer is printed first (as ``bench observe`` prints
-    it). Returns the calibration."""
+    it). With ``drafters`` (the number of ScaleKV drafter layers; 0: the default count) it measures
+    ScaleKV's drafters instead (:func:`calibrate_drafters`). Returns the calibration."""
     check_settings(keep, scales, seeds)
     check_taus(taus, starts)
     cls, path = folder_pipeline(model)
@@ -510,6 +580,13 @@ def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, pro
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)
+    if drafters is not None:
+        calibration = calibrate_drafters(pipe, seeds=seeds, count=drafters or None, prompts=prompts, log=log)
+        if write:
+            log(f"calibrate: written to {write_calibration(model, calibration, 'scalekv_calibration')} "
+                f"(scalekv_calibration); enable_scalekv() on this folder now keeps the whole cache of layers "
+                f"{', '.join(map(str, calibration['drafters']))}")
+        return calibration
     calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log, taus=taus,
                             starts=starts)
     if write:

@@ -21,7 +21,7 @@ from ..engine.sampler import generate
 from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
-from ..policies.scalekv import ScaleKVConfig, ScaleKVPolicy, scalekv_preset
+from ..policies.scalekv import ScaleKVConfig, ScaleKVPolicy, check_scalekv_calibration, scalekv_preset
 from ..policies.sparsevar import (SPARSEVAR_PRESETS, SparseVARConfig, SparseVARPolicy, _replace, check_calibration,
                                   sparsevar_config_for)
 from ..policies.sparvar import SPARVAR_PRESETS, SparVARConfig, SparVARPolicy
@@ -47,12 +47,14 @@ _SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 class LoadOptions:
     """diffusers' loading arguments as ``from_pretrained`` took them: the weight ``variant`` to read,
     the ``device`` to place the pipeline on (``device_map``), the ``components`` the caller passed
-    (used as they are, not read from the folder), and the folder's checked ``sparsevar_calibration``."""
+    (used as they are, not read from the folder), and the folder's checked ``sparsevar_calibration``
+    and ``scalekv_calibration``."""
 
     variant: Optional[str] = None
     device: Optional[torch.device] = None
     components: Mapping[str, object] = field(default_factory=dict)
     sparsevar_calibration: Optional[dict] = None
+    scalekv_calibration: Optional[dict] = None
 
     def component(self, name: str, load: Callable[[], object]):
         """The component the caller passed under ``name``, else ``load()``."""
@@ -608,8 +610,11 @@ class AcceleratedPipelineMixin:
         index = check_pipeline_folder(path, cls.__name__, expected, advice, variant=variant, given=given)
         calibration = check_calibration(index.get("sparsevar_calibration"),
                                         f"{path / 'model_index.json'}: \"sparsevar_calibration\"")
+        kv_calibration = check_scalekv_calibration(index.get("scalekv_calibration"),
+                                                   f"{path / 'model_index.json'}: \"scalekv_calibration\"")
         return (path, index, dtype if dtype is not None else torch_dtype, *others,
-                LoadOptions(variant=variant, device=device, components=given, sparsevar_calibration=calibration))
+                LoadOptions(variant=variant, device=device, components=given, sparsevar_calibration=calibration,
+                            scalekv_calibration=kv_calibration))
 
     def save_pretrained(self, save_directory, safe_serialization: bool = True, **kwargs) -> None:
         """diffusers' ``save_pretrained``: ``model_index.json`` and one subfolder per component
@@ -766,8 +771,26 @@ class AcceleratedPipelineMixin:
     @property
     def scalekv_preset(self) -> ScaleKVConfig:
         """What ``enable_scalekv()`` uses: the family's preset (``SCALEKV_PRESETS``; Infinity-2B and
-        8B: the release's budgets and drafter layers)."""
-        return scalekv_preset(self.PRESET_FAMILY, self.adapter().num_layers)
+        8B: the release's budgets and drafter layers), with this checkpoint's measured drafters
+        (``sparsevar calibrate --scalekv``) where it has them."""
+        return scalekv_preset(self.PRESET_FAMILY, self.adapter().num_layers,
+                              getattr(self.config, "scalekv_calibration", None))
+
+    def set_scalekv_calibration(self, calibration: Optional[dict]) -> "AcceleratedPipelineMixin":
+        """Record a checkpoint's ScaleKV calibration — ``{"drafters": [layer, …]}`` and optionally
+        ``"measured"`` — in the pipeline's config (``model_index.json`` key ``scalekv_calibration``),
+        so that :attr:`scalekv_preset` uses its drafter layers and ``save_pretrained`` keeps it.
+        None: the family preset as it is. ``sparsevar calibrate --scalekv``
+        (``benchmarks.bench_observe.calibrate_drafters``) measures one."""
+        calibration = check_scalekv_calibration(calibration)
+        if calibration is not None:
+            n = self.adapter().num_layers
+            bad = [i for i in calibration["drafters"] if i >= n]
+            if bad:
+                raise ValueError(f"scalekv_calibration's drafter layer {bad[0]} does not exist: this model has {n} "
+                                 f"layers; run `sparsevar calibrate --scalekv --model FOLDER` on this checkpoint")
+        self.register_to_config(scalekv_calibration=calibration)
+        return self
 
     def enable_scalekv(self, config: Optional[ScaleKVConfig] = None, **overrides):
         """Scale-aware KV-cache compression (memory, not speed): after each scale, refiner layers keep

@@ -53,10 +53,12 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     model_cpu_offload_seq = "transformer->vqvae"
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
-    def __init__(self, transformer: FlexVARTransformer, vqvae: FlexVQ16, sparsevar_calibration: Optional[dict] = None):
+    def __init__(self, transformer: FlexVARTransformer, vqvae: FlexVQ16, sparsevar_calibration: Optional[dict] = None,
+                 scalekv_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae)
         self.set_sparsevar_calibration(sparsevar_calibration)
+        self.set_scalekv_calibration(scalekv_calibration)
 
     @classmethod
     def from_single_file(cls, transformer_ckpt, vae_ckpt, dtype: Union[torch.dtype, str] = torch.float32,
@@ -83,7 +85,8 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
             FlexVARTransformer, path, "transformer", dtype, opts.variant))
         vqvae = opts.component("vqvae", lambda: load_pretrained_component(FlexVQ16, path, "vqvae", vae_dtype,
                                                                           opts.variant))
-        return opts.place(cls(transformer=transformer, vqvae=vqvae, sparsevar_calibration=opts.sparsevar_calibration))
+        return opts.place(cls(transformer=transformer, vqvae=vqvae, sparsevar_calibration=opts.sparsevar_calibration,
+                              scalekv_calibration=opts.scalekv_calibration))
 
     @classmethod
     def from_random(cls, preset: str = "flexvar-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",

@@ -54,7 +54,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: HARTTransformer, vqvae: MultiScaleVQVAE, text_encoder, tokenizer,
-                 sparsevar_calibration: Optional[dict] = None):
+                 sparsevar_calibration: Optional[dict] = None,
+                 scalekv_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae, text_encoder=text_encoder, tokenizer=tokenizer)
         width = getattr(getattr(text_encoder, "config", None), "hidden_size", None)
@@ -63,6 +64,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                              f"states, the transformer reads {transformer.config.context_dim}; pass the text encoder "
                              f"the model was trained with (Qwen2-1.5B for the released HART)")
         self.set_sparsevar_calibration(sparsevar_calibration)
+        self.set_scalekv_calibration(scalekv_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -110,7 +112,8 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return opts.place(cls(transformer=transformer, vqvae=vqvae,
                               text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
                               tokenizer=opts.component("tokenizer", lambda: text["tokenizer"]),
-                              sparsevar_calibration=opts.sparsevar_calibration))
+                              sparsevar_calibration=opts.sparsevar_calibration,
+                              scalekv_calibration=opts.scalekv_calibration))
 
     @classmethod
     def from_random(cls, preset: str = "hart-tiny", seed: int = 0, device: Union[str, torch.device] = "cpu",

@@ -64,7 +64,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: InfinityTransformer, vae: BSQVAE, text_encoder, tokenizer,
-                 sparsevar_calibration: Optional[dict] = None):
+                 sparsevar_calibration: Optional[dict] = None,
+                 scalekv_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         t5_width = getattr(getattr(text_encoder, "config", None), "d_model", None)
@@ -73,6 +74,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                              f"the transformer reads {transformer.config.text_channels}; pass the T5 the model was "
                              f"trained with (Flan-T5-XL for the released Infinity models)")
         self.set_sparsevar_calibration(sparsevar_calibration)
+        self.set_scalekv_calibration(scalekv_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -184,7 +186,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return opts.place(cls(transformer=transformer, vae=vae,
                               text_encoder=opts.component("text_encoder", lambda: text["text_encoder"]),
                               tokenizer=opts.component("tokenizer", lambda: text["tokenizer"]),
-                              sparsevar_calibration=opts.sparsevar_calibration))
+                              sparsevar_calibration=opts.sparsevar_calibration,
+                              scalekv_calibration=opts.scalekv_calibration))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod

@@ -86,13 +86,15 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     _callback_tensor_inputs = ["codes", "logits", "latents", "latent"]
 
     def __init__(self, transformer: VARTransformer, vqvae: MultiScaleVQVAE, id2label: Optional[dict] = None,
-                 sparsevar_calibration: Optional[dict] = None):
+                 sparsevar_calibration: Optional[dict] = None,
+                 scalekv_calibration: Optional[dict] = None):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae)
         if id2label is not None:
             id2label = {str(k): v for k, v in check_id2label(id2label, "id2label").items()}
         self.register_to_config(id2label=id2label)
         self.set_sparsevar_calibration(sparsevar_calibration)
+        self.set_scalekv_calibration(scalekv_calibration)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -210,7 +212,8 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         vqvae = opts.component("vqvae", lambda: load_pretrained_component(
             MultiScaleVQVAE, path, "vqvae", vae_dtype, opts.variant))
         return opts.place(cls(transformer=transformer, vqvae=vqvae, id2label=id2label,
-                              sparsevar_calibration=opts.sparsevar_calibration))
+                              sparsevar_calibration=opts.sparsevar_calibration,
+                              scalekv_calibration=opts.scalekv_calibration))
 
     # ---- labels ---------------------------------------------------------------------------------
     @property

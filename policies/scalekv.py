@@ -17,8 +17,9 @@ divided by that schedule's cumulative tokens, which gives them back exactly at 1
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -106,14 +107,40 @@ SCALEKV_PRESETS: dict[str, ScaleKVConfig] = {
 }
 
 
-def scalekv_preset(family: str, num_layers: int) -> ScaleKVConfig:
+def scalekv_preset(family: str, num_layers: int, calibration: Optional[dict] = None) -> ScaleKVConfig:
     """The preset of a pipeline's family (``PRESET_FAMILY``): Infinity's 32-layer model is the 2B, its
     40-layer one the 8B, and others of the family take the release's 2B budgets with the first
-    layer as drafter."""
+    layer as drafter; a checkpoint's ``calibration`` (:func:`check_scalekv_calibration`) sets the
+    drafters."""
     if family.startswith("infinity"):
-        return SCALEKV_PRESETS.get({32: "infinity-2b", 40: "infinity-8b"}.get(num_layers, ""),
-                                   ScaleKVConfig(budget=RELEASED_2B))
-    return SCALEKV_PRESETS.get(family, ScaleKVConfig())
+        cfg = SCALEKV_PRESETS.get({32: "infinity-2b", 40: "infinity-8b"}.get(num_layers, ""),
+                                  ScaleKVConfig(budget=RELEASED_2B))
+    else:
+        cfg = SCALEKV_PRESETS.get(family, ScaleKVConfig())
+    if calibration is not None:
+        cfg = replace(cfg, drafters=tuple(calibration["drafters"]))
+    return cfg
+
+
+def check_scalekv_calibration(calibration, where: str = "scalekv_calibration") -> Optional[dict]:
+    """A checkpoint's ScaleKV calibration (``sparsevar calibrate --scalekv``), checked: None, or
+    ``{"drafters": [layer, …]}`` plus, optionally, ``"measured"`` (a dict; informational). Anything
+    else is a ValueError naming ``where``, the value and the fix. Returns a plain-dict copy."""
+    if calibration is None:
+        return None
+    fix = "run `sparsevar calibrate --scalekv --model FOLDER` again, or remove the key"
+    if not isinstance(calibration, dict) or set(calibration) - {"measured"} != {"drafters"}:
+        raise ValueError(f"{where} must be a dict {{\"drafters\": [layer, ...]}} (and optionally \"measured\"), got "
+                         f"{str(calibration)[:80]}; {fix}")
+    if "measured" in calibration and not isinstance(calibration["measured"], dict):
+        raise ValueError(f"{where}[\"measured\"] must be a dict of what was measured; {fix}")
+    try:
+        ScaleKVConfig(drafters=tuple(calibration["drafters"]) if isinstance(calibration["drafters"], list)
+                      else calibration["drafters"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}; {fix}") from None
+    return {"drafters": [int(i) for i in calibration["drafters"]],
+            **({"measured": copy.deepcopy(calibration["measured"])} if "measured" in calibration else {})}
 
 
 def window_positions(h: int, w: int, window: int) -> list[int]:

@@ -327,3 +327,48 @@ def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
     again = bo.calibrate(demo, seeds=2, log=lambda s: None, taus=())
     assert (again["granularity"], again["block"]) == (cal["granularity"], cal["block"])
     assert abs(again["measured"]["capture"] - cal["measured"]["capture"]) < 0.1
+
+
+# ---- ScaleKV's drafter layers (issue #32) -------------------------------------------------------------------------
+def test_calibrate_drafters_keeps_the_cache_of_the_layers_whose_full_cache_helps_most(tiny, tmp_path):
+    """Every layer alone as drafter against none, paired by seed; the largest mean gain is chosen, the
+    gains are what the pictures give, and the choice travels with the folder into the preset."""
+    import torch
+
+    from sparsevar.benchmarks.metrics import psnr
+    from sparsevar.policies.scalekv import ScaleKVConfig, ScaleKVPolicy
+    config = ScaleKVConfig(budget=0.3, min_tokens=0)           # var-tiny's cache never reaches the preset's 650
+    tiny.set_sparsevar_calibration(None)
+    cal = bo.calibrate_drafters(tiny, seeds=2, config=config, log=lambda m: None)
+    gains = {int(k): v for k, v in cal["measured"]["gain_db"].items()}
+    assert len(gains) == 4 and cal["drafters"] == [max(gains, key=gains.get)]     # ceil(4 / 16) = 1 drafter
+
+    def picture(seed, drafters):
+        policies = [] if drafters is None else [ScaleKVPolicy(ScaleKVConfig(budget=0.3, min_tokens=0,
+                                                                            drafters=drafters))]
+        return tiny([seed % 10], generator=torch.Generator().manual_seed(seed), output_type="pt",
+                    policies=policies).images
+
+    layer = cal["drafters"][0]
+    diffs = [float(psnr(picture(s, (layer,)), picture(s, None))[0]) - float(psnr(picture(s, ()), picture(s, None))[0])
+             for s in range(2)]
+    assert gains[layer] == pytest.approx(sum(diffs) / 2, abs=1e-3)
+    assert tiny.scalekv_preset.drafters == (layer,)
+    tiny.save_pretrained(tmp_path / "f")
+    assert VARPipeline.from_pretrained(tmp_path / "f").scalekv_preset.drafters == (layer,)
+    tiny.set_scalekv_calibration(None)
+    assert tiny.scalekv_preset.drafters == (0,)
+    with pytest.raises(ValueError, match="drafter layer 9 does not exist: this model has 4 layers"):
+        tiny.set_scalekv_calibration({"drafters": [9]})
+    with pytest.raises(ValueError, match="count=4: give the number of drafter layers, an int from 1 to 3"):
+        bo.calibrate_drafters(tiny, seeds=2, count=4, config=config)
+
+
+def test_the_command_refuses_drafters_where_scalekv_compresses_nothing(tiny_folder, capsys):
+    before = (tiny_folder / "model_index.json").read_bytes()
+    assert cli_main(["calibrate", "--model", str(tiny_folder), "--scalekv", "--seeds", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "compress no scale of this model's schedule (it never holds more than min_tokens=650)" in err
+    assert cli_main(["calibrate", "--model", str(tiny_folder), "--drafters", "2"]) == 2
+    assert "--drafters 2: the number of ScaleKV drafter layers goes with --scalekv" in capsys.readouterr().err
+    assert (tiny_folder / "model_index.json").read_bytes() == before
