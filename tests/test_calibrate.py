@@ -327,6 +327,11 @@ def test_the_demo_model_ships_its_measured_layer_and_the_measurement_repeats():
     again = bo.calibrate(demo, seeds=2, log=lambda s: None, taus=())
     assert (again["granularity"], again["block"]) == (cal["granularity"], cal["block"])
     assert abs(again["measured"]["capture"] - cal["measured"]["capture"]) < 0.1
+    # ScaleKV's drafter: measured with `sparsevar calibrate --scalekv --seeds 16` (about 3 min on a CPU)
+    kv = demo.config.scalekv_calibration
+    gains = {int(k): v for k, v in kv["measured"]["gain_db"].items()}
+    assert kv["measured"]["seeds"] == 16 and len(gains) == 8 and kv["drafters"] == [max(gains, key=gains.get)]
+    assert demo.scalekv_preset.drafters == tuple(kv["drafters"]) and gains[kv["drafters"][0]] > gains[0]
 
 
 # ---- ScaleKV's drafter layers (issue #32) -------------------------------------------------------------------------
