@@ -206,6 +206,7 @@ class AcceleratedPipelineMixin:
         self._model_offload: Optional[ModelOffload] = None
         self._text_stream: Optional[BlockStream] = None
         self._layer_stream: Optional[LayerStream] = None
+        self._text_stream_of_offload = False           # sequential offload started the text encoder's stream
 
     # ---- offload (diffusers' semantics, pipelines/offload.py) ------------------------------------
     def enable_model_cpu_offload(self, gpu_id: Optional[int] = None, device: Union[torch.device, str] = "cuda"):
@@ -311,7 +312,7 @@ class AcceleratedPipelineMixin:
         self._text_stream_of_offload = False
         if isinstance(getattr(self, "text_encoder", None), torch.nn.Module) and self._text_stream is None:
             self.enable_text_encoder_streaming(device=gpu)
-            self._text_stream_of_offload = True        # disable_sequential_cpu_offload stops it too
+            self._text_stream_of_offload = True        # so disable_sequential_cpu_offload stops it too
         torch.cuda.empty_cache()
         return self
 
