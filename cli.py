@@ -637,13 +637,10 @@ def _generate_in_process(args) -> None:
 IMAGE_WRITERS = 4                 # background threads writing a folder run's images on a GPU
 
 
-def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
-    """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
-    several processes each takes every n-th image left, the main one prepares the folder first."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from .pipelines.batch import MANIFEST, FolderRun, image_seed
+def _folder_run(args, items, writers: int = 0):
+    """(the folder run of ``--out`` for these items and settings, every (copy, item) in order, what is
+    left of them); another run's folder: CLIError naming the setting."""
+    from .pipelines.batch import FolderRun
     key = "prompt" if args.prompt is not None else "class"
     settings = {"model": str(args.model or args.var_ckpt or "demo"), {"class": "classes"}.get(key, key + "s"): list(items),
                 "seed": args.seed,
@@ -652,18 +649,35 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
                                                  "scalekv", "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
     out = Path(args.out)
-    # on a GPU a 1024² picture is drawn faster than one CPU core encodes its PNG: write in the background
-    writers = min(IMAGE_WRITERS, os.cpu_count() or 1) if device.type == "cuda" else 0
     try:
         run = FolderRun(out, settings, writers=writers)
     except ValueError as e:
         raise CLIError(f"--out {out}: {e}") from None
     order = [(j, n) for j in range(args.num) for n in range(len(items))]   # copy-major: a larger --num appends
+    return run, order, run.todo(order)
+
+
+def _nothing_to_do(args, order) -> None:
+    from .pipelines.batch import MANIFEST
+    print(f"nothing to do: the {len(order)} image(s) are in {args.out} ({MANIFEST} lists them)")
+
+
+def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
+    """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
+    several processes each takes every n-th image left, the main one prepares the folder first."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .pipelines.batch import MANIFEST, image_seed
+    key = "prompt" if args.prompt is not None else "class"
+    out = Path(args.out)
+    # on a GPU a 1024² picture is drawn faster than one CPU core encodes its PNG: write in the background
+    writers = min(IMAGE_WRITERS, os.cpu_count() or 1) if device.type == "cuda" else 0
+    run, order, todo = _folder_run(args, items, writers)
     state = _process_state(device)
-    todo = run.todo(order)
     if not todo:
         if state.is_main_process:
-            print(f"nothing to do: the {len(order)} image(s) are in {out} ({MANIFEST} lists them)")
+            _nothing_to_do(args, order)
         return 0
     batch = _batch_size(pipe, args, device, needed_for)
     if state.is_main_process:
@@ -709,6 +723,12 @@ def cmd_generate(args) -> int:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
+    if _folder_out(args.out) and text:               # a finished run of prompts: nothing is loaded or started
+        _, order, todo = _folder_run(args, list(args.prompt))
+        if not todo:
+            if os.environ.get("RANK", "0") == "0":   # (under accelerate launch every process gets here)
+                _nothing_to_do(args, order)
+            return 0
     if args.num_processes is not None and args.num_processes > 1:
         if _device(args.device).type == "cuda":
             return _launch_processes(args)

@@ -115,6 +115,27 @@ def test_prompts_file_into_a_folder(tmp_path):
     assert json.loads((out / "run.json").read_text())["prompts"] == ["w3 w4", "w5 w6 w7"]
 
 
+def test_a_finished_run_of_prompts_loads_nothing(tmp_path, capsys):
+    """Rerunning a finished run of prompts finds nothing to do before any model is loaded: here the
+    model folder is gone by then, and the rerun still succeeds, writing nothing."""
+    import shutil
+
+    from sparsevar import InfinityPipeline
+    model, out = tmp_path / "model", tmp_path / "run"
+    InfinityPipeline.from_random("infinity-tiny").save_pretrained(model)
+    flags = ["generate", "--model", str(model), "--prompt", "w3 w4", "--height", "256", "--width", "256",
+             "--out", f"{out}/", "--quiet"]
+    assert main(flags) == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    shutil.rmtree(model)
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "nothing to do: the 1 image(s) are in" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert main([*flags[:-1], "--num", "2", "--quiet"]) == 2                 # one more image needs the model
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+
+
 @pytest.mark.parametrize("args, message", [
     (["--class", "tree", "--out", "{tmp}/x.png", "--batch-size", "2"], "--batch-size 2: only for a folder --out"),
     (["--class", "tree", "--out", "{tmp}/f/", "--batch-size", "0"], "--batch-size 0: give the number of images"),
