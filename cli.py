@@ -1035,6 +1035,8 @@ def cmd_calibrate(args) -> int:
     if args.drafters is not None and not args.scalekv:
         raise CLIError(f"--drafters {args.drafters}: the number of ScaleKV drafter layers goes with --scalekv")
     _at_least(args.drafters, 1, "--drafters", "give the number of drafter layers, 1 or more")
+    if args.scalekv:
+        _at_least(args.seeds, 2, "--seeds", "--scalekv pairs each layer's gain by seed: give 2 or more")
     try:
         check_settings(args.keep, args.scales, args.seeds)
         check_taus(args.taus, args.starts)

@@ -785,11 +785,12 @@ class AcceleratedPipelineMixin:
         (``benchmarks.bench_observe.calibrate_drafters``) measures one."""
         calibration = check_scalekv_calibration(calibration)
         if calibration is not None:
-            n = self.adapter().num_layers
-            bad = [i for i in calibration["drafters"] if i >= n]
-            if bad:
-                raise ValueError(f"scalekv_calibration's drafter layer {bad[0]} does not exist: this model has {n} "
-                                 f"layers; run `sparsevar calibrate --scalekv --model FOLDER` on this checkpoint")
+            info = self.adapter().model_info()
+            try:
+                ScaleKVPolicy(scalekv_preset(self.PRESET_FAMILY, info.num_layers, calibration)).validate(info)
+            except ValueError as e:
+                raise ValueError(f"scalekv_calibration does not fit this model: {e}; run `sparsevar calibrate "
+                                 f"--scalekv --model FOLDER` on this checkpoint") from None
         self.register_to_config(scalekv_calibration=calibration)
         return self
 

@@ -269,7 +269,7 @@ class LayerStream(_SlotStream):
     """A transformer whose blocks' linear weights (nearly all of its weights) live in pinned CPU
     memory and stream to ``device`` layer by layer as the engine runs them (engine/layers.py enters
     and leaves each layer; a family's ``begin`` walks its blocks through
-    :meth:`~..engine.adapter.ModelAdapter.each_block`); everything else of the transformer — the
+    :meth:`~..engine.adapter.ModelAdapter.streamed_blocks`); everything else of the transformer — the
     blocks' vectors and norms, embeddings, head — stays on ``device``. The GPU holds two blocks'
     matrices at a time (:func:`layer_stream_bytes`); each scale copies every block once."""
 

@@ -363,7 +363,8 @@ def test_calibrate_drafters_keeps_the_cache_of_the_layers_whose_full_cache_helps
     assert VARPipeline.from_pretrained(tmp_path / "f").scalekv_preset.drafters == (layer,)
     tiny.set_scalekv_calibration(None)
     assert tiny.scalekv_preset.drafters == (0,)
-    with pytest.raises(ValueError, match="drafter layer 9 does not exist: this model has 4 layers"):
+    with pytest.raises(ValueError, match=r"scalekv_calibration does not fit this model: drafters=\(9,\): layer 9 "
+                                         r"does not exist; this model has 4 layers"):
         tiny.set_scalekv_calibration({"drafters": [9]})
     with pytest.raises(ValueError, match="count=4: give the number of drafter layers, an int from 1 to 3"):
         bo.calibrate_drafters(tiny, seeds=2, count=4, config=config)
@@ -376,4 +377,7 @@ def test_the_command_refuses_drafters_where_scalekv_compresses_nothing(tiny_fold
     assert "compress no scale of this model's schedule (it never holds more than min_tokens=650)" in err
     assert cli_main(["calibrate", "--model", str(tiny_folder), "--drafters", "2"]) == 2
     assert "--drafters 2: the number of ScaleKV drafter layers goes with --scalekv" in capsys.readouterr().err
+    assert cli_main(["calibrate", "--model", str(tiny_folder), "--scalekv", "--seeds", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("sparsevar calibrate: error: --seeds 1: --scalekv pairs each layer's "
+                                               "gain by seed: give 2 or more")
     assert (tiny_folder / "model_index.json").read_bytes() == before
