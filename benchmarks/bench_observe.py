@@ -47,7 +47,7 @@ from ..engine.contract import Policy, ScalePlan
 from ..policies.sparsevar import SPARSEVAR_PRESETS, SparseVARPolicy, nearest_source
 from ..sparse_ops.ref import change_map
 from ._results import atomic_write, write_csv
-from .bench_quality import resolve_device
+from .bench_quality import check_conditions, resolve_device
 from .metrics import mean_ci95
 
 
@@ -192,10 +192,8 @@ def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int =
     check_settings(keep, scales, len(seeds))
     if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 1:
         raise ValueError(f"random_draws={random_draws!r}: give the number of random subsets, an int >= 1 (e.g. 64)")
-    text = not hasattr(pipe, "num_classes")
-    if text and (prompts is None or isinstance(prompts, str) or len(prompts) != len(seeds)):
-        raise ValueError(f"prompts={prompts!r}: a text-to-image pipeline needs a list of one prompt per seed "
-                         f"({len(seeds)})")
+    conds = check_conditions(pipe, seeds, prompts)
+    key = "class_labels" if hasattr(pipe, "num_classes") else "prompt"
     d = pipe.DEFAULTS
     sampling = dict(guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
                     top_k=d.top_k if top_k is None else top_k, top_p=d.top_p if top_p is None else top_p)
@@ -203,9 +201,8 @@ def measure_capture(pipe, seeds: Sequence[int], keep: float = 0.5, scales: int =
     dev = pipe.adapter().device
     rand_gen = torch.Generator().manual_seed(random_seed)
     capture, random_, oracle, constant = [], [], [], True
-    for j, seed in enumerate(seeds):
-        cond = {"prompt": [prompts[j]]} if text else {"class_labels": [seed % pipe.num_classes]}
-        pipe(**cond, **sampling, generator=torch.Generator(dev).manual_seed(seed), output_type="latent",
+    for seed, cond in zip(seeds, conds):
+        pipe(**{key: [cond]}, **sampling, generator=torch.Generator(dev).manual_seed(seed), output_type="latent",
              policies=[taps], **call_kwargs)
         rec, info = taps.record, taps.info
         units = [("layer", i) for i in range(info.num_layers)] + [("group", g) for g in range(info.layer_groups)]
@@ -336,25 +333,43 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
     groups) of ``pipe``'s model over seeds 0..``seeds``−1 (:func:`measure_capture`), choose the best
     one and set it as the pipeline's SparseVAR calibration (``pipe.sparsevar_preset`` applies it;
     ``save_pretrained`` keeps it; :func:`write_calibration` stores it in a folder). Text-to-image
-    pipelines need ``prompts``, one per seed. Then, for class-conditional models and unless ``taus``
-    is empty, choose the threshold and first pruned scale over the same seeds (:func:`calibrate_tau`):
-    the fastest of ``taus`` × ``starts`` at which SparseVAR observing that layer reaches the baselines'
-    front. Returns the calibration: ``{"block", "granularity"[, "tau", "start_scale"], "measured": {...}}``. A model whose residuals
-    all have the same norm (Infinity's bits) cannot be ranked by this measure: ValueError, and the
-    pipeline keeps its preset."""
+    pipelines need ``prompts``, one per seed; ``call_kwargs`` go to every call. A model whose
+    residuals all have the same norm (Infinity's bits) cannot be ranked by the capture rate: its
+    units are ranked by the pictures instead (:func:`rank_by_psnr`). Then, unless ``taus`` is empty,
+    choose the threshold and first pruned scale over the same seeds and conditions
+    (:func:`calibrate_tau`): the fastest of ``taus`` × ``starts`` at which SparseVAR observing that
+    unit reaches the baselines' front. Returns the calibration: ``{"block", "granularity"[, "tau",
+    "start_scale"], "measured": {...}}``."""
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales, prompts=prompts, **call_kwargs)
     family = pipe.PRESET_FAMILY
-    if m["constant_energy"]:
-        raise ValueError(f"calibrate: every token's residual of this {family} model has the same norm, so the "
-                         f"capture rate cannot rank its layers; the family preset stays (set block= yourself)")
     kind = SPARSEVAR_PRESETS[family].granularity if family in SPARSEVAR_PRESETS else "layer"
-    rows, b = summarize(m), best_unit(m, kind)
-    unit = m["units"][b]
     formula = preset_unit(m["info"], family)
     scale_names = " ".join(f"{h}x{w}" for _, (h, w) in m["scales"])
-    log(format_report(m, rows, formula, f"calibrate: {seeds} seeds, keep {keep:g}, pruned scales {scale_names}; "
-                                        f"capture = share of the scale's residual energy in the kept tokens",
-                      label="formula"))
+    rows = summarize(m)
+    log(format_report(m, rows, formula,
+                      f"calibrate: {seeds} seeds, keep {keep:g}, pruned scales {scale_names}; "
+                      f"capture = share of the scale's residual energy in the kept tokens", label="formula"))
+    if m["constant_energy"]:
+        unit, measured = rank_by_psnr(pipe, seeds, keep, scales, kind, formula, prompts=prompts, log=log,
+                                      **call_kwargs)
+    else:
+        unit, measured = _capture_choice(m, rows, kind, formula, seeds, keep, log)
+    calibration = {"block": unit[1], "granularity": unit[0], "measured": measured}
+    pipe.set_sparsevar_calibration(calibration)
+    if taus:
+        found = calibrate_tau(pipe, seeds=seeds, taus=taus, log=log, starts=starts, prompts=prompts, **call_kwargs)
+        measured["tau"] = {k: v for k, v in found.items() if k not in ("tau", "start_scale")}
+        if found["tau"] is not None:
+            calibration.update(tau=found["tau"], start_scale=found["start_scale"])
+        pipe.set_sparsevar_calibration(calibration)
+    return calibration
+
+
+def _capture_choice(m: dict, rows: list[dict], kind: str, formula, seeds: int, keep: float,
+                    log: Callable[[str], None]) -> tuple[tuple[str, int], dict]:
+    """The unit of ``kind`` with the highest capture rate, and what was measured."""
+    b = best_unit(m, kind)
+    unit = m["units"][b]
     per_seed = m["capture"].mean(2)                                                     # (N, U, S) → (N, U)
     measured = {
         "what": "capture rate: share of a pruned scale's residual energy held by the kept tokens chosen by the "
@@ -369,24 +384,56 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
         diff, ci = mean_ci95((per_seed[:, b] - per_seed[:, p]).tolist())
         measured.update(formula_unit=unit_label(formula), formula_capture=rows[p]["capture"],
                         gain_over_formula=round(diff, 4), gain_ci95=round(ci, 4))
-    calibration = {"block": unit[1], "granularity": unit[0], "measured": measured}
-    pipe.set_sparsevar_calibration(calibration)
     text = (f"calibrate: observe {kind} {unit[1]} (captures {rows[b]['capture']:.3f} ± {rows[b]['ci95']:.3f} of "
             f"the residual energy at keep {keep:g}; random {rows[b]['random']:.3f}, oracle {rows[b]['oracle']:.3f})")
     if "formula_unit" in measured:
         text += (f"; the family's formula {kind} {measured['formula_unit']} captures {measured['formula_capture']:.3f}"
                  f" (best − formula {measured['gain_over_formula']:+.3f} ± {measured['gain_ci95']:.3f}, paired)")
     log(text)
-    if taus and prompts is None:
-        found = calibrate_tau(pipe, seeds=seeds, taus=taus, log=log, starts=starts)
-        measured["tau"] = {k: v for k, v in found.items() if k not in ("tau", "start_scale")}
-        if found["tau"] is not None:
-            calibration.update(tau=found["tau"], start_scale=found["start_scale"])
-        pipe.set_sparsevar_calibration(calibration)
-    elif taus:
-        log("calibrate: the threshold is not calibrated for text-to-image models (the comparison with the baselines "
-            "draws class-conditional pictures); the family's tau stays")
-    return calibration
+    return unit, measured
+
+
+def rank_by_psnr(pipe, seeds: int, keep: float, scales: int, kind: str, formula=None,
+                 prompts: Optional[Sequence[str]] = None, log: Callable[[str], None] = print,
+                 **call_kwargs) -> tuple[tuple[str, int], dict]:
+    """The unit (layer or block group, ``kind``) to observe, ranked by the pictures: for seeds
+    0..``seeds``−1 (classes, or ``prompts``, one per seed) SparseVAR keeping ``keep`` of the tokens on
+    the last ``scales`` scales (over ``pipe.sparsevar_preset``) observes each unit in turn, and the
+    unit whose pictures have the highest mean PSNR against dense wins (a picture equal to dense counts
+    as :data:`IDENTICAL_PSNR_DB`). The measure for a model whose residuals all have one norm, where
+    the capture rate says nothing; it costs seeds × (units + 1) generations. Returns (unit, what was
+    measured), with the formula unit (``formula``) compared seed by seed."""
+    from .bench_quality import against_dense
+    info = pipe.adapter().model_info()
+    count = info.layer_groups if kind == "group" else info.num_layers
+    base = replace(pipe.sparsevar_preset, keep_ratio=float(keep), start_scale=-int(scales), granularity=kind)
+    units = [(kind, i) for i in range(count)]
+    runs = [(u, [SparseVARPolicy(replace(base, block=u[1]))]) for u in units]
+    log(f"calibrate: ranking the {count} {kind}s by PSNR against dense instead: SparseVAR keep {keep:g} on the last "
+        f"{scales} scales observing each in turn, {seeds} seeds")
+    drawn = against_dense(pipe, range(seeds), runs, prompts=prompts, **call_kwargs)
+    per_seed = {u: [min(ps, IDENTICAL_PSNR_DB) for _, ps in drawn[u]] for u in units}
+    stats = {u: mean_ci95(v) for u, v in per_seed.items()}
+    unit = max(units, key=lambda u: stats[u][0])
+    for u in units:
+        mark = "   <- observed" if u == unit else ("   formula" if u == formula else "")
+        log(f"  {kind} {u[1]:3d}  {stats[u][0]:6.2f} ± {stats[u][1]:.2f} dB{mark}")
+    measured = {
+        "what": f"PSNR against dense of SparseVAR keep {keep:g} on the last {scales} scales observing the unit, same "
+                f"seeds (every residual of this model has one norm, so the capture rate cannot rank units)",
+        "seeds": seeds, "keep": keep, "scales": scales, "psnr_db": round(stats[unit][0], 3),
+        "ci95_db": round(stats[unit][1], 3),
+        "per_unit_psnr_db": {str(u[1]): round(stats[u][0], 3) for u in units},
+    }
+    text = f"calibrate: observe {kind} {unit[1]} ({stats[unit][0]:.2f} ± {stats[unit][1]:.2f} dB against dense)"
+    if formula is not None and formula[0] == kind:
+        diff, ci = mean_ci95([a - b for a, b in zip(per_seed[unit], per_seed[formula])])
+        measured.update(formula_unit=str(formula[1]), formula_psnr_db=round(stats[formula][0], 3),
+                        gain_over_formula_db=round(diff, 3), gain_ci95_db=round(ci, 3))
+        text += (f"; the family's formula {kind} {formula[1]}: {stats[formula][0]:.2f} dB (best − formula "
+                 f"{diff:+.2f} ± {ci:.2f} dB, paired)")
+    log(text)
+    return unit, measured
 
 
 def baseline_front(points: Sequence[tuple[float, float]]):
@@ -414,14 +461,17 @@ def baseline_front(points: Sequence[tuple[float, float]]):
 
 def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
                   baselines: Sequence[str] = TAU_BASELINES, log: Callable[[str], None] = print,
-                  starts: Sequence[int] = START_CANDIDATES) -> dict:
-    """SparseVAR's threshold and first pruned scale for a class-conditional ``pipe``, by measurement:
-    for seeds 0..``seeds``−1 (class seed % num_classes, the pipeline's sampling defaults) the dense
+                  starts: Sequence[int] = START_CANDIDATES, prompts: Optional[Sequence[str]] = None,
+                  **call_kwargs) -> dict:
+    """SparseVAR's threshold and first pruned scale for ``pipe``, by measurement: for seeds
+    0..``seeds``−1 (class seed % num_classes, or for a text-to-image pipeline ``prompts``, one per
+    seed; the pipeline's sampling defaults; ``call_kwargs`` to every call) the dense
     picture, then SparseVAR at each of ``taus`` from each of ``starts`` (over ``pipe.sparsevar_preset``:
     its observed layer; starts the model cannot take are left out) and each of ``baselines``; per
     setting the mean PSNR against dense (a picture identical to dense counts as
-    :data:`IDENTICAL_PSNR_DB`) and the mean FLOP speed-up. The chosen setting is the fastest whose
-    PSNR is at least the baselines' front at its speed-up (:func:`baseline_front`): no mix of the
+    :data:`IDENTICAL_PSNR_DB`) and the mean FLOP speed-up. The chosen setting is the fastest that
+    leaves tokens out (FLOP speed-up above 1) and whose PSNR is at least the baselines' front at its
+    speed-up (:func:`baseline_front`): no mix of the
     baselines is both as fast and closer to dense. Returns ``{"tau", "start_scale"`` (None when no
     setting reaches the front)``, "what", "seeds", "settings": {name: [flop speed-up, psnr]},
     "front"}``; SparseVAR settings are named as ``bench quality`` names them (``tau0.5-from-2``)."""
@@ -445,7 +495,7 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
         raise ValueError(f"calibrate: none of the start scales {list(starts)} fits this model's "
                          f"{info.schedule.num_scales} scales")
     runs += [(name, parse_setting(name).on_model(pipe).policies()) for name in baselines]
-    drawn = against_dense(pipe, range(seeds), runs)
+    drawn = against_dense(pipe, range(seeds), runs, prompts=prompts, **call_kwargs)
     values = {name: ([sp for sp, _ in per_seed], [min(ps, IDENTICAL_PSNR_DB) for _, ps in per_seed])
               for name, per_seed in drawn.items()}
     settings = {name: [round(statistics.fmean(sp), 3), round(statistics.fmean(ps), 3)]
@@ -454,8 +504,9 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
     chosen = None
     for name in sorted(candidates, key=lambda n: -settings[n][0]):                    # fastest first
         sp, ps = settings[name]
-        bar = psnr_at(sp)
-        verdict = "faster than every baseline: not compared" if bar is None else \
+        bar = None if sp <= 1.0 else psnr_at(sp)
+        verdict = "computes every token: not a candidate" if sp <= 1.0 else \
+            "faster than every baseline: not compared" if bar is None else \
             f"the baselines' front there {bar:.2f} dB: {'reached' if ps >= bar else 'not reached'}"
         t, start = candidates[name]
         log(f"calibrate: tau {t:g} from scale {start}: FLOP speed-up {sp:.2f}x, PSNR {ps:.2f} dB; {verdict}")
@@ -498,9 +549,8 @@ def calibrate_drafters(pipe, seeds: int = 8, count: Optional[int] = None, prompt
         raise ValueError(f"count={count!r}: give the number of drafter layers, an int from 1 to {N - 1}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 2:
         raise ValueError(f"seeds={seeds!r}: give the number of seeds, an int >= 2 (the gains are paired by seed)")
-    text = not hasattr(pipe, "num_classes")
-    if text and (prompts is None or isinstance(prompts, str) or len(prompts) != seeds):
-        raise ValueError(f"prompts={prompts!r}: a text-to-image pipeline needs a list of one prompt per seed ({seeds})")
+    conds = check_conditions(pipe, range(seeds), prompts)
+    key = "class_labels" if hasattr(pipe, "num_classes") else "prompt"
     config = pipe.scalekv_preset if config is None else config
     if all(k is None for k in ScaleKVPolicy(config)._keep(info.schedule, info.schedule.num_scales)):
         raise ValueError(f"ScaleKV's settings ({config}) compress no scale of this model's schedule (it never holds "
@@ -508,11 +558,9 @@ def calibrate_drafters(pipe, seeds: int = 8, count: Optional[int] = None, prompt
     dev = pipe.adapter().device
     variants = [()] + [(i,) for i in range(N)]
     scores = {v: [] for v in variants}
-    for seed in range(seeds):
-        cond = {"prompt": [prompts[seed]]} if text else {"class_labels": [seed % pipe.num_classes]}
-
+    for seed, cond in enumerate(conds):
         def draw(policies):
-            return pipe(**cond, generator=torch.Generator(dev).manual_seed(seed), output_type="pt",
+            return pipe(**{key: [cond]}, generator=torch.Generator(dev).manual_seed(seed), output_type="pt",
                         policies=policies, **call_kwargs).images.float()
 
         dense = draw([])

@@ -434,8 +434,10 @@ class _Sample:
     latents: dict                  # si → latent after scale si (dense runs; else empty), on the model's device
 
 
-def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSettings,
-              latents: bool = False) -> _Sample:
+def _generate(pipe, label, seed: int, policies: list, sampling: SamplingSettings,
+              latents: bool = False, **call_kwargs) -> _Sample:
+    """One picture of ``label`` (a class id, or a prompt for a text-to-image pipeline) with ``seed``;
+    ``call_kwargs`` go to the call (e.g. Infinity's ``height``/``width``)."""
     dev = pipe.transformer.device
     gen = torch.Generator(dev).manual_seed(seed)
     kept: dict = {}
@@ -450,7 +452,7 @@ def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSet
     out = pipe([label], guidance_scale=sampling.guidance_scale, top_k=sampling.top_k, top_p=sampling.top_p,
                generator=gen, output_type="pt", policies=policies,
                callback_on_step_end=keep_latent if latents else None,
-               callback_on_step_end_tensor_inputs=("latent",) if latents else ("codes",))
+               callback_on_step_end_tensor_inputs=("latent",) if latents else ("codes",), **call_kwargs)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     e2e_ms = (time.perf_counter() - t0) * 1e3
@@ -461,23 +463,42 @@ def _generate(pipe, label: int, seed: int, policies: list, sampling: SamplingSet
 
 
 def against_dense(pipe, seeds: Sequence[int], runs: Sequence[tuple],
-                  log: Optional[Callable[[str], None]] = None) -> dict:
-    """For every seed (class ``seed % num_classes``, the pipeline's sampling defaults) the dense
+                  log: Optional[Callable[[str], None]] = None, prompts: Optional[Sequence[str]] = None,
+                  **call_kwargs) -> dict:
+    """For every seed (class ``seed % num_classes``, or for a text-to-image pipeline ``prompts[j]``
+    for the j-th seed; the pipeline's sampling defaults; ``call_kwargs`` to every call) the dense
     picture, then one picture per ``(key, policies)`` of ``runs``: ``{key: [(FLOP speed-up, PSNR
     against dense in dB), one per seed]}`` (PSNR inf where the picture equals dense). The policy
     objects are reused across seeds, as every call starts a fresh run. ``log`` hears of each seed."""
+    seeds = list(seeds)
+    conds = check_conditions(pipe, seeds, prompts)
     d = pipe.DEFAULTS
     sampling = SamplingSettings(guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p)
     out: dict = {key: [] for key, _ in runs}
-    for seed in seeds:
-        label = seed % pipe.num_classes
-        dense = _generate(pipe, label, seed, [], sampling).image_13HW
+    for seed, cond in zip(seeds, conds):
+        dense = _generate(pipe, cond, seed, [], sampling, **call_kwargs).image_13HW
         for key, policies in runs:
-            got = _generate(pipe, label, seed, policies, sampling)
+            got = _generate(pipe, cond, seed, policies, sampling, **call_kwargs)
             out[key].append((got.flop_speedup, float(psnr(got.image_13HW, dense)[0])))
         if log is not None:
             log(f"  seed {seed} done")
     return out
+
+
+def check_conditions(pipe, seeds: Sequence[int], prompts: Optional[Sequence[str]]) -> list:
+    """What each seed draws: class ``seed % num_classes`` for a class-conditional pipeline (which
+    takes no prompts), ``prompts[j]`` for the j-th seed of a text-to-image one (one prompt per seed
+    needed). ValueError naming ``prompts`` otherwise."""
+    if hasattr(pipe, "num_classes"):
+        if prompts is not None:
+            raise ValueError(f"prompts={prompts!r}: a class-conditional pipeline takes no prompts; seed s draws "
+                             f"class s % num_classes")
+        return [seed % pipe.num_classes for seed in seeds]
+    if prompts is None or isinstance(prompts, str) or len(prompts) != len(seeds) \
+            or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ValueError(f"prompts={prompts!r}: a text-to-image pipeline needs a list of one non-empty prompt per "
+                         f"seed ({len(seeds)})")
+    return list(prompts)
 
 
 # ---- the teacher-forced measure -------------------------------------------------------------------------------

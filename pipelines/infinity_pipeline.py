@@ -220,13 +220,18 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vae is not self.vae:
             a = self._adapter = InfinityAdapter(self.transformer, self.vae, DEFAULT_RESOLUTION)
-        a.set_kernels(self._kernels)
+        a.set_kernels(self._kernel_kind(a))
         return a
 
-    def flop_speedup(self, stats: GenerationStats, height: int = 1024, width: int = 1024,
+    def flop_speedup(self, stats: GenerationStats, height: Optional[int] = None, width: Optional[int] = None,
                      text_tokens: int = 64) -> float:
-        """The speed-up a generation's token counts allow in FLOPs, versus computing every token."""
-        hw = resolve_resolution(height, width).hw
+        """The speed-up a generation's token counts allow in FLOPs, versus computing every token, on
+        the generation's own schedule (read from ``stats``), or on that of ``height`` × ``width``
+        where either is given (the other 1024)."""
+        if height is None and width is None:
+            hw = [(s.h, s.w) for s in stats.scales]
+        else:
+            hw = resolve_resolution(height or DEFAULT_RESOLUTION, width or DEFAULT_RESOLUTION).hw
         cfg = self.transformer.config
         rows = [s.rows for s in stats.scales]
         dense = infinity_loop_flops(cfg, hw, text_tokens, rows_per_scale=[max(rows)] * len(rows))

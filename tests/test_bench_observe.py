@@ -173,7 +173,8 @@ def test_block_groups_and_equal_norm_residuals_on_a_tiny_infinity():
     maps = taps.record["maps"]
     assert torch.equal(maps[(5, ("group", 1))].view(1, 12, 12), reader.seen[5].cpu())
     assert not torch.equal(maps[(5, ("group", 1))], maps[(5, ("layer", 3))])
-    with pytest.raises(ValueError, match=r"^prompts=None: a text-to-image pipeline needs a list of one prompt"):
+    with pytest.raises(ValueError, match=r"^prompts=None: a text-to-image pipeline needs a list of one non-empty "
+                                         r"prompt per seed \(1\)$"):
         bo.measure_capture(pipe, seeds=[0], scales=2)
 
 

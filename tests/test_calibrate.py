@@ -117,14 +117,59 @@ def test_a_calibration_that_does_not_fit_the_model_is_refused(tiny):
                     sparsevar_calibration={"block": 0, "granularity": "group"})
 
 
-def test_a_model_whose_residuals_all_have_one_norm_cannot_be_calibrated():
+def test_a_model_whose_residuals_all_have_one_norm_is_ranked_by_its_pictures_and_prompts_drive_every_step():
+    """Infinity's bits all have one norm, so the capture rate cannot rank its block groups: calibrate
+    ranks them by the PSNR against dense of SparseVAR keep 0.5 observing each (recomputed here by
+    plain pipeline calls with the prompts), observes the best, and calibrates tau over the same
+    prompts (one baseline recomputed by hand)."""
+    import torch
+    from dataclasses import replace
     from sparsevar import InfinityPipeline
-    pipe = InfinityPipeline.from_random("infinity-tiny", seed=1)
+    from sparsevar.benchmarks.metrics import psnr
+    from sparsevar.policies import ScaleSkipConfig, ScaleSkipPolicy
+    pipe = InfinityPipeline.from_random("infinity-tiny", seed=1)          # 4 layers in 2 groups, 256 px: 13 scales
     pipe.set_progress_bar_config(disable=True)
-    with pytest.raises(ValueError, match=r"^calibrate: every token's residual of this infinity-2b model has the same "
-                                         r"norm, so the capture rate cannot rank its layers"):
-        bo.calibrate(pipe, seeds=1, scales=1, prompts=["w3 w4 w5"], height=256, width=256, log=lambda s: None)
-    assert pipe.config.sparsevar_calibration is None and pipe.sparsevar_preset == SPARSEVAR_PRESETS["infinity-2b"]
+    prompts, size = ["w3 w4 w5", "w6 w7"], dict(height=256, width=256)
+    logged = []
+    cal = bo.calibrate(pipe, seeds=2, scales=2, prompts=prompts, log=logged.append, taus=(0.9,), starts=(-2,), **size)
+    text = "\n".join(logged)
+    assert "cannot rank the layers of this model" in text and "ranking the 2 groups by PSNR against dense" in text
+    d = pipe.DEFAULTS
+
+    def picture(seed, policies):
+        out = pipe([prompts[seed]], guidance_scale=d.guidance_scale, top_k=d.top_k, top_p=d.top_p, output_type="pt",
+                   generator=torch.Generator().manual_seed(seed), policies=policies, **size)
+        return out.images.float().clamp(0, 1), out.stats[0]
+
+    dense = [picture(seed, [])[0] for seed in (0, 1)]
+    base = replace(SPARSEVAR_PRESETS["infinity-2b"], keep_ratio=0.5, start_scale=-2, granularity="group")
+    by_hand = {g: sum(min(float(psnr(picture(seed, [SparseVARPolicy(replace(base, block=g))])[0], dense[seed])[0]),
+                          bo.IDENTICAL_PSNR_DB) for seed in (0, 1)) / 2 for g in (0, 1)}
+    m = cal["measured"]
+    assert m["per_unit_psnr_db"] == {str(g): pytest.approx(v, abs=2e-3) for g, v in by_hand.items()}
+    assert by_hand[0] != by_hand[1]                                      # the ranking has something to rank
+    best = max(by_hand, key=by_hand.get)
+    assert (cal["granularity"], cal["block"]) == ("group", best) and pipe.sparsevar_preset.block == best
+    assert f"calibrate: observe group {best} (" in text
+
+    skip = [picture(seed, [ScaleSkipPolicy(ScaleSkipConfig(skip_last=1))]) for seed in (0, 1)]
+    want = [sum(pipe.flop_speedup(st) for _, st in skip) / 2,
+            sum(float(psnr(img, dense[seed])[0]) for seed, (img, _) in enumerate(skip)) / 2]
+    assert m["tau"]["settings"]["skip-last-1"] == pytest.approx(want, abs=2e-3)
+    assert set(m["tau"]["settings"]) == {"tau0.9-from-2", *bo.TAU_BASELINES}
+    pipe.set_sparsevar_calibration(None)
+    assert pipe.sparsevar_preset == SPARSEVAR_PRESETS["infinity-2b"]
+
+
+def test_a_setting_that_leaves_no_token_out_is_never_chosen(tiny):
+    """tau 0 keeps every token that changed at all: FLOP speed-up 1, PSNR that of dense; it
+    "reaches" any front but changes nothing, so calibrate does not store it."""
+    logged = []
+    found = bo.calibrate_tau(tiny, seeds=1, taus=(0.0,), baselines=("skip-last-1",), log=logged.append, starts=(-1,))
+    assert found["settings"]["tau0-from-1"] == [1.0, bo.IDENTICAL_PSNR_DB]
+    assert found["tau"] is None and found["start_scale"] is None
+    assert "calibrate: tau 0 from scale -1: FLOP speed-up 1.00x, PSNR 99.00 dB; computes every token: not a " \
+           "candidate" in logged
 
 
 # ---- the settings that start from the preset -----------------------------------------------------------------------
@@ -283,7 +328,7 @@ def test_calibrate_tau_stores_the_fastest_setting_that_reaches_the_baselines_fro
         if sp <= front[0][0]:
             return ps >= front[0][1]
         return ps >= p0 + (p1 - p0) * (sp - s0) / (s1 - s0)
-    ok = [n for n in names if reaches(*table[n])]
+    ok = [n for n in names if table[n][0] > 1 and reaches(*table[n])]
     want = max(ok, key=lambda n: table[n][0]) if ok else None
     got = None if found["tau"] is None else f"tau{found['tau']:g}-from-{-found['start_scale']}"
     assert got == want
