@@ -351,7 +351,7 @@ def _policy_configs(args, family: str) -> list:
 
 def _apply_acceleration(pipe, args, configs, compile: bool = True) -> None:
     """The configs of :func:`_policy_configs` → the pipeline's enable_* calls; what this model cannot
-    take is reported under the flags that asked for it; ``compile``: --compile's kernels now (else the
+    take is reported under the flags that asked for it; ``compile``: the kernels of --kernels now (else the
     caller applies them once the pipeline is on its GPU)."""
     for flags, method, cfg in configs:
         try:
@@ -359,15 +359,21 @@ def _apply_acceleration(pipe, args, configs, compile: bool = True) -> None:
         except ValueError as e:
             hint = " (--fastvar-layers FIRST LAST)" if "layer_range" in str(e) and method == "enable_fastvar" else ""
             raise CLIError(f"{flags}: {e}{hint}") from None
-    if args.compile and compile:
-        _compile(pipe)
+    if compile:
+        _set_kernels(pipe, args)
 
 
-def _compile(pipe) -> None:
+def _kernels_flag(args) -> tuple[str, str]:
+    """(the kernels the flags ask for, the flag that asked): --compile is --kernels triton."""
+    return ("triton", "--compile") if args.compile else (args.kernels, f"--kernels {args.kernels}")
+
+
+def _set_kernels(pipe, args) -> None:
+    kind, flag = _kernels_flag(args)
     try:
-        pipe.set_kernels("triton")
+        pipe.set_kernels(kind)
     except ValueError as e:
-        raise CLIError(f"--compile: {e}") from None
+        raise CLIError(f"{flag}: {e}") from None
 
 
 def _low_vram_gpu(args, device) -> bool:
@@ -743,8 +749,9 @@ def cmd_generate(args) -> int:
         state = _process_state(device)
         if state.num_processes > 1:
             device = state.device                                # each process its own GPU
-    if args.compile and device.type != "cuda":
-        raise CLIError(f"--compile fuses CUDA kernels; the model runs on {device.type}: drop --compile or use "
+    kind, flag = _kernels_flag(args)
+    if kind in ("triton", "compile") and device.type != "cuda":
+        raise CLIError(f"{flag} fuses CUDA kernels; the model runs on {device.type}: drop {flag.split()[0]} or use "
                        f"--device cuda")
     dtype = _dtype(args.dtype, device)
     hart = text and args.model is not None and _is_hart(args.model)
@@ -801,8 +808,8 @@ def cmd_generate(args) -> int:
             raise CLIError(f"--low-vram: {e}") from None
         say(f"--low-vram: {', '.join(enabled) if enabled else 'nothing needed'} "
             f"({pipe.estimate_memory(per_call, **size)})")
-        if args.compile and _low_vram_gpu(args, device):
-            _compile(pipe)
+        if _low_vram_gpu(args, device):
+            _set_kernels(pipe, args)
     if folder:
         pipe.set_progress_bar_config(disable=True)                     # one bar over the images instead
         return _generate_folder(args, pipe, device, items, lambda chosen: {**call, cond: list(chosen)}, need)
@@ -1271,7 +1278,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit the device's memory: text encoder streaming, model CPU offload, ScaleKV, ScaleKV "
                         "with either, then sequential CPU offload (without and with ScaleKV), as the estimate "
                         "(pipe.estimate_memory) needs; says what it enabled")
-    a.add_argument("--compile", action="store_true", help="run the layers on this package's Triton kernels (CUDA; pipe.set_kernels('triton'))")
+    a.add_argument("--kernels", choices=["auto", "triton", "compile", "torch"], default="auto",
+                   help="the layers' kernels (pipe.set_kernels): auto (default) runs this package's Triton kernels "
+                        "on a GPU that can run them and plain torch elsewhere; triton requires them; compile uses "
+                        "torch.compile; torch is plain torch")
+    a.add_argument("--compile", action="store_true", help="the same as --kernels triton")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="official files → safetensors pipeline folder (VAR, Infinity with its T5 "

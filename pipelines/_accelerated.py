@@ -188,7 +188,7 @@ class _DropCPUHalfWarning(logging.Filter):
 class AcceleratedPipelineMixin:
     """Policy management (``enable_sparsevar`` …), run state and the shared parts of a call, for
     VARPipeline and InfinityPipeline. A pipeline supplies ``adapter()`` (which passes
-    ``self._kernels`` to the adapter's ``set_kernels``), ``PRESET_FAMILY`` (its key in ``SPARSEVAR_PRESETS``
+    ``self._kernel_kind(adapter)`` to the adapter's ``set_kernels``), ``PRESET_FAMILY`` (its key in ``SPARSEVAR_PRESETS``
     / ``FASTVAR_PRESETS``), ``DEFAULTS`` and ``_output_class``; its ``__call__`` checks its own inputs,
     then calls :meth:`_check_call`, :meth:`_call_policies` and :meth:`_generate`."""
 
@@ -201,7 +201,7 @@ class AcceleratedPipelineMixin:
 
     def __init__(self):
         super().__init__()
-        self._policies, self._adapter, self._kernels = PolicyStack(), None, "torch"
+        self._policies, self._adapter, self._kernels = PolicyStack(), None, "auto"
         self._interrupt, self._current_scale = False, None
         self._model_offload: Optional[ModelOffload] = None
         self._text_stream: Optional[BlockStream] = None
@@ -645,8 +645,18 @@ class AcceleratedPipelineMixin:
 
     @property
     def kernels(self) -> str:
-        """The kernels the layers run: ``"torch"`` (default), ``"triton"`` or ``"compile"`` (:meth:`set_kernels`)."""
-        return self._kernels
+        """The kernels the layers run now: ``"torch"``, ``"triton"`` or ``"compile"``. Under the
+        default setting ``"auto"`` (:meth:`set_kernels`) that is ``"triton"`` on a GPU where this
+        package's Triton kernels run, else ``"torch"``."""
+        return self._kernel_kind(self.adapter())
+
+    def _kernel_kind(self, adapter) -> str:
+        """The kind :meth:`set_kernels` chose, with ``"auto"`` resolved for the device the adapter
+        runs on (model offload: the execution device)."""
+        if self._kernels != "auto":
+            return self._kernels
+        device = self._execution_device if self.model_cpu_offload else adapter.device
+        return "triton" if device.type == "cuda" and resolve_backend("auto", device) == "triton" else "torch"
 
     def set_kernels(self, kernels: str = "triton") -> "AcceleratedPipelineMixin":
         """Choose the kernels of every step of the layers and of the scale loop
@@ -654,17 +664,23 @@ class AcceleratedPipelineMixin:
         q/k norm with the KV-cache write, gated residual), not its matrix products, dominate a VAR step;
         Infinity runs ~20 of them per layer at every scale.
 
-        kernels: ``"triton"`` runs this package's hand-written Triton kernels (``sparse_ops.dense_fused``,
+        kernels: ``"auto"`` (the default of a new pipeline): ``"triton"`` wherever the model runs on
+            a GPU that can run them, else ``"torch"``, decided at each call from where the model is.
+            ``"triton"`` runs this package's hand-written Triton kernels (``sparse_ops.dense_fused``,
             one launch per step; ``sparse_ops.linear`` for matrix products of ≤ 64 rows, chained on
             sm_90+ by programmatic dependent launch; ``sparse_ops.sample`` for codebook sampling) —
             CUDA and Triton only; where they cannot run (a GPU older than sm_80, ROCm) it falls back to
-            ``"compile"`` with a warning. ``"compile"``: torch.compile fuses each plain-torch step (the
-            first call compiles for tens of seconds). ``"torch"``: plain torch, the reference (CPU too).
+            ``"compile"`` with a warning. Triton compiles each kernel at its first use on a machine and
+            caches it on disk (``TRITON_CACHE_DIR``; torch.compile's parts in
+            ``TORCHINDUCTOR_CACHE_DIR``), so the first call of a new machine takes longer.
+            ``"compile"``: torch.compile fuses each plain-torch step (the first call compiles for tens
+            of seconds). ``"torch"``: plain torch, the reference (CPU too).
         """
-        if kernels not in KERNEL_KINDS:
-            raise ValueError(f"kernels={kernels!r}: use 'triton' (this package's Triton kernels), 'compile' "
+        if kernels not in ("auto", *KERNEL_KINDS):
+            raise ValueError(f"kernels={kernels!r}: use 'auto' (Triton kernels on a GPU that runs them, else "
+                             f"torch; the default), 'triton' (this package's Triton kernels), 'compile' "
                              f"(torch.compile) or 'torch' (plain torch)")
-        if kernels != "torch":
+        if kernels not in ("torch", "auto"):
             device = self._execution_device if self.model_cpu_offload else self.transformer.device
             if device.type != "cuda":
                 raise ValueError(f"set_kernels({kernels!r}) needs the model on a CUDA device; call pipe.to('cuda') "

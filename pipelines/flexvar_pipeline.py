@@ -111,7 +111,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
             a = self._adapter = FlexVARAdapter(self.transformer, self.vqvae)
-        a.set_kernels(self._kernels)
+        a.set_kernels(self._kernel_kind(a))
         return a
 
     @property

@@ -157,7 +157,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
             a = self._adapter = HARTAdapter(self.transformer, self.vqvae)
-        a.set_kernels(self._kernels)
+        a.set_kernels(self._kernel_kind(a))
         return a
 
     def flop_speedup(self, stats: GenerationStats) -> float:

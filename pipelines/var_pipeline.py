@@ -288,7 +288,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         a = self._adapter
         if a is None or a.transformer is not self.transformer or a.vqvae is not self.vqvae:
             a = self._adapter = VARAdapter(self.transformer, self.vqvae)
-        a.set_kernels(self._kernels)
+        a.set_kernels(self._kernel_kind(a))
         return a
 
     def _memory_layout(self, batch_size: int, height, width) -> tuple:

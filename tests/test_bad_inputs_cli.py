@@ -112,6 +112,8 @@ def test_images_are_written_whole_with_no_temporary_file_left(tmp_path, var_offi
                                              "every token of the cache"),
     (["generate", "--fastvar", "1", "0.5"], "--fastvar 1 0.5: ratios=(1.0, 0.5): 1.0 (skip the scale) is allowed only"),
     (["generate", "--compile", "--device", "cpu"], "--compile fuses CUDA kernels; the model runs on cpu"),
+    (["generate", "--kernels", "triton", "--device", "cpu"],
+     "--kernels triton fuses CUDA kernels; the model runs on cpu: drop --kernels or use --device cuda"),
     (["bench", "speed", "--device", "cpu", "--batch", "0"], "--batch 0: give batch sizes of 1 or more"),
     (["bench", "speed", "--device", "cpu", "--runs", "0"], "--runs 0: time each setting at least once"),
     (["bench", "speed", "--device", "cpu", "--warmup", "-1"], "--warmup -1: give the number of untimed runs"),

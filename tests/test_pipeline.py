@@ -409,8 +409,8 @@ def test_sampling_defaults_agree_in_the_pipelines_the_cli_and_the_sampler_node(t
 
 def test_kernels_are_chosen_by_set_kernels_and_the_old_name_still_works_with_a_warning():
     pipe = VARPipeline.from_demo()
-    assert pipe.kernels == "torch" and pipe.adapter().ops.kind == "torch"
-    with pytest.raises(ValueError, match=r"kernels='fused': use 'triton' .*, 'compile' .* or 'torch'"):
+    assert pipe.kernels == "torch" and pipe.adapter().ops.kind == "torch"    # "auto" on the CPU
+    with pytest.raises(ValueError, match=r"kernels='fused': use 'auto' .*, 'triton' .*, 'compile' .* or 'torch'"):
         pipe.set_kernels("fused")
     with pytest.raises(ValueError, match=r"set_kernels\('triton'\) needs the model on a CUDA device"):
         pipe.set_kernels("triton")                     # this test runs on the CPU
@@ -420,3 +420,4 @@ def test_kernels_are_chosen_by_set_kernels_and_the_old_name_still_works_with_a_w
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="needs the model on a CUDA device"):
         pipe.enable_compiled_elementwise()             # = set_kernels("triton")
     assert pipe.set_kernels("torch").kernels == "torch"
+    assert pipe.set_kernels("auto").kernels == "torch" and pipe.adapter().ops.kind == "torch"
