@@ -891,8 +891,10 @@ class AcceleratedPipelineMixin:
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
         parts = needed(B)
         device = self._execution_device if self.model_cpu_offload else self.adapter().device
-        if "KV cache" in parts and sum(parts.values()) > memory_available(
-                device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]) - self._buffer_bytes():
+        total, held = sum(parts.values()), self._buffer_bytes()
+        # memory_available walks every weight: asked only where what the driver has free falls short
+        if "KV cache" in parts and total > _free_bytes(device) - held and total > memory_available(
+                device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]) - held:
             # the bound above counts the whole cache; the exact one (ScaleKV's compression) takes the
             # estimate's work, so only where the bound does not fit
             size_kw = {**({"height": hw[0], "width": hw[1]} if hw[0] is not None else {}), **(layout or {})}

@@ -146,8 +146,11 @@ class Kernels:
         self.phi_accumulate = ref.phi_accumulate  # VAR's latent update f_hat += φ(h)
         fns = dict(modulate=modulate, qk_normalize=qk_normalize, gated_residual=gated_residual,
                    residual_modulate=residual_modulate, silu_mul=silu_mul)
+        # not fullgraph: Dynamo counts recompilations per function, over every Kernels instance of the
+        # process (each model, dtype and rank compiles its own variant); past its limit a fullgraph
+        # function fails, this one runs the plain-torch step
         for name, fn in fns.items():
-            setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled else fn)
+            setattr(self, name, torch.compile(fn, dynamic=True) if self.compiled else fn)
         if kind == "triton":
             from . import ops as sparse_ops
 
@@ -241,7 +244,7 @@ class Kernels:
         """The q/k step ``fn`` of q and k (compiled at its first call), then k and raw v into their cache
         slots as plain copies (compiled in, the writes gave more kernels); returns q (R, H, l, d)."""
         if fn not in self._compiled:
-            self._compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+            self._compiled[fn] = torch.compile(fn, dynamic=True)          # not fullgraph: see __init__
         q_RlHd, k_RlHd = self._compiled[fn](qkv_Rl3Hd[:, :, :2], *args)
         k_dst_RHld.copy_(k_RlHd.transpose(1, 2))
         v_dst_RHld.copy_(qkv_Rl3Hd[:, :, 2].transpose(1, 2))

@@ -255,6 +255,23 @@ def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
         assert err_fused <= 1.5 * err_two + 1e-3, (shape, float(err_fused), float(err_two))
 
 
+def test_compiled_steps_past_dynamos_recompile_limit_still_run():
+    """Every pipeline of a process (the kernels are the default on a GPU) compiles its own variants
+    of the same torch.compile'd steps, and Dynamo counts them per function, across instances: past
+    its limit (8) a step must keep working (the plain-torch step), not fail. Twelve variants of
+    the gated residual (dtypes × ranks × gate layouts) over three Kernels instances give the plain
+    result each time."""
+    from sparsevar.sparse_ops.kernels import Kernels, gated_residual
+    g = torch.Generator("cuda").manual_seed(0)
+    variants = [(dtype, shape) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for shape in ((2, 7, 64), (3, 5, 32), (2, 3, 5, 16), (4, 6))]
+    for i, (dtype, shape) in enumerate(variants):
+        ops = Kernels(("triton", "compile")[i % 2])
+        x, b = (torch.randn(*shape, device="cuda", generator=g).to(dtype) for _ in range(2))
+        gate = torch.randn(*shape[:-2], 1, shape[-1], device="cuda", generator=g).to(dtype)
+        torch.testing.assert_close(ops.gated_residual(x, b, gate), gated_residual(x, b, gate))
+
+
 def test_fused_linear_row_blocks_match_one_product_in_bfloat16():
     """Under the fused ops a long reduction on CHUNK_ROWS < rows < 2·CHUNK_ROWS runs through cuBLAS
     in two row blocks (``Kernels._fused_linear``): every row is still one bf16 product with

@@ -50,6 +50,8 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
         return pipe(["w3 w4 w5", "w9"], height=256, width=256, generator=torch.Generator("cuda").manual_seed(0),
                     output_type="pt", callback_on_step_end=lambda p, si, t, d: seen.append(_devices(p)) or d).images
 
+    from sparsevar.sparse_ops._backend import resolve_backend
+    assert pipe.kernels == ("triton" if resolve_backend("auto", "cuda") == "triton" else "torch")   # the default
     resident = call()
     pipe.enable_model_cpu_offload()
     assert _devices(pipe) == {"transformer": "cpu", "vae": "cpu", "text_encoder": "cpu"}
@@ -70,7 +72,7 @@ def test_infinity_components_visit_the_gpu_one_at_a_time_and_the_pictures_do_not
     with pytest.raises(ValueError, match="while model CPU offload is on"):
         pipe.to("cuda")
     assert pipe.set_kernels("triton").kernels in ("triton", "compile")     # chosen for the GPU it runs on
-    pipe.set_kernels("torch").disable_model_cpu_offload().to("cuda")
+    pipe.set_kernels("auto").disable_model_cpu_offload().to("cuda")
     assert torch.equal(call(), resident)
 
 
