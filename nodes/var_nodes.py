@@ -178,9 +178,11 @@ class VARModelHandle:
     while the sampler runs."""
 
     def __init__(self, pipe, name: str):
-        # plain-torch kernels under ComfyUI for now: with --novram one step's tensor was still in CPU
-        # memory when the Triton kernels ran (set_kernels' "auto" chose them from the model's device),
-        # and the failure inside a CUDA graph capture ended the server (benchmarks/results, Session 32)
+        # plain-torch kernels under ComfyUI for now: under its default allocator (cudaMallocAsync) and
+        # --novram a Triton kernel launched inside a CUDA graph capture was refused its output buffer
+        # ("cannot be accessed from Triton"), and the failed capture ended the server. "auto" now
+        # avoids that allocator, but that rule has not run under ComfyUI yet (benchmarks/results,
+        # Session 32)
         self.pipe, self.name = pipe.set_kernels("torch"), name
         modules = {k: m for k, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
         text = {k: modules.pop(k) for k in ("text_encoder",) if k in modules}

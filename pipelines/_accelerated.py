@@ -652,11 +652,15 @@ class AcceleratedPipelineMixin:
 
     def _kernel_kind(self, adapter) -> str:
         """The kind :meth:`set_kernels` chose, with ``"auto"`` resolved for the device the adapter
-        runs on (model offload: the execution device)."""
+        runs on (model offload: the execution device): plain torch off the GPU, and under PyTorch's
+        cudaMallocAsync allocator (ComfyUI's default), where a Triton kernel launched inside a CUDA
+        graph capture was refused its freshly allocated buffer."""
         if self._kernels != "auto":
             return self._kernels
         device = self._execution_device if self.model_cpu_offload else adapter.device
-        return "triton" if device.type == "cuda" and resolve_backend("auto", device) == "triton" else "torch"
+        if device.type != "cuda" or torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            return "torch"
+        return "triton" if resolve_backend("auto", device) == "triton" else "torch"
 
     def set_kernels(self, kernels: str = "triton") -> "AcceleratedPipelineMixin":
         """Choose the kernels of every step of the layers and of the scale loop
@@ -665,7 +669,8 @@ class AcceleratedPipelineMixin:
         Infinity runs ~20 of them per layer at every scale.
 
         kernels: ``"auto"`` (the default of a new pipeline): ``"triton"`` wherever the model runs on
-            a GPU that can run them, else ``"torch"``, decided at each call from where the model is.
+            a GPU that can run them, else ``"torch"``, decided at each call from where the model is
+            (also ``"torch"`` under PyTorch's cudaMallocAsync allocator: see :meth:`_kernel_kind`).
             ``"triton"`` runs this package's hand-written Triton kernels (``sparse_ops.dense_fused``,
             one launch per step; ``sparse_ops.linear`` for matrix products of ≤ 64 rows, chained on
             sm_90+ by programmatic dependent launch; ``sparse_ops.sample`` for codebook sampling) —
