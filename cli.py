@@ -501,6 +501,13 @@ def _load_hart(args, device, dtype, say):
                                                 text_encoder_dtype=te_dtype), device, args)
 
 
+def _plain_class_ids(labels: Sequence[str]) -> Optional[list[int]]:
+    """``--class`` values that are all non-negative ids, as ints (what :func:`_class_ids` makes of
+    them); None where any is a name or a negative number (resolving those needs the model)."""
+    plain = [lab.strip() for lab in labels]
+    return [int(lab) for lab in plain] if all(lab.isdecimal() and lab.isascii() for lab in plain) else None
+
+
 def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
     """``--class`` values → class ids; an unknown name is reported with what the command line offers."""
     from .pipelines.var_pipeline import ClassLabelError
@@ -729,8 +736,10 @@ def cmd_generate(args) -> int:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
-    if _folder_out(args.out) and text:               # a finished run of prompts: nothing is loaded or started
-        _, order, todo = _folder_run(args, list(args.prompt))
+    # a finished run of prompts, or of classes given as ids (names need the model): nothing is loaded or started
+    items = list(args.prompt) if text else _plain_class_ids(args.class_labels or ["0"])
+    if _folder_out(args.out) and items is not None:
+        _, order, todo = _folder_run(args, items)
         if not todo:
             if os.environ.get("RANK", "0") == "0":   # (under accelerate launch every process gets here)
                 _nothing_to_do(args, order)

@@ -4,6 +4,7 @@ nothing else."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -133,6 +134,27 @@ def test_a_finished_run_of_prompts_loads_nothing(tmp_path, capsys):
     assert "nothing to do: the 1 image(s) are in" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
     assert main([*flags[:-1], "--num", "2", "--quiet"]) == 2                 # one more image needs the model
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+
+
+def test_a_finished_run_of_class_ids_loads_nothing(tmp_path, capsys, var_official_files):
+    """The same for classes given as ids (names need the model to resolve): the checkpoints are gone
+    by the rerun, which still succeeds and writes nothing; one more image needs them again."""
+    import shutil
+    ckpt = {k: tmp_path / Path(v).name for k, v in var_official_files.items() if k in ("var", "vae")}
+    for k, dst in ckpt.items():
+        shutil.copy(var_official_files[k], dst)
+    out = tmp_path / "run"
+    flags = ["generate", "--var-ckpt", str(ckpt["var"]), "--vae-ckpt", str(ckpt["vae"]), "--class", "3", " 5",
+             "--out", f"{out}/", "--quiet"]
+    assert main(flags) == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    for dst in ckpt.values():
+        dst.unlink()
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "nothing to do: the 2 image(s) are in" in capsys.readouterr().out
+    assert main([*flags, "--num", "2"]) == 2
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
 
