@@ -365,6 +365,8 @@ def _apply_acceleration(pipe, args, configs, compile: bool = True) -> None:
 
 def _kernels_flag(args) -> tuple[str, str]:
     """(the kernels the flags ask for, the flag that asked): --compile is --kernels triton."""
+    if args.compile and args.kernels not in ("auto", "triton"):
+        raise CLIError(f"--compile --kernels {args.kernels}: --compile means --kernels triton; give one of them")
     return ("triton", "--compile") if args.compile else (args.kernels, f"--kernels {args.kernels}")
 
 
@@ -1072,7 +1074,8 @@ def cmd_calibrate(args) -> int:
     run_calibrate(args.model, seeds=args.seeds, keep=args.keep, scales=args.scales, prompts=prompts,
                   device=args.device, write=not args.dry_run,
                   taus=() if args.layer_only else (args.taus or TAU_CANDIDATES),
-                  starts=args.starts or START_CANDIDATES, drafters=(args.drafters or 0) if args.scalekv else None)
+                  starts=args.starts or START_CANDIDATES, drafters=(args.drafters or 0) if args.scalekv else None,
+                  height=args.height, width=args.width)
     return 0
 
 
@@ -1360,6 +1363,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                    help="text-to-image models: one prompt per line (repeated to --seeds)")
     k.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, …")
+    k.add_argument("--height", type=int, default=None, help="Infinity models: the size to measure at (default 1024)")
+    k.add_argument("--width", type=int, default=None, help="Infinity models: the size to measure at (default 1024)")
     k.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
                    help="thresholds to try (default 0.2 … 0.8), each from each of --starts: the fastest setting whose "
                         "pictures are at least as close to dense as the baselines (scale skipping, cond-only, FastVAR) "

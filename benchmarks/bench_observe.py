@@ -339,7 +339,13 @@ def calibrate(pipe, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts:
     choose the threshold and first pruned scale over the same seeds and conditions
     (:func:`calibrate_tau`): the fastest of ``taus`` × ``starts`` at which SparseVAR observing that
     unit reaches the baselines' front. Returns the calibration: ``{"block", "granularity"[, "tau",
-    "start_scale"], "measured": {...}}``."""
+    "start_scale"], "measured": {...}}``. Every step samples with the family's defaults; a sampling or
+    run argument in ``call_kwargs`` is refused (ValueError)."""
+    fixed = sorted(set(call_kwargs) & {"guidance_scale", "top_k", "top_p", "temperature", "generator", "output_type",
+                                       "policies", "random_seed", "random_draws", "num_images_per_prompt"})
+    if fixed:
+        raise ValueError(f"calibrate: {', '.join(fixed)} cannot be set: every measurement samples with the family's "
+                         f"defaults (pipe.DEFAULTS); pass only size arguments such as height=, width=")
     m = measure_capture(pipe, range(seeds), keep=keep, scales=scales, prompts=prompts, **call_kwargs)
     family = pipe.PRESET_FAMILY
     kind = SPARSEVAR_PRESETS[family].granularity if family in SPARSEVAR_PRESETS else "layer"
@@ -411,7 +417,7 @@ def rank_by_psnr(pipe, seeds: int, keep: float, scales: int, kind: str, formula=
     runs = [(u, [SparseVARPolicy(replace(base, block=u[1]))]) for u in units]
     log(f"calibrate: ranking the {count} {kind}s by PSNR against dense instead: SparseVAR keep {keep:g} on the last "
         f"{scales} scales observing each in turn, {seeds} seeds")
-    drawn = against_dense(pipe, range(seeds), runs, prompts=prompts, **call_kwargs)
+    drawn = against_dense(pipe, range(seeds), runs, log=log, prompts=prompts, **call_kwargs)
     per_seed = {u: [min(ps, IDENTICAL_PSNR_DB) for _, ps in drawn[u]] for u in units}
     stats = {u: mean_ci95(v) for u, v in per_seed.items()}
     unit = max(units, key=lambda u: stats[u][0])
@@ -495,7 +501,7 @@ def calibrate_tau(pipe, seeds: int = 8, taus: Sequence[float] = TAU_CANDIDATES,
         raise ValueError(f"calibrate: none of the start scales {list(starts)} fits this model's "
                          f"{info.schedule.num_scales} scales")
     runs += [(name, parse_setting(name).on_model(pipe).policies()) for name in baselines]
-    drawn = against_dense(pipe, range(seeds), runs, prompts=prompts, **call_kwargs)
+    drawn = against_dense(pipe, range(seeds), runs, log=log, prompts=prompts, **call_kwargs)
     values = {name: ([sp for sp, _ in per_seed], [min(ps, IDENTICAL_PSNR_DB) for _, ps in per_seed])
               for name, per_seed in drawn.items()}
     settings = {name: [round(statistics.fmean(sp), 3), round(statistics.fmean(ps), 3)]
@@ -606,15 +612,24 @@ def write_calibration(folder, calibration: dict, key: str = "sparsevar_calibrati
 def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, prompts: Optional[Sequence[str]] = None,
                   device: str = "auto", write: bool = True, log: Callable[[str], None] = print,
                   taus: Optional[Sequence[float]] = TAU_CANDIDATES, starts: Sequence[int] = START_CANDIDATES,
-                  drafters: Optional[int] = None) -> dict:
+                  drafters: Optional[int] = None, height: Optional[int] = None, width: Optional[int] = None) -> dict:
     """``sparsevar calibrate``: load the pipeline folder ``model`` (any family this package loads; in
     bfloat16 on CUDA, float32 on the CPU), :func:`calibrate` it and, when ``write``, store the
     result in the folder. The table of every layer is printed first (as ``bench observe`` prints
     it). With ``drafters`` (the number of ScaleKV drafter layers; 0: the default count) it measures
-    ScaleKV's drafters instead (:func:`calibrate_drafters`). Returns the calibration."""
+    ScaleKV's drafters instead (:func:`calibrate_drafters`). ``height``/``width``: the size an
+    Infinity model draws while measured (default 1024²; recorded in ``measured``). Returns the
+    calibration."""
     check_settings(keep, scales, seeds)
     check_taus(taus, starts)
     cls, path = folder_pipeline(model)
+    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+    if size and cls.__name__ != "InfinityPipeline":
+        raise ValueError(f"height={height}, width={width}: only Infinity models draw at a chosen size; {path} holds "
+                         f"a {cls.__name__}, which draws at its own")
+    if size:
+        from ..models.infinity import resolve_resolution
+        resolve_resolution(height or 1024, width or 1024)          # a size with no template: ValueError listing them
     text = cls.__name__ in ("InfinityPipeline", "HARTPipeline")
     if text:
         if not prompts:
@@ -629,14 +644,18 @@ def run_calibrate(model, seeds: int = 8, keep: float = 0.5, scales: int = 3, pro
     pipe = cls.from_pretrained(path, dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)
     if drafters is not None:
-        calibration = calibrate_drafters(pipe, seeds=seeds, count=drafters or None, prompts=prompts, log=log)
+        calibration = calibrate_drafters(pipe, seeds=seeds, count=drafters or None, prompts=prompts, log=log, **size)
+        if size:
+            calibration["measured"]["size"] = [height or 1024, width or 1024]
         if write:
             log(f"calibrate: written to {write_calibration(model, calibration, 'scalekv_calibration')} "
                 f"(scalekv_calibration); enable_scalekv() on this folder now keeps the whole cache of layers "
                 f"{', '.join(map(str, calibration['drafters']))}")
         return calibration
     calibration = calibrate(pipe, seeds=seeds, keep=keep, scales=scales, prompts=prompts, log=log, taus=taus,
-                            starts=starts)
+                            starts=starts, **size)
+    if size:
+        calibration["measured"]["size"] = [height or 1024, width or 1024]
     if write:
         tau = f" with tau {calibration['tau']:g} from scale {calibration['start_scale']}" if "tau" in calibration else ""
         log(f"calibrate: written to {write_calibration(model, calibration)} (sparsevar_calibration); "

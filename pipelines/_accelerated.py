@@ -647,7 +647,7 @@ class AcceleratedPipelineMixin:
     def kernels(self) -> str:
         """The kernels the layers run now: ``"torch"``, ``"triton"`` or ``"compile"``. Under the
         default setting ``"auto"`` (:meth:`set_kernels`) that is ``"triton"`` on a GPU where this
-        package's Triton kernels run, else ``"torch"``."""
+        package's Triton kernels run, else (and under PyTorch's cudaMallocAsync allocator) ``"torch"``."""
         return self._kernel_kind(self.adapter())
 
     def _kernel_kind(self, adapter) -> str:
@@ -698,6 +698,10 @@ class AcceleratedPipelineMixin:
                 logger.warning("set_kernels: this package's Triton kernels cannot run on this device (sparsevar info "
                                "--backends says why); using kernels='compile' (torch.compile)")
                 kernels = "compile"
+            if kernels == "triton" and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+                logger.warning("set_kernels('triton') under PyTorch's cudaMallocAsync allocator: a Triton kernel "
+                               "inside a CUDA graph capture was refused its buffer there; pass use_cuda_graphs=False "
+                               "to the calls, or keep kernels='auto' (plain torch under this allocator)")
         self._kernels = kernels
         return self
 

@@ -106,6 +106,10 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """A converted folder (``model``), or the official transformer file + its VAE + a T5 folder."""
         from ..models.loading import local_path
         p = local_path(model, "model")
+        if not p.exists():
+            raise FileNotFoundError(f"model={str(model)!r}: no such file or folder; give a converted folder "
+                                    f"(`sparsevar convert`, save_pretrained) or the official Infinity checkpoint "
+                                    f"(infinity_2b_reg.pth, or the 8B shard folder)")
         if p.is_dir() and (p / "model_index.json").is_file():
             return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype, text_encoder_dtype=text_encoder_dtype)
         if vae is None or text_encoder is None:
@@ -114,7 +118,8 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                 ("text_encoder", text_encoder, "a local google/flan-t5-xl folder (CLI: --text-encoder)"))
                 if v is None]
             what = "; ".join(f"{n}: {w}" for n, w in missing) if len(missing) > 1 else missing[0][1]
-            raise ValueError(f"{p.name} is an Infinity transformer checkpoint: also choose "
+            raise ValueError(f"{p.name} is not a converted folder (no model_index.json), so it is read as an official "
+                             f"Infinity transformer checkpoint, which needs "
                              f"{' and '.join(n for n, _ in missing)} ({what}), or give a converted folder instead")
         return cls.from_single_file(p, vae, text_encoder, dtype=dtype, vae_dtype=vae_dtype,
                                     text_encoder_dtype=text_encoder_dtype)

@@ -120,6 +120,10 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         """A converted folder (``model``), or an official transformer file plus its VQVAE file."""
         from ..models.loading import local_path
         p = local_path(model, "model")
+        if not p.exists():
+            raise FileNotFoundError(f"model={str(model)!r}: no such file or folder; give a converted folder "
+                                    f"(`sparsevar convert`, save_pretrained) or the official transformer checkpoint "
+                                    f"(var_d16.pth … var_d36.pth)")
         if p.is_dir():
             return cls.from_pretrained(p, dtype=dtype, vae_dtype=vae_dtype)
         if vae is None:

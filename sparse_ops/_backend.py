@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
 
 import torch
 
@@ -57,6 +58,13 @@ def _probe(device_type: str, device_index: int, interpret: bool) -> tuple[bool, 
         import triton  # noqa: F401
     except Exception as e:  # a broken install must not break generation
         return False, f"import triton failed: {e!r}"
+    try:                    # the chained kernels' programmatic dependent launch (_gdc.py)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False, (f"triton {triton.__version__} has no programmatic dependent launch (gdc_wait), which the "
+                       f"kernels use: triton 3.4 or newer has it")
+    if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
+        return False, "Triton builds its launcher with a C compiler and none was found (install gcc, or set CC)"
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 8:
         return False, f"GPU sm_{major}{minor} is older than sm_80 (bf16 kernels need Ampere or newer)"

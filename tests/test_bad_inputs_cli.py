@@ -112,6 +112,8 @@ def test_images_are_written_whole_with_no_temporary_file_left(tmp_path, var_offi
                                              "every token of the cache"),
     (["generate", "--fastvar", "1", "0.5"], "--fastvar 1 0.5: ratios=(1.0, 0.5): 1.0 (skip the scale) is allowed only"),
     (["generate", "--compile", "--device", "cpu"], "--compile fuses CUDA kernels; the model runs on cpu"),
+    (["generate", "--compile", "--kernels", "torch"], "--compile --kernels torch: --compile means --kernels triton; "
+                                                      "give one of them"),
     (["generate", "--kernels", "triton", "--device", "cpu"],
      "--kernels triton fuses CUDA kernels; the model runs on cpu: drop --kernels or use --device cuda"),
     (["bench", "speed", "--device", "cpu", "--batch", "0"], "--batch 0: give batch sizes of 1 or more"),

@@ -156,9 +156,22 @@ def test_a_model_whose_residuals_all_have_one_norm_is_ranked_by_its_pictures_and
     want = [sum(pipe.flop_speedup(st) for _, st in skip) / 2,
             sum(float(psnr(img, dense[seed])[0]) for seed, (img, _) in enumerate(skip)) / 2]
     assert m["tau"]["settings"]["skip-last-1"] == pytest.approx(want, abs=2e-3)
+    st = skip[0][1]                                      # the FLOP speed-up reads the call's own 256² schedule
+    from sparsevar.models.infinity import resolve_resolution
+    assert [(s.h, s.w) for s in st.scales] == list(resolve_resolution(256, 256).hw) != \
+        list(resolve_resolution(1024, 1024).hw)
+    assert pipe.flop_speedup(st) == pipe.flop_speedup(st, 256, 256) > 1
     assert set(m["tau"]["settings"]) == {"tau0.9-from-2", *bo.TAU_BASELINES}
     pipe.set_sparsevar_calibration(None)
     assert pipe.sparsevar_preset == SPARSEVAR_PRESETS["infinity-2b"]
+
+
+def test_calibrate_refuses_sampling_arguments_and_sizes_for_a_model_that_has_its_own(tiny, tiny_folder):
+    with pytest.raises(ValueError, match=r"^calibrate: guidance_scale, top_k cannot be set: every measurement "
+                                         r"samples with the family's defaults"):
+        bo.calibrate(tiny, seeds=1, top_k=1, guidance_scale=2.0, log=lambda s: None)
+    with pytest.raises(ValueError, match=r"^height=256, width=None: only Infinity models draw at a chosen size"):
+        bo.run_calibrate(tiny_folder, seeds=1, height=256, write=False, log=lambda s: None)
 
 
 def test_a_setting_that_leaves_no_token_out_is_never_chosen(tiny):

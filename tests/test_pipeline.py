@@ -407,6 +407,45 @@ def test_sampling_defaults_agree_in_the_pipelines_the_cli_and_the_sampler_node(t
     assert widgets == {"cfg": 4.0, "top_k": 900, "top_p": 0.95}
 
 
+def test_auto_kernels_are_tritons_on_a_gpu_that_runs_them_but_not_under_cuda_malloc_async(monkeypatch):
+    """"auto" resolves per call from the adapter's device and the allocator: plain torch on the CPU,
+    Triton where the GPU runs it, plain torch under cudaMallocAsync (a Triton kernel inside a CUDA
+    graph capture was refused its buffer there). The device and the probes are stood in for."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparsevar.pipelines import _accelerated
+    pipe = VARPipeline.from_demo()
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert pipe._kernel_kind(SimpleNamespace(device=torch.device("cpu"))) == "torch"
+    monkeypatch.setattr(_accelerated, "resolve_backend", lambda backend, device: "triton")
+    for allocator, want in (("native", "triton"), ("cudaMallocAsync", "torch")):
+        monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: allocator)
+        assert pipe._kernel_kind(on_gpu) == want, allocator
+    monkeypatch.setattr(_accelerated, "resolve_backend", lambda backend, device: "torch")   # a GPU Triton can't use
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert pipe._kernel_kind(on_gpu) == "torch"
+    assert pipe.set_kernels("torch")._kernel_kind(on_gpu) == "torch"                  # a chosen kind stays
+
+
+def test_the_triton_probe_names_a_triton_without_dependent_launch_and_a_missing_compiler(monkeypatch):
+    import shutil
+    import sys
+    import types
+
+    import triton.language.extra.cuda  # noqa: F401  (the real module, before it is stood in for below)
+
+    from sparsevar.sparse_ops import _backend
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    ok, why = _backend._probe("cuda", 0, False)
+    assert not ok and why == "Triton builds its launcher with a C compiler and none was found (install gcc, or set CC)"
+    monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", types.ModuleType("triton.language.extra.cuda"))
+    ok, why = _backend._probe("cuda", 0, False)
+    assert not ok and why.endswith("has no programmatic dependent launch (gdc_wait), which the kernels use: triton "
+                                   "3.4 or newer has it")
+
+
 def test_kernels_are_chosen_by_set_kernels_and_the_old_name_still_works_with_a_warning():
     pipe = VARPipeline.from_demo()
     assert pipe.kernels == "torch" and pipe.adapter().ops.kind == "torch"    # "auto" on the CPU
