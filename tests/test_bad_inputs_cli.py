@@ -57,6 +57,9 @@ def _fails(argv, capsys, command: str, *messages: str, rc: int = 2) -> str:
     (["convert", "--ckpt", "x.pth", "--vae-ckpt", "y.pth", "--out", ".", "--overwrite"],
      "--out .: give the new folder a name (e.g. model)"),
     (["train-demo", "--out", "{tmp}/..", "--quick"], "'.', '..' and '/' cannot be replaced"),
+    # a --model path that does not exist, for prompts: not "an Infinity transformer checkpoint"
+    (["generate", "--model", "{tmp}/missing", "--prompt", "a fox", "--out", "{tmp}/x.png"],
+     "model='{tmp}/missing': no such file or folder; give a converted folder"),
 ])
 def test_output_paths_are_checked_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
