@@ -283,8 +283,11 @@ def test_missing_files_say_what_to_put_where(infinity_official_files, tmp_path):
         InfinityPipeline.from_single_file(tmp_path / "infinity_2b_reg.pth", f["vae"], text_encoder=f["t5"])
     with pytest.raises(FileNotFoundError, match="Nothing is downloaded"):
         InfinityPipeline.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="also choose vae and text_encoder"):
+    with pytest.raises(ValueError, match=r"read as an official Infinity transformer checkpoint, which needs vae and "
+                                         r"text_encoder \(vae: its VAE file"):
         InfinityPipeline.from_path(f["transformer"])
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder; give a converted folder"):
+        InfinityPipeline.from_path(tmp_path / "missing")
 
 
 def test_text_encoder_width_must_match(infinity_official_files):
