@@ -194,6 +194,7 @@ SPARSEVAR_FLAGS = (("tau", "--tau"), ("keep_ratio", "--keep-ratio"), ("start_sca
 def _check_generate_args(args, text: bool) -> None:
     """Every check that needs no model: which flags go together, the range of each number, the
     output paths. Raises CLIError naming the flag."""
+    _kernels_flag(args)                                  # --compile beside another --kernels
     if text and args.class_labels is not None:
         raise CLIError("--class is for class-conditional VAR models and --prompt for text-to-image (Infinity): "
                        "give one of them")

@@ -547,7 +547,7 @@ def calibrate_drafters(pipe, seeds: int = 8, count: Optional[int] = None, prompt
     model that measure ranks first a layer whose full cache gains nothing, so this measures the
     pictures instead.) Costs seeds × (layers + 2) generations. Returns the calibration."""
     from ..policies.scalekv import ScaleKVPolicy
-    from .metrics import psnr
+    from .bench_quality import against_dense
     info = pipe.adapter().model_info()
     N = info.num_layers
     count = math.ceil(N / 16) if count is None else count
@@ -555,25 +555,15 @@ def calibrate_drafters(pipe, seeds: int = 8, count: Optional[int] = None, prompt
         raise ValueError(f"count={count!r}: give the number of drafter layers, an int from 1 to {N - 1}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 2:
         raise ValueError(f"seeds={seeds!r}: give the number of seeds, an int >= 2 (the gains are paired by seed)")
-    conds = check_conditions(pipe, range(seeds), prompts)
-    key = "class_labels" if hasattr(pipe, "num_classes") else "prompt"
+    check_conditions(pipe, range(seeds), prompts)
     config = pipe.scalekv_preset if config is None else config
     if all(k is None for k in ScaleKVPolicy(config)._keep(info.schedule, info.schedule.num_scales)):
         raise ValueError(f"ScaleKV's settings ({config}) compress no scale of this model's schedule (it never holds "
                          f"more than min_tokens={config.min_tokens}): there is nothing to calibrate")
-    dev = pipe.adapter().device
     variants = [()] + [(i,) for i in range(N)]
-    scores = {v: [] for v in variants}
-    for seed, cond in enumerate(conds):
-        def draw(policies):
-            return pipe(**{key: [cond]}, generator=torch.Generator(dev).manual_seed(seed), output_type="pt",
-                        policies=policies, **call_kwargs).images.float()
-
-        dense = draw([])
-        for v in variants:
-            got = float(psnr(draw([ScaleKVPolicy(replace(config, drafters=v))]), dense)[0])
-            scores[v].append(min(got, IDENTICAL_PSNR_DB))
-        log(f"  seed {seed} done")
+    drawn = against_dense(pipe, range(seeds), [(v, [ScaleKVPolicy(replace(config, drafters=v))]) for v in variants],
+                          log=log, prompts=prompts, **call_kwargs)
+    scores = {v: [min(ps, IDENTICAL_PSNR_DB) for _, ps in drawn[v]] for v in variants}
     base = scores[()]
     gains = {i: mean_ci95([a - b for a, b in zip(scores[(i,)], base)]) for i in range(N)}
     order = sorted(range(N), key=lambda i: -gains[i][0])

@@ -141,6 +141,12 @@ def _gpu(gpu_id: Optional[int], device, refusal: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _async_allocator() -> bool:
+    """Whether PyTorch allocates GPU memory with cudaMallocAsync (ComfyUI's default), under which a
+    Triton kernel launched inside a CUDA graph capture was refused its freshly allocated buffer."""
+    return torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+
+
 def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> int:
     """Bytes a generation on ``device`` can count on: on a GPU, what the driver has free plus what
     PyTorch's allocator holds beyond the weights of ``modules``; on the CPU, the memory and swap the
@@ -658,7 +664,7 @@ class AcceleratedPipelineMixin:
         if self._kernels != "auto":
             return self._kernels
         device = self._execution_device if self.model_cpu_offload else adapter.device
-        if device.type != "cuda" or torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        if device.type != "cuda" or _async_allocator():
             return "torch"
         return "triton" if resolve_backend("auto", device) == "triton" else "torch"
 
@@ -698,7 +704,7 @@ class AcceleratedPipelineMixin:
                 logger.warning("set_kernels: this package's Triton kernels cannot run on this device (sparsevar info "
                                "--backends says why); using kernels='compile' (torch.compile)")
                 kernels = "compile"
-            if kernels == "triton" and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            if kernels == "triton" and _async_allocator():
                 logger.warning("set_kernels('triton') under PyTorch's cudaMallocAsync allocator: a Triton kernel "
                                "inside a CUDA graph capture was refused its buffer there; pass use_cuda_graphs=False "
                                "to the calls, or keep kernels='auto' (plain torch under this allocator)")

@@ -258,9 +258,9 @@ def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
 def test_compiled_steps_past_dynamos_recompile_limit_still_run():
     """Every pipeline of a process (the kernels are the default on a GPU) compiles its own variants
     of the same torch.compile'd steps, and Dynamo counts them per function, across instances: past
-    its limit (8) a step must keep working (the plain-torch step), not fail. Twelve variants of
-    the gated residual (dtypes × ranks × gate layouts) over three Kernels instances give the plain
-    result each time."""
+    its limit (8) a step must keep working (the plain-torch step), not fail. Twelve calls of the
+    gated residual, each on a new Kernels instance, in nine variants Dynamo compiles apart (three
+    dtypes × three ranks), give the plain result each time."""
     from sparsevar.sparse_ops.kernels import Kernels, gated_residual
     g = torch.Generator("cuda").manual_seed(0)
     variants = [(dtype, shape) for dtype in (torch.float32, torch.bfloat16, torch.float16)
