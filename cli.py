@@ -511,6 +511,32 @@ def _plain_class_ids(labels: Sequence[str]) -> Optional[list[int]]:
     return [int(lab) for lab in plain] if all(lab.isdecimal() and lab.isascii() for lab in plain) else None
 
 
+def _early_class_ids(args) -> Optional[list[int]]:
+    """``--class`` values as ids before any model is loaded: ids as they are; names through the
+    class names of a converted folder (``--model``, or the built-in demo model), read from its JSON
+    files. None where only the weights tell (official .pth files) or those files do not say (the
+    load then reports what is wrong). An unknown name is reported here, before any loading."""
+    labels = args.class_labels or ["0"]
+    plain = _plain_class_ids(labels)
+    if plain is not None or args.var_ckpt or args.vae_ckpt:
+        return plain
+    if args.model:
+        folder = Path(args.model)
+    else:
+        from .demo import DEMO_MODEL_DIR
+        folder = DEMO_MODEL_DIR
+    from .models.loading import pipeline_class_name
+    from .pipelines.var_pipeline import ClassLabels, check_id2label, class_names
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+        num_classes = int(json.loads((folder / "transformer" / "config.json").read_text())["num_classes"])
+        flexvar = pipeline_class_name(index) == "FlexVARPipeline"          # FlexVAR folders carry no names
+        id2label = None if flexvar or index.get("id2label") is None else check_id2label(index["id2label"], "")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return _class_ids(ClassLabels(class_names(id2label, num_classes), num_classes), labels, args)
+
+
 def _class_ids(pipe, labels: Sequence[str], args) -> list[int]:
     """``--class`` values → class ids; an unknown name is reported with what the command line offers."""
     from .pipelines.var_pipeline import ClassLabelError
@@ -739,8 +765,8 @@ def cmd_generate(args) -> int:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
-    # a finished run of prompts, or of classes given as ids (names need the model): nothing is loaded or started
-    items = list(args.prompt) if text else _plain_class_ids(args.class_labels or ["0"])
+    # a finished run of prompts, or of classes (names read from a folder's files): nothing is loaded or started
+    items = list(args.prompt) if text else _early_class_ids(args)
     if _folder_out(args.out) and items is not None:
         _, order, todo = _folder_run(args, items)
         if not todo:

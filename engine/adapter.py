@@ -147,6 +147,18 @@ class ModelAdapter:
         the first stage input; sets ``run.workspace``."""
         raise NotImplementedError
 
+    def prepare(self, run: RunState) -> None:
+        """The generation's set-up that is tensor work alone, after :meth:`begin`: what it computes from
+        the conditioning :meth:`begin` copied into the workspace (per-row modulations, text memory,
+        start tokens, the latent cleared). It reads and writes workspace buffers only, with no host
+        read, so the engine may replay it from a CUDA graph keyed by :meth:`prepare_key` (one launch
+        where it would be hundreds). Default: nothing (a family whose ``begin`` does it all)."""
+
+    def prepare_key(self, run: RunState) -> Optional[tuple]:
+        """What fixes the shapes and the work of :meth:`prepare` in this workspace (a graph per key),
+        or None where it must run eagerly. Default: None."""
+        return None
+
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
         """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32, read from the
         workspace only (a scale's compute may be captured as a CUDA graph and replayed later)."""

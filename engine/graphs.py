@@ -109,6 +109,22 @@ class GraphRunner:
             return None
         return None if logits is None else (logits,)
 
+    def prepare(self, adapter, run: RunState) -> None:
+        """The adapter's :meth:`~.adapter.ModelAdapter.prepare`, replayed from a graph keyed by its
+        ``prepare_key`` (captured at the first call of a key; eager where the key is None). It reads no
+        policy state and leaves the KV cache alone; it runs before every scale graph of the generation,
+        as it did when they were captured, so they may share the workspace's memory pool."""
+        key = adapter.prepare_key(run)
+        if key is None:
+            adapter.prepare(run)
+            return
+        key = ("prepare", *key)
+        entry = self.ws.graphs.get(key)
+        if entry is None:
+            entry = self.ws.graphs[key] = self._capture(lambda: adapter.prepare(run), run.workspace.kv,
+                                                        run.policy_state, (), {}, ())
+        entry.graph.replay()
+
     # ---- capture and replay -------------------------------------------------------------------
     def usable(self, key, kv) -> bool:
         """Whether :meth:`run` replays (or captures) ``key`` now: the KV cache is unmasked and, for a

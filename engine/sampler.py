@@ -131,6 +131,10 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         policies.begin(run)
         timer = _ScaleTimer(run.device)
         graphs = GraphRunner(run.workspace, adapter.graph_streams) if use_graphs else None
+        if graphs is not None:
+            graphs.prepare(adapter, run)
+        else:
+            adapter.prepare(run)
         schedule = run.schedule
         skipping = False
         hook_timer = _ScaleTimer(run.device)            # the policies' own work, for the stats

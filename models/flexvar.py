@@ -177,6 +177,7 @@ class _FlexVARWorkspace(Workspace):
         self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
         self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, 1, C, device=device, dtype=torch.float32)
+        self.labels_B = torch.zeros(batch, device=device, dtype=torch.long)        # the class ids (prepare's input)
         self.pos_1LC = torch.zeros(1, L, C, device=device, dtype=torch.float32)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
@@ -231,14 +232,18 @@ class FlexVARAdapter(VARAdapter):
                             lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype, run.kv_slots))
         if not versioned:
             ws.fill_weight_constants(m, sch)
-        labels_B = cond.class_labels.to(self.device, torch.long)
-        cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))     # (2B, D)
-        ws.sos_R1C.copy_(cond_RD.unsqueeze(1) + m.pos_start + ws.pos_1LC[:, :1])
-        ws.ada_NR6C.copy_(m.block_adaln(cond_RD, self.streamed_blocks()))
-        ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
+        ws.labels_B.copy_(cond.class_labels)
         ws.kv.reset()
         run.model_state.update(llamagen_cfg=cond.llamagen_cfg, max_pn=int(cond.max_pn))
         run.workspace = ws
+
+    @torch.no_grad()
+    def prepare(self, run: RunState) -> None:
+        """VAR's rows (no latent to clear: the last codes are decoded)."""
+        self._condition_rows(run.workspace)
+
+    def _start_tokens(self, cond_RD: torch.Tensor, ws) -> torch.Tensor:
+        return cond_RD.unsqueeze(1) + self.transformer.pos_start + ws.pos_1LC[:, :1]
 
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
         ws, R, B, sch = run.workspace, run.rows, run.batch_size, run.schedule

@@ -362,6 +362,7 @@ class _VARWorkspace(Workspace):
         self.ada_NR6C = torch.zeros(cfg.depth, R, 6, C, device=device, dtype=torch.float32)
         self.head_mod_R2C = torch.zeros(R, 2, C, device=device, dtype=torch.float32)
         self.sos_R1C = torch.zeros(R, sch.tokens(0), C, device=device, dtype=torch.float32)
+        self.labels_B = torch.zeros(batch, device=device, dtype=torch.long)        # the class ids (prepare's input)
         self.lvl_pos_1LC = torch.zeros(1, sch.total_tokens, C, device=device, dtype=torch.float32)
         self.qkv_bias_N3C = torch.zeros(cfg.depth, 3 * C, device=device, dtype=dtype)
         self.qk_mult_N2H1 = torch.zeros(cfg.depth, 2, cfg.num_heads, 1, device=device, dtype=torch.float32)
@@ -423,15 +424,32 @@ class VARAdapter(ModelAdapter):
                                                   run.kv_slots))
         if not versioned:
             ws.fill_weight_constants(m)
-        labels_B = class_labels_B.to(self.device, torch.long)
-        cond_RD = m.class_emb(torch.cat((labels_B, torch.full_like(labels_B, m.null_class))))  # (2B, D)
-        first_l = self.schedule.tokens(0)
-        ws.sos_R1C.copy_(cond_RD.unsqueeze(1).expand(-1, first_l, -1) + m.pos_start + ws.lvl_pos_1LC[:, :first_l])
-        ws.ada_NR6C.copy_(m.block_adaln(cond_RD, self.streamed_blocks()))
-        ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
-        ws.f_hat_BChw.zero_()
+        ws.labels_B.copy_(class_labels_B)
         ws.kv.reset()
         run.workspace = ws
+
+    @torch.no_grad()
+    def prepare(self, run: RunState) -> None:
+        """:meth:`_condition_rows`; the latent cleared."""
+        self._condition_rows(run.workspace)
+        run.workspace.f_hat_BChw.zero_()
+
+    def prepare_key(self, run: RunState) -> tuple:
+        return ()                                      # one workspace per batch size and weights
+
+    def _condition_rows(self, ws) -> None:
+        """From the class ids :meth:`begin` took: the rows' conditions [cond; null], the start tokens,
+        every block's and the head's modulation."""
+        m = self.transformer
+        cond_RD = m.class_emb(torch.cat((ws.labels_B, torch.full_like(ws.labels_B, m.null_class))))  # (2B, D)
+        ws.sos_R1C.copy_(self._start_tokens(cond_RD, ws))
+        ws.ada_NR6C.copy_(m.block_adaln(cond_RD, self.streamed_blocks()))
+        ws.head_mod_R2C.copy_(m.head_adaln(cond_RD))
+
+    def _start_tokens(self, cond_RD: torch.Tensor, ws) -> torch.Tensor:
+        """(R, first scale's tokens, C): the condition + start position + level and position rows."""
+        first_l = self.schedule.tokens(0)
+        return cond_RD.unsqueeze(1).expand(-1, first_l, -1) + self.transformer.pos_start + ws.lvl_pos_1LC[:, :first_l]
 
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
         """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32."""

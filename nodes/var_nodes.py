@@ -178,12 +178,10 @@ class VARModelHandle:
     while the sampler runs."""
 
     def __init__(self, pipe, name: str):
-        # plain-torch kernels under ComfyUI for now: under its default allocator (cudaMallocAsync) and
-        # --novram a Triton kernel launched inside a CUDA graph capture was refused its output buffer
-        # ("cannot be accessed from Triton"), and the failed capture ended the server. "auto" now
-        # avoids that allocator, but that rule has not run under ComfyUI yet (benchmarks/results,
-        # Session 32)
-        self.pipe, self.name = pipe.set_kernels("torch"), name
+        # the pipeline's own kernel choice ("auto"): Triton's on a GPU under PyTorch's native allocator
+        # (--disable-cuda-malloc), plain torch under ComfyUI's default cudaMallocAsync, where a Triton
+        # kernel launched inside a CUDA graph capture was refused its freshly allocated buffer
+        self.pipe, self.name = pipe, name
         modules = {k: m for k, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
         text = {k: modules.pop(k) for k in ("text_encoder",) if k in modules}
         self.patcher = _patcher(modules)
@@ -619,7 +617,7 @@ def _sample(node: str, model, cond, seed, cfg, top_k, top_p, batch_size, height,
     images = out.images.float().clamp(0, 1).permute(0, 2, 3, 1).to(model_management.intermediate_device())
     peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(gpu) / 1e9:.2f} GB (reserved " \
            f"{torch.cuda.max_memory_reserved(gpu) / 1e9:.2f})" if gpu is not None else ""
-    text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x{peak}\n{stats.table()}")
+    text = (f"{stats.summary()}; FLOP-ideal speed-up {speedup:.2f}x; kernels {pipe.kernels}{peak}\n{stats.table()}")
     return io.NodeOutput(images, text, stats)
 
 

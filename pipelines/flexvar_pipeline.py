@@ -28,7 +28,7 @@ from ..models.flexvar import (FLEXVAR_PRESETS, MAX_PN, PATCH, FlexVARAdapter, Fl
 from ..models.flexvar_vq import FlexVQ16
 from ..models.var import VAR_SCHEDULES, var_loop_flops
 from ._accelerated import AcceleratedPipelineMixin, _dtype_of
-from .var_pipeline import VARPipeline, _imagenet_classes
+from .var_pipeline import VARPipeline, class_names
 from .defaults import FLEXVAR_DEFAULTS
 
 DEFAULT_SCHEDULE = VAR_SCHEDULES[256]          # the released models' training default: 10 steps, 256 px
@@ -121,7 +121,7 @@ class FlexVARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     @property
     def labels(self) -> dict[int, str]:
         """Class id → name: the ImageNet names for a 1000-class model, else {}."""
-        return dict(enumerate(_imagenet_classes())) if self.num_classes == 1000 else {}
+        return class_names(None, self.num_classes)
 
     # ids or names → class ids, as VARPipeline (names, synonyms, suggestions)
     get_label_ids = VARPipeline.get_label_ids

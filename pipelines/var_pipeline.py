@@ -49,6 +49,15 @@ class ClassLabelError(ValueError):
         self.problem = problem
 
 
+def class_names(id2label: Optional[Mapping], num_classes: int) -> dict[int, str]:
+    """Class id → name: ``id2label`` where given, else the ImageNet names for a 1000-class model, else {}."""
+    if id2label:
+        return {int(k): v for k, v in id2label.items()}
+    if num_classes == 1000:
+        return dict(enumerate(_imagenet_classes()))
+    return {}
+
+
 def check_id2label(id2label, where: str) -> dict[int, str]:
     """``id2label`` as {class id: name}: a mapping whose keys are class ids (ints, or strings of
     digits as JSON stores them) and whose values are names; else a ValueError naming ``where``."""
@@ -227,11 +236,7 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
     @property
     def labels(self) -> dict[int, str]:
         """Class id → name ({} when the model has no names)."""
-        if self.config.id2label:
-            return {int(k): v for k, v in self.config.id2label.items()}
-        if self.num_classes == 1000:
-            return dict(enumerate(_imagenet_classes()))
-        return {}
+        return class_names(self.config.id2label, self.num_classes)
 
     def get_label_ids(self, labels: Union[int, str, Sequence[Union[int, str]]]) -> list[int]:
         """Class ids for ids or names. A name matches a full label or any of its comma-separated
@@ -381,4 +386,16 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                               return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs)
 
 
-__all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "check_id2label"]
+
+class ClassLabels:
+    """A class-conditional model's names and class count without its weights (read from a folder's
+    JSON files), with :meth:`VARPipeline.get_label_ids`' rules: the command line turns ``--class``
+    names into ids with it before any model is loaded."""
+
+    def __init__(self, labels: dict[int, str], num_classes: int):
+        self.labels, self.num_classes = labels, num_classes
+
+    get_label_ids = VARPipeline.get_label_ids
+    _label_id = VARPipeline._label_id
+
+__all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "ClassLabels", "check_id2label", "class_names"]

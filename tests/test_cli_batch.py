@@ -158,6 +158,30 @@ def test_a_finished_run_of_class_ids_loads_nothing(tmp_path, capsys, var_officia
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
 
+def test_a_finished_run_of_class_names_loads_nothing(tmp_path, capsys, var_official_files):
+    """Class names are read from the folder's model_index.json: a finished run of names finds
+    nothing to do with the weights gone, and an unknown name is reported without loading them."""
+    from sparsevar import VARPipeline
+    plain = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"])
+    model, out = tmp_path / "model", tmp_path / "run"
+    VARPipeline(transformer=plain.transformer, vqvae=plain.vqvae,
+                id2label={i: f"shape {i}, form{i}" for i in range(plain.num_classes)}).save_pretrained(model)
+    flags = ["generate", "--model", str(model), "--class", "shape 3", "form5", "--out", f"{out}/", "--quiet"]
+    assert main(flags) == 0
+    assert [r["class"] for r in _rows(out)] == [3, 5]
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    weights = sorted(model.rglob("*.safetensors"))
+    assert weights
+    for f in weights:
+        f.unlink()
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "nothing to do: the 2 image(s) are in" in capsys.readouterr().out
+    assert main([*flags[:-1], "--class", "shape 3", "shape 33", "--quiet"]) == 2
+    assert "--class shape 33: unknown class name 'shape 33'" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+
+
 @pytest.mark.parametrize("args, message", [
     (["--class", "tree", "--out", "{tmp}/x.png", "--batch-size", "2"], "--batch-size 2: only for a folder --out"),
     (["--class", "tree", "--out", "{tmp}/f/", "--batch-size", "0"], "--batch-size 0: give the number of images"),

@@ -10,7 +10,8 @@ enforced, the server's PyTorch is capped at its size (``torch.cuda.set_per_proce
 from a test-only ``sitecustomize``), so that a run which would not fit such a card fails as it would
 there; that server runs PyTorch's own allocator with expandable segments (``--disable-cuda-malloc``),
 as the README advises for small cards. The other runs ComfyUI's default, cudaMallocAsync, which the
-engine's CUDA graphs must work under. Each sampler reports its peak in its stats line; the test
+engine's CUDA graphs must work under. The pipelines keep their own kernel choice ("auto"): Triton's
+under the native allocator, plain torch under cudaMallocAsync; each stats line names them. Each sampler reports its peak in its stats line; the test
 prints them (``-s``) for the results.
 """
 from __future__ import annotations
@@ -120,6 +121,7 @@ def test_on_a_small_card_comfyui_offloads_the_text_encoder_and_scalekv_fits(real
     print(f"{card} GB card, infinity_scalekv.json (second run): peak {allocated} GB allocated, {reserved} GB reserved")
     assert reserved <= card
     assert "loaded partially" not in log                   # these models load whole, or not at all
+    assert all("kernels triton" in t for t in second[1] if PEAK.search(t))   # "auto" under the native allocator
 
 
 def test_offered_a_partial_load_the_models_load_whole_under_cuda_malloc_async(real_size_base, tmp_path):
@@ -137,4 +139,5 @@ def test_offered_a_partial_load_the_models_load_whole_under_cuda_malloc_async(re
         assert status == "success", (name, rep, log[-3000:])
         peaks = [m.groups() for t in texts for m in [PEAK.search(t)] if m]
         assert len(peaks) == 1
+        assert all("kernels torch" in t for t in texts if PEAK.search(t))      # "auto" under cudaMallocAsync
         print(f"\n12 GB (ComfyUI's view, --novram), {name}: peak {peaks[0][0]} GB allocated, {peaks[0][1]} GB reserved")

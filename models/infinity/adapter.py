@@ -78,6 +78,10 @@ class _InfinityWorkspace(Workspace):
         self.ca_k_NRHTd: Optional[torch.Tensor] = None
         self.ca_v_NRHTd: Optional[torch.Tensor] = None
         self.ca_valid_R11T: Optional[torch.Tensor] = None
+        self.text_RTC: Optional[torch.Tensor] = None       # fill_text's inputs (text_inputs): features, lengths
+        self.text_lens_R = torch.zeros(R, device=device, dtype=torch.long)
+        self.text_tokens = 0                               # their padded length (text_inputs)
+        self.cond_RC = torch.zeros(R, C, device=device, dtype=torch.float32)    # the pooled prompt (prepare)
         self.ca_masked = False
         self.ca_kq_NRMC: Optional[torch.Tensor] = None      # absorbed form (M = H·T): see set_text
         self.ca_bias_NR1M: Optional[torch.Tensor] = None
@@ -85,15 +89,15 @@ class _InfinityWorkspace(Workspace):
         self.image_buffer: Optional[torch.Tensor] = None   # decoded images of graphed runs (see decode)
         self.graph_inputs = None              # what captured graphs point at (weights, KV cache, text buffers)
 
-    def set_text(self, blocks: Iterable[InfinityBlock], ca_RTC: torch.Tensor, lens: Sequence[int],
-                 absorb: str = "auto") -> None:
-        """Compute every layer's text memory from the projected T5 features ``ca_RTC`` (R, T, C) into
-        the static buffers; keys past a row's prompt length are masked out.
-
-        absorb: ``"auto"`` folds each layer's query and output projections into the memory
-        (``_blocks.absorb_cross_attention``) where ``absorbs_cross_attention`` says so — less work
-        (H·T ≤ C/2 for the padded length T) and at most 1 GiB of buffers — and otherwise stores
-        K/V; ``"always"`` / ``"never"`` force one form (``InfinityAdapter.absorb_cross_attention``)."""
+    def text_inputs(self, ca_RTC: torch.Tensor, lens: Sequence[int], absorb: str = "auto") -> int:
+        """Take the projected T5 features ``ca_RTC`` (R, T, C) and the prompts' token counts into the
+        static input buffers that :meth:`fill_text` reads, zero-padded to the bucket of TEXT_BUCKET
+        tokens on CUDA (so that prompts of similar length share captured graphs), and make the text
+        memory buffers of that bucket: the absorbed form (``_blocks.absorb_cross_attention``: each
+        layer's query and output projections folded into the memory) where
+        ``absorbs_cross_attention`` says so — less work (H·T ≤ C/2 for the padded length T) and at
+        most 1 GiB of buffers — else K/V; ``absorb`` ``"always"`` / ``"never"`` force one form
+        (``InfinityAdapter.absorb_cross_attention``). Returns the padded length."""
         N, Rmax, H, d, dtype, device = self._ca_args
         R, T, _ = ca_RTC.shape
         C = H * d
@@ -103,36 +107,45 @@ class _InfinityWorkspace(Workspace):
             raise ValueError(f"absorb_cross_attention={absorb!r}: choose 'auto', 'always' or 'never'")
         absorbed_bytes = 2 * N * Rmax * H * Tb * C * torch.empty((), dtype=dtype).element_size()
         absorbed = absorb == "always" or (absorb == "auto" and absorbs_cross_attention(H, Tb, C, absorbed_bytes))
-        lens_R = torch.tensor(list(lens), device=device)
-        valid_RT = torch.arange(Tb, device=device)[None, :] < lens_R[:, None]           # (R, Tb)
-        if absorbed:
-            if self.ca_kq_NRMC is None or self.ca_kq_NRMC.shape[2] != H * Tb:
-                self.ca_k_NRHTd = self.ca_v_NRHTd = self.ca_valid_R11T = None
-                self.ca_kq_NRMC = torch.zeros(N, Rmax, H * Tb, C, device=device, dtype=dtype)
-                self.ca_vo_NRMC = torch.zeros_like(self.ca_kq_NRMC)
-                self.ca_bias_NR1M = torch.zeros(N, Rmax, 1, H * Tb, device=device, dtype=torch.float32)
-            for i, blk in enumerate(blocks):
-                k_RHTd, v_RHTd = blk.ca.text_kv(ca_RTC)
-                mem = blk.ca.absorb(k_RHTd, v_RHTd, valid_RT[:, :T])
-                self.ca_kq_NRMC[i, :R].view(R, H, Tb, C)[:, :, :T].copy_(mem.kq_RNC.view(R, H, T, C))
-                self.ca_vo_NRMC[i, :R].view(R, H, Tb, C)[:, :, :T].copy_(mem.vo_RNC.view(R, H, T, C))
-                bias_RHTb = self.ca_bias_NR1M[i, :R].view(R, H, Tb)
-                bias_RHTb.fill_(float("-inf"))                      # the bucket's padding: never attended
-                bias_RHTb[:, :, :T].copy_(mem.bias_R1N.view(R, H, T))
-            self.ca_masked = False
-            return
-        if self.ca_k_NRHTd is None or self.ca_k_NRHTd.shape[3] != Tb:
+        if absorbed and (self.ca_kq_NRMC is None or self.ca_kq_NRMC.shape[2] != H * Tb):
+            self.ca_k_NRHTd = self.ca_v_NRHTd = self.ca_valid_R11T = None
+            self.ca_kq_NRMC = torch.zeros(N, Rmax, H * Tb, C, device=device, dtype=dtype)
+            self.ca_vo_NRMC = torch.zeros_like(self.ca_kq_NRMC)
+            self.ca_bias_NR1M = torch.zeros(N, Rmax, 1, H * Tb, device=device, dtype=torch.float32)
+        if not absorbed and (self.ca_k_NRHTd is None or self.ca_k_NRHTd.shape[3] != Tb):
             self.ca_kq_NRMC = self.ca_vo_NRMC = self.ca_bias_NR1M = None
             self.ca_k_NRHTd = torch.zeros(N, Rmax, H, Tb, d, device=device, dtype=dtype)
             self.ca_v_NRHTd = torch.zeros_like(self.ca_k_NRHTd)
             self.ca_valid_R11T = torch.zeros(Rmax, 1, 1, Tb, device=device, dtype=torch.bool)
+        if self.text_RTC is None or self.text_RTC.shape[1] != Tb:
+            self.text_RTC = torch.zeros(Rmax, Tb, C, device=device, dtype=torch.float32)
+        self.text_RTC[:R, :T].copy_(ca_RTC)
+        self.text_RTC[:R, T:].zero_()
+        self.text_lens_R[:R].copy_(torch.tensor(list(lens), dtype=torch.long))
+        # equal lengths filling the buffer need no key mask (keeps the fast SDPA kernels available)
+        self.ca_masked = not absorbed and any(n != Tb for n in lens)
+        return Tb
+
+    def fill_text(self, blocks: Iterable[InfinityBlock], R: int) -> None:
+        """Every layer's text memory for the first ``R`` rows, from the inputs :meth:`text_inputs`
+        took, into the buffers it made: tensor work alone (``InfinityAdapter.prepare``). Keys past
+        a row's prompt length are masked out (the absorbed form: a -inf bias; K/V: the key mask);
+        their entries are computed from the zero padding and never attended."""
+        ca_RTC = self.text_RTC[:R]
+        Tb = ca_RTC.shape[1]
+        valid_RT = torch.arange(Tb, device=ca_RTC.device)[None, :] < self.text_lens_R[:R, None]    # (R, Tb)
         for i, blk in enumerate(blocks):
             k_RHTd, v_RHTd = blk.ca.text_kv(ca_RTC)
-            self.ca_k_NRHTd[i, :R, :, :T].copy_(k_RHTd)
-            self.ca_v_NRHTd[i, :R, :, :T].copy_(v_RHTd)
-        self.ca_valid_R11T[:R, 0, 0].copy_(valid_RT)
-        # equal lengths filling the buffer need no key mask (keeps the fast SDPA kernels available)
-        self.ca_masked = any(n != Tb for n in lens)
+            if self.ca_absorbed:
+                mem = blk.ca.absorb(k_RHTd, v_RHTd, valid_RT)
+                self.ca_kq_NRMC[i, :R].copy_(mem.kq_RNC)
+                self.ca_vo_NRMC[i, :R].copy_(mem.vo_RNC)
+                self.ca_bias_NR1M[i, :R].copy_(mem.bias_R1N)
+            else:
+                self.ca_k_NRHTd[i, :R].copy_(k_RHTd)
+                self.ca_v_NRHTd[i, :R].copy_(v_RHTd)
+        if not self.ca_absorbed:
+            self.ca_valid_R11T[:R, 0, 0].copy_(valid_RT)
 
     @property
     def ca_absorbed(self) -> bool:
@@ -246,22 +259,15 @@ class InfinityAdapter(ModelAdapter):
                                      else m.uncond_text(cond.prompt.lens)])
         R = text.batch
         cond_RD, ca_RTC, mask_RT = m.encode_text(text.to(self.device, torch.float32))
-        ws.sos_R1C[:R].copy_(cond_RD.unsqueeze(1) + m.pos_start + m.lvl_embed.weight[0].float())
+        ws.cond_RC[:R].copy_(cond_RD)
         # what depends on the weights alone is filled again only when they changed (a new storage or
         # in-place version; parameters made under inference mode keep no version: every call)
         weights, versioned = m.weights_key()
         if not versioned or ws.weights != weights:
             m.weight_constants(ws.qkv_bias_N3C, ws.q_mult_NH1, ws.ada_gss_N6C)
             ws.weights = weights if versioned else None
-        # every block's modulation (InfinityBlock.modulation) in two launches: ada_gss + shared, then
-        # the "+1" of the two scales
-        ada_NR6C = ws.ada_NR6C[:, :R]
-        torch.add(ws.ada_gss_N6C[:, None], m.shared_adaln(cond_RD)[None], out=ada_NR6C)
-        ada_NR6C[:, :, 2:4] += 1
-        ws.set_text(self.streamed_blocks(), ca_RTC, text.lens, self.absorb_cross_attention)
-        ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
+        ws.text_tokens = ws.text_inputs(ca_RTC, text.lens, self.absorb_cross_attention)
         run.model_state.update(temperature=float(cond.temperature))
-        ws.summed_BdHW.zero_()
         ws.ensure_kv().reset()
         ws.check_graphs(m)
         if run.cuda_graphs and ws.image_buffer is None:          # see decode: made while the KV cache is held
@@ -270,6 +276,25 @@ class InfinityAdapter(ModelAdapter):
         if not run.cfg_active:
             ws.kv.keep_rows(B)
         run.workspace = ws
+
+    @torch.no_grad()
+    def prepare(self, run: RunState) -> None:
+        """From the pooled prompt and the text features :meth:`begin` took: the start token, every
+        block's modulation (``InfinityBlock.modulation``: ada_gss + shared, then the "+1" of the two
+        scales), the text memory of every layer, the head's modulation; the latent cleared."""
+        m, ws, R = self.transformer, run.workspace, run.rows
+        cond_RD = ws.cond_RC[:R]
+        ws.sos_R1C[:R].copy_(cond_RD.unsqueeze(1) + m.pos_start + m.lvl_embed.weight[0].float())
+        ada_NR6C = ws.ada_NR6C[:, :R]
+        torch.add(ws.ada_gss_N6C[:, None], m.shared_adaln(cond_RD)[None], out=ada_NR6C)
+        ada_NR6C[:, :, 2:4] += 1
+        ws.fill_text(self.streamed_blocks(), R)
+        ws.head_mod_R2C[:R].copy_(m.head_adaln(cond_RD))
+        ws.summed_BdHW.zero_()
+
+    def prepare_key(self, run: RunState) -> tuple:
+        ws = run.workspace
+        return run.rows, ws.text_tokens, ws.ca_absorbed
 
     def stage_input(self, si: int, run: RunState) -> torch.Tensor:
         """The full token map entering the blocks at scale ``si``: (R, h·w, C) float32 (level embedding
