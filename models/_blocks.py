@@ -37,16 +37,35 @@ def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True) -> torch
 
 
 
+def _walk_parameters(module: nn.Module, out: list) -> list:
+    """Every parameter of ``module`` and its children in module order (a shared one once per owner):
+    a plain walk, several times faster than ``Module.parameters()``, which builds names and a memo
+    — it runs at every call (:func:`weights_key`)."""
+    for p in module._parameters.values():
+        if p is not None:
+            out.append(p)
+    for child in module._modules.values():
+        if child is not None:
+            _walk_parameters(child, out)
+    return out
+
+
+def weight_ptrs(module: nn.Module) -> tuple[int, ...]:
+    """Each parameter's storage address, in module order: what captured CUDA graphs hold."""
+    return tuple(p.data_ptr() for p in _walk_parameters(module, []))
+
+
 def weights_key(module: nn.Module) -> tuple[tuple, bool]:
     """(key, versioned): what identifies ``module``'s current weights — each parameter's storage
     address and in-place version, so a model moved away and back or weights loaded in place give a
     new key. Parameters made under ``torch.inference_mode`` (as ComfyUI loads models) keep no
     version: then the key holds the addresses alone and ``versioned`` is False (the caller recomputes
     what depends on the weights at every use)."""
+    params = _walk_parameters(module, [])
     try:
-        return tuple((p.data_ptr(), p._version) for p in module.parameters()), True
+        return tuple((p.data_ptr(), p._version) for p in params), True
     except RuntimeError:                         # "Inference tensors do not track version counter"
-        return tuple(p.data_ptr() for p in module.parameters()), False
+        return tuple(p.data_ptr() for p in params), False
 
 class TanhGeluFFN(nn.Module):
     """fc1 → GELU (tanh approximation) → fc2; keys ``fc1``, ``fc2``."""

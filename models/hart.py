@@ -31,7 +31,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.adapter import ModelAdapter
-from ._blocks import trunc_normal_init_, weights_key
+from ._blocks import trunc_normal_init_, weight_ptrs, weights_key
 from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.graphs import persistent_copy
 from ..engine.kv_cache import KVCache
@@ -605,7 +605,7 @@ class HARTAdapter(ModelAdapter):
             raise ValueError(f"context of shape {tuple(cond.context_BTD.shape)}: need ({B}, {T}, D) for {B} images")
         # captured graphs hold the weights' addresses: a model moved away and back has new storage
         tail = self.kv_tail_used(self.schedule, 2 * B, run.kv_slots)
-        key = (B, dev, self.dtype, tuple(p.data_ptr() for p in m.parameters()), run.kv_slots, tail)
+        key = (B, dev, self.dtype, weight_ptrs(m), run.kv_slots, tail)
         ws = self.workspace(key, lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype, run.kv_slots, tail))
         run.cfg_active = float(run.settings.guidance_scale) != 0.0
         ctx = cond.context_BTD.to(dev, torch.float32)

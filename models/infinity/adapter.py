@@ -164,10 +164,11 @@ class _InfinityWorkspace(Workspace):
             (self.ca_k_NRHTd, self.ca_v_NRHTd, self.ca_valid_R11T)
         return tuple(b.data_ptr() for b in bufs)
 
-    def check_graphs(self, model: "InfinityTransformer") -> None:
+    def check_graphs(self, weight_ptrs_: tuple) -> None:
         """Drop captured graphs whose buffers moved (a re-allocated KV cache, weights moved away and
-        back by offloading, another text bucket or mask): they would read freed memory."""
-        inputs = (tuple(p.data_ptr() for p in model.parameters()), self.kv.storage_ptrs(),
+        back by offloading — ``weight_ptrs_``, the model's parameter addresses —, another text
+        bucket or mask): they would read freed memory."""
+        inputs = (weight_ptrs_, self.kv.storage_ptrs(),
                   self.text_buffers(), self.ca_absorbed, self.ca_masked)
         if inputs != self.graph_inputs:
             self.graphs.clear()
@@ -269,7 +270,7 @@ class InfinityAdapter(ModelAdapter):
         ws.text_tokens = ws.text_inputs(ca_RTC, text.lens, self.absorb_cross_attention)
         run.model_state.update(temperature=float(cond.temperature))
         ws.ensure_kv().reset()
-        ws.check_graphs(m)
+        ws.check_graphs(tuple(k[0] for k in weights) if versioned else weights)          # the addresses
         if run.cuda_graphs and ws.image_buffer is None:          # see decode: made while the KV cache is held
             H, W = res.hw[-1]
             ws.image_buffer = torch.empty(B, 3, H * VAE_STRIDE, W * VAE_STRIDE, device=self.device)

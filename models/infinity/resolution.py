@@ -112,16 +112,32 @@ def infinity_resolutions() -> list[InfinityResolution]:
     return [infinity_resolution(r, pn) for r in INFINITY_TEMPLATES for pn in PN_SCALES]
 
 
+def _exact_sizes() -> dict[tuple[int, int], InfinityResolution]:
+    """(height, width) in pixels → the schedule producing exactly that size: an official one before a
+    zero-shot one, and of several the template nearest the size's own aspect ratio (the first in
+    template order on a tie)."""
+    table: dict[tuple[int, int], InfinityResolution] = {}
+    for sizes in (infinity_resolutions(), zero_shot_resolutions()):
+        found: dict[tuple[int, int], list[InfinityResolution]] = {}
+        for r in sizes:
+            found.setdefault((r.height, r.width), []).append(r)
+        for (h, w), rs in found.items():
+            table.setdefault((h, w), min(rs, key=lambda r: abs(r.h_div_w - h / w)))
+    return table
+
+
+EXACT_SIZES = _exact_sizes()                 # a constant of the templates, made once at import
+
+
 def resolve_resolution(height: int, width: int) -> InfinityResolution:
-    """The official schedule producing exactly ``height`` × ``width`` pixels, or a ValueError listing the
-    sizes of the nearest aspect ratio."""
+    """The official schedule producing exactly ``height`` × ``width`` pixels (``EXACT_SIZES``), or a
+    ValueError listing the sizes of the nearest aspect ratio."""
     for h, name in ((height, "height"), (width, "width")):
         if isinstance(h, bool) or not isinstance(h, int) or h <= 0:
             raise ValueError(f"{name} must be a positive int number of pixels, got {h!r}")
-    for sizes in (infinity_resolutions(), zero_shot_resolutions()):
-        exact = [r for r in sizes if (r.height, r.width) == (height, width)]
-        if exact:
-            return min(exact, key=lambda r: abs(r.h_div_w - height / width))
+    exact = EXACT_SIZES.get((height, width))
+    if exact is not None:
+        return exact
     near = infinity_resolution(height / width)
     sizes = ", ".join(f"{r.height}x{r.width}" for r in (infinity_resolution(near.h_div_w, pn) for pn in PN_SCALES))
     zs = ", ".join(f"{r.height}x{r.width}" for r in (infinity_resolution(near.h_div_w, pn) for pn in ZERO_SHOT_PN))
