@@ -13,6 +13,9 @@ The decision is read off data — the merged :class:`~.contract.ScalePlan` of a 
   taps after the replay, ``post_hidden`` and the head run eagerly;
 - otherwise the scale runs eagerly.
 
+Before the first scale, the adapter's ``prepare`` (the generation's set-up from its conditioning)
+replays from one graph per ``prepare_key``.
+
 A captured graph reads only buffers whose address stays fixed: the adapter's workspace, copies of
 the plan's subset and tensors (``static_inputs``), and the policy state its plan ``reads``, which
 must come from an earlier captured scale (its ``writes``, put back after each replay).

@@ -386,7 +386,6 @@ class VARPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
                               return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, use_cuda_graphs)
 
 
-
 class ClassLabels:
     """A class-conditional model's names and class count without its weights (read from a folder's
     JSON files), with :meth:`VARPipeline.get_label_ids`' rules: the command line turns ``--class``
@@ -397,5 +396,6 @@ class ClassLabels:
 
     get_label_ids = VARPipeline.get_label_ids
     _label_id = VARPipeline._label_id
+
 
 __all__ = ["VARPipeline", "VARPipelineOutput", "GenerationStats", "ClassLabels", "check_id2label", "class_names"]

@@ -72,7 +72,7 @@ class _InfinityWorkspace(Workspace):
         self.weights = None                   # the weights_key the three buffers above were filled from
         cos, sin = rope_cos_sin(hw, resolution.rope_grid, model.head_dim)
         self.cos_LD, self.sin_LD = cos.to(device), sin.to(device)
-        # the text memory of every layer's cross-attention (set_text), padded to a bucket of TEXT_BUCKET
+        # the text memory of every layer's cross-attention (text_inputs, fill_text), padded to a bucket of TEXT_BUCKET
         # tokens on CUDA so that prompts of similar length share captured graphs
         self._ca_args = (N, R, cfg.num_heads, model.head_dim, dtype, device)
         self.ca_k_NRHTd: Optional[torch.Tensor] = None
@@ -83,7 +83,7 @@ class _InfinityWorkspace(Workspace):
         self.text_tokens = 0                               # their padded length (text_inputs)
         self.cond_RC = torch.zeros(R, C, device=device, dtype=torch.float32)    # the pooled prompt (prepare)
         self.ca_masked = False
-        self.ca_kq_NRMC: Optional[torch.Tensor] = None      # absorbed form (M = H·T): see set_text
+        self.ca_kq_NRMC: Optional[torch.Tensor] = None      # absorbed form (M = H·T): see text_inputs
         self.ca_bias_NR1M: Optional[torch.Tensor] = None
         self.ca_vo_NRMC: Optional[torch.Tensor] = None
         self.image_buffer: Optional[torch.Tensor] = None   # decoded images of graphed runs (see decode)
@@ -164,11 +164,11 @@ class _InfinityWorkspace(Workspace):
             (self.ca_k_NRHTd, self.ca_v_NRHTd, self.ca_valid_R11T)
         return tuple(b.data_ptr() for b in bufs)
 
-    def check_graphs(self, weight_ptrs_: tuple) -> None:
+    def check_graphs(self, param_ptrs: tuple) -> None:
         """Drop captured graphs whose buffers moved (a re-allocated KV cache, weights moved away and
-        back by offloading — ``weight_ptrs_``, the model's parameter addresses —, another text
-        bucket or mask): they would read freed memory."""
-        inputs = (weight_ptrs_, self.kv.storage_ptrs(),
+        back by offloading — ``param_ptrs``, the model's parameter addresses —, another text bucket
+        or mask): they would read freed memory."""
+        inputs = (param_ptrs, self.kv.storage_ptrs(),
                   self.text_buffers(), self.ca_absorbed, self.ca_masked)
         if inputs != self.graph_inputs:
             self.graphs.clear()
@@ -215,7 +215,7 @@ class InfinityAdapter(ModelAdapter):
         self.layer_groups = transformer.config.num_block_chunks
         self._code = code_value(d_vae)                 # every code entry is ±this (1/√d of the VAE's bits)
         # "auto" | "always" | "never": fold the cross-attention's projections into the text memory
-        # (_InfinityWorkspace.set_text); "auto" does where that is less work (short prompts)
+        # (_InfinityWorkspace.text_inputs); "auto" does where that is less work (short prompts)
         self.absorb_cross_attention = "auto"
         # the last scale's K/V in one buffer shared by the layers when the whole cache would be large
         # (ModelAdapter.kv_tail_used; 2B in bf16, tail included: 1024² 3.5 GB of K/V instead of 5.5 GB,
