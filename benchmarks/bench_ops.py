@@ -362,6 +362,48 @@ def _cases(dev) -> list[dict]:
                                "sdpa+mask": lambda q=qa, k=ka, v=va, m=valid, d=da: attention(
                                    q, k, v, d ** -0.5, key_valid_RL=m, backend="sdpa"),
                                "sdpa dense (bound)": lambda q=qa, k=ka, v=va, d=da: attention(q, k, v, d ** -0.5)}))
+    cases += _csla_cases(dev, g)
+    return cases
+
+
+def _csla_cases(dev, g) -> list[dict]:
+    """SparVAR's CSLA at the last scale of Infinity-2B 1024² (16 heads of 128) and of HART (24 of 64;
+    its 300 text slots first), paper windows 7/5/3 and 5 sink scales, two rows: the gathered windows
+    (``window_attention``) against FlexAttention over a block mask of the same rule (128 × 64 blocks,
+    compiled) and dense attention over the whole cache. FLOPs count the keys each query reads."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ..policies.sparvar import csla_mask, csla_tables, csla_tiles
+    from ..sparse_ops import window_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    cases = []
+    for name, hw, H, d in (("Infinity-2B 1024² 64x64", tuple((p, p) for p in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40,
+                                                                               48, 64)), 16, 128),
+                           ("HART 1024² 64x64", ((1, 300),) + tuple((p, p) for p in (2, 3, 4, 5, 7, 9, 12, 16, 21, 27,
+                                                                                     36, 48, 64)), 24, 64)):
+        si, sinks, windows = len(hw) - 1, 5, (7, 5, 3)
+        mask = csla_mask(hw, si, sinks, windows)
+        l, L = mask.shape
+        qc, kc, vc = (torch.randn(2, H, n, d, device=dev, generator=g).to(torch.bfloat16) for n in (l, L, L))
+        tiles = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in csla_tiles(hw, si, sinks, windows)]
+        ylo, yhi, xlo, xhi = csla_tables(hw, si, sinks, windows).to(dev)
+        w = hw[si][1]
+
+        def mask_mod(b, h, q_idx, kv_idx, ylo=ylo, yhi=yhi, xlo=xlo, xhi=xhi, w=w):
+            y = q_idx // w
+            x = q_idx - y * w
+            return (ylo[kv_idx] <= y) & (y <= yhi[kv_idx]) & (xlo[kv_idx] <= x) & (x <= xhi[kv_idx])
+
+        bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=l, KV_LEN=L, device=dev, BLOCK_SIZE=(128, 64))
+        per_query = mask.sum(1).float().mean()
+        cases.append(dict(op="csla attention", shape=f"{name}: R2 H{H} l{l} Lk{L} d{d}, {per_query:.0f} keys a query",
+                          dtype="bf16",
+                          flops=4 * 2 * H * int(mask.sum()) * d, memory_bound=False, target=False,
+                          run={"window": lambda q=qc, k=kc, v=vc, t=tiles, w=w, d=d: window_attention.window_attention(
+                                   q, k, v, *t, w, d ** -0.5),
+                               "flex": lambda q=qc, k=kc, v=vc, bm=bm, d=d: flex(
+                                   q, k, v, block_mask=bm, scale=d ** -0.5, kernel_options={"BLOCK_N": 64}),
+                               "sdpa dense (bound)": lambda q=qc, k=kc, v=vc, d=d: attention(q, k, v, d ** -0.5)}))
     return cases
 
 

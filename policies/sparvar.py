@@ -20,8 +20,9 @@ changes, from the decision scale S on (scales before it attend densely):
   scales, and in each later key scale the square window of side ``windows[e]`` (e = that key
   scale's position from the end, 0 = last) around its proportionally mapped position; key scales
   with no window (past the tuple, or 0) are not read; -1 reads a whole scale. On the Triton
-  backend it runs through FlexAttention with a block mask built once per shape; on the torch
-  backend through SDPA with the boolean mask.
+  backend it runs as gathered attention over 8 × 8 patches of queries, each reading the sinks and
+  the keys its queries' windows reach, exact per score (``sparse_ops.window_attention``; the tiles
+  built once per shape); on the torch backend through SDPA with the boolean mask.
 
 CS4A's sparse pass gathers each group's keys by index lists (``sparse_ops.group_sparse_attention``,
 a Triton kernel on the GPU); the lists are sized by a bound known on the host (the decision
@@ -33,7 +34,6 @@ The families fold the attention temperature into q, so attention runs at scale 1
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,15 +44,13 @@ from ..engine.schedule import ScaleSchedule
 from ..sparse_ops import ops as sparse_ops
 from ..sparse_ops import ref
 from ..sparse_ops._backend import check_backend, resolve_backend
-from ..sparse_ops.attention import attention, dense_attention, dense_attention_lse
+from ..sparse_ops.attention import dense_attention, dense_attention_lse
 from .scale_skip import resolve_scale_index
 
 MAPPINGS = ("relative", "verbatim")
-# compiled CSLA shapes a process may hold (see SparVARPolicy._csla_block_mask)
-FLEX_RECOMPILE_LIMIT = 512
-# CSLA's FlexAttention blocks (queries, keys): 64-key blocks skip more of the windows' gaps than 128
-# (benchmarks/results/README.md, Session 29)
-CSLA_BLOCK = (128, 64)
+# CSLA's query tiles on the GPU (rows, columns of the query map): 64 queries, whose windows reach a
+# small patch of each key scale
+CSLA_TILE = (8, 8)
 
 
 @dataclass(frozen=True)
@@ -205,12 +203,13 @@ def csla_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.
     return torch.cat(parts, dim=1)
 
 
-def csla_mask_mod(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
-    """CSLA's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``, equal to ``csla_mask``.
-    The proportional centre of a query row in key scale j, ⌊(y + ½)·h_j / h⌋, does not decrease
-    with y, so the query rows whose window holds key row ky form one range [ylo, yhi] (columns
-    likewise): the rule is four comparisons against per-key tables made here once, with no
-    arithmetic per score beyond the query's row and column."""
+def csla_tables(hw, si: int, sink_scales: int, windows: tuple[int, ...]) -> torch.Tensor:
+    """(4, offsets[si + 1]) int64: for every cached key up to scale ``si``, the ranges [ylo, yhi] and
+    [xlo, xhi] of the query rows and columns of scale ``si`` whose CSLA window holds it (every row
+    for a sink or a whole-read scale, none — lo > hi — for an unread one). The proportional centre
+    of a query row in key scale j, ⌊(y + ½)·h_j / h⌋, does not decrease with y, so the query rows
+    whose window holds key row ky form one range (columns likewise): ``csla_mask`` is the product
+    of the two range tests."""
     S = len(hw)
     h, w = hw[si]
     tables = ([], [], [], [])                                     # ylo, yhi, xlo, xhi per cached key
@@ -232,25 +231,32 @@ def csla_mask_mod(hw, si: int, sink_scales: int, windows: tuple[int, ...], devic
         (ylo, yhi), (xlo, xhi) = ranges
         for t, v in zip(tables, (ylo.repeat_interleave(wj), yhi.repeat_interleave(wj), xlo.repeat(hj), xhi.repeat(hj))):
             t.append(v)
-    ylo_L, yhi_L, xlo_L, xhi_L = (torch.cat(t).to(device=device, dtype=torch.int32) for t in tables)
-
-    def mask_mod(b, head, q_idx, kv_idx):
-        y = q_idx // w
-        x = q_idx - y * w
-        return (ylo_L[kv_idx] <= y) & (y <= yhi_L[kv_idx]) & (xlo_L[kv_idx] <= x) & (x <= xhi_L[kv_idx])
-
-    return mask_mod
+    return torch.stack([torch.cat(t) for t in tables])
 
 
-def csla_block_mask(hw, si: int, sink_scales: int, windows: tuple[int, ...], device):
-    """CSLA's FlexAttention BlockMask for the queries of scale ``si`` over the cache up to it, shared
-    by every row and head: blocks of 128 queries × 64 keys (``CSLA_BLOCK``) no window touches are
-    skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    l, L = hw[si][0] * hw[si][1], sum(a * b for a, b in hw[:si + 1])
-    return create_block_mask(csla_mask_mod(hw, si, sink_scales, windows, device), B=None, H=None, Q_LEN=l, KV_LEN=L,
-                             device=device, BLOCK_SIZE=CSLA_BLOCK)
+def csla_tiles(hw, si: int, sink_scales: int, windows: tuple[int, ...], tile: Optional[tuple[int, int]] = None):
+    """What ``sparse_ops.window_attention`` reads to run CSLA at scale ``si``: (tile_q_TM int32, the
+    query positions of each ``tile`` = (rows, cols) patch of the map, -1 padded; tile_keys_TK int32,
+    the keys past the prefix that any query of the patch may read — those whose row and column
+    ranges (``csla_tables``) meet the patch's — zero padded; count_T int32; prefix, the keys of the
+    first ``sink_scales`` scales, read by every query; tables_4L int32). Built once per shape."""
+    th, tw = tile or CSLA_TILE
+    h, w = hw[si]
+    tables = csla_tables(hw, si, sink_scales, windows)
+    prefix = ScaleSchedule(tuple(hw)).offsets[min(sink_scales, si + 1)]
+    past = (torch.arange(tables.shape[1]) >= prefix) & (tables[0] <= tables[1]) & (tables[2] <= tables[3])  # read
+    tile_q, tile_keys = [], []
+    for y0 in range(0, h, th):
+        for x0 in range(0, w, tw):
+            y1, x1 = min(y0 + th, h) - 1, min(x0 + tw, w) - 1
+            q = (torch.arange(y0, y1 + 1)[:, None] * w + torch.arange(x0, x1 + 1)[None]).flatten()
+            tile_q.append(torch.cat([q, q.new_full((th * tw - q.numel(),), -1)]))
+            meets = (tables[0] <= y1) & (tables[1] >= y0) & (tables[2] <= x1) & (tables[3] >= x0) & past
+            tile_keys.append(meets.nonzero().flatten())
+    count = torch.tensor([k.numel() for k in tile_keys], dtype=torch.int32)
+    K = max(1, int(count.max()))
+    keys_TK = torch.stack([torch.cat([k, k.new_zeros(K - k.numel())]) for k in tile_keys])
+    return (torch.stack(tile_q).to(torch.int32), keys_TK.to(torch.int32), count, prefix, tables.to(torch.int32))
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -300,10 +306,10 @@ class SparVARPolicy(Policy):
             return self._cs4a(ctx, q_RHld, k_RHLd, v_RHLd, run, st)
         mask_lL, keys = self._csla_mask(ctx.si, run, q_RHld.device, need_mask=st["backend"] != "triton")
         st["keys"] = st["keys"] + [keys]
-        if st["backend"] == "triton":                    # FlexAttention: only the blocks the windows touch
-            block_mask, flex_fn = self._csla_block_mask(ctx.si, run, q_RHld.device)
-            return attention(q_RHld, k_RHLd.to(q_RHld.dtype), v_RHLd.to(q_RHld.dtype), 1.0, block_mask=block_mask,
-                             flex_fn=flex_fn)
+        if st["backend"] == "triton":            # gathered: each patch of queries reads its windows' keys
+            tile_q, tile_keys, count, prefix, tables = self._csla_tiles(ctx.si, run, q_RHld.device)
+            return sparse_ops.window_attention(q_RHld, k_RHLd, v_RHLd, tile_q, tile_keys, count, prefix, tables,
+                                               run.schedule.hw[ctx.si][1], 1.0, backend="triton")
         return dense_attention(q_RHld, k_RHLd, v_RHLd, scale=1.0, attn_mask=mask_lL[None, None])
 
     def after_scale(self, si, guided_logits_BLV, run) -> None:
@@ -322,7 +328,7 @@ class SparVARPolicy(Policy):
 
     def _csla_mask(self, si, run, device, need_mask: bool = True) -> tuple[Optional[torch.Tensor], float]:
         """CSLA's (l, L) mask for scale ``si`` on ``device`` (None unless ``need_mask``: the
-        FlexAttention path computes it from positions) and the mean keys a query reads."""
+        gathered path reads the per-key tables instead) and the mean keys a query reads."""
         c = self.config
         cache = run.shape_cache
         key = ("sparvar.csla_keys", run.schedule.hw, si, c.sink_scales, c.windows)
@@ -335,30 +341,15 @@ class SparVARPolicy(Policy):
             cache[mkey] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows).to(device)
         return cache[mkey], cache[key]
 
-    def _csla_block_mask(self, si, run, device):
-        """CSLA's FlexAttention BlockMask for scale ``si`` (built once per shape and kept in
-        ``run.shape_cache``) and the compiled ``flex_attention`` it runs with (compiled once per
-        shape: the same wrapper serves every generation of this workspace)."""
-        from torch.nn.attention.flex_attention import flex_attention
-
+    def _csla_tiles(self, si, run, device):
+        """``csla_tiles`` for scale ``si`` on ``device``, built once per shape (``run.shape_cache``)."""
         c = self.config
+        key = ("sparvar.csla_tiles", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         cache = run.shape_cache
-        if "sparvar.flex" not in cache:
-            # one compile per (scale, batch) shape: past dynamo's per-function recompile limit (8, shared
-            # by every compiled flex_attention of the process) it would run flex_attention eagerly,
-            # which cannot be captured into the scale's CUDA graph; the limit is raised for these
-            # calls only
-            dynamo = torch._dynamo.config
-            limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-            compiled = dynamo.patch(**{limit: FLEX_RECOMPILE_LIMIT})(torch.compile(flex_attention, dynamic=False))
-            # the kernel's key tiles match the mask's blocks (its own choice at head dim 64 is 128 keys,
-            # which a 64-key block mask refuses); its query tiles stay its own per device (any of its
-            # choices divides 128), so a small GPU's shared memory is not asked for more than it picks
-            cache["sparvar.flex"] = functools.partial(compiled, kernel_options={"BLOCK_N": CSLA_BLOCK[1]})
-        key = ("sparvar.csla_blocks", run.schedule.hw, si, c.sink_scales, c.windows, str(device))
         if key not in cache:
-            cache[key] = csla_block_mask(run.schedule.hw, si, c.sink_scales, c.windows, device)
-        return cache[key], cache["sparvar.flex"]
+            tile_q, tile_keys, count, prefix, tables = csla_tiles(run.schedule.hw, si, c.sink_scales, c.windows)
+            cache[key] = (tile_q.to(device), tile_keys.to(device), count.to(device), prefix, tables.to(device))
+        return cache[key]
 
     def _cs4a(self, ctx, q_RHld, k_RHLd, v_RHLd, run, st):
         c, si, R = self.config, ctx.si, q_RHld.shape[0]

@@ -31,14 +31,15 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, valid, m_i, l_i, acc, scale_log2,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys into the online softmax; ``valid`` may be all False (then nothing changes)."""
+    """One tile of keys into the online softmax; ``valid`` ([1, BLOCK_N] per key, or [BLOCK_M, BLOCK_N]
+    per score) may be all False (then nothing changes)."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                # no key yet: keep exp2 finite
     alpha = tl.exp2(m_i - m_use)
@@ -81,7 +82,7 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
         key = n.to(tl.int64)
         kv_mask = valid[:, None] & dmask[None, :]
         m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid, m_i, l_i, acc,
+                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i, acc,
                                      scale_log2, UPCAST, PRECISION)
     # 2. the group's band: one contiguous range (keys inside the prefix were read above)
     lo = prefix
@@ -95,8 +96,8 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
             key = n.to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
             m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                         v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid, m_i, l_i, acc,
-                                         scale_log2, UPCAST, PRECISION)
+                                         v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i,
+                                         l_i, acc, scale_log2, UPCAST, PRECISION)
     # 3. the listed keys, gathered; those already read (prefix, band) are skipped
     list_at = rh.to(tl.int64) * G + g
     count = tl.load(count_ptr + list_at)
@@ -108,7 +109,7 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
         key = key.to(tl.int64)
         kv_mask = valid[:, None] & dmask[None, :]
         m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid, m_i, l_i, acc,
+                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i, acc,
                                      scale_log2, UPCAST, PRECISION)
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)     # no key: zeros
     if HAS_ADD:      # + the (h_add, w_add) map resized to the queries' (l / w, w) map, bilinear

@@ -21,6 +21,7 @@ _TRITON_MODULES = {
     "gather_norm_modulate": "gather_modulate", "gather_rows": "gather_modulate", "scatter_rows": "gather_modulate",
     "restore_residual": "restore", "pivotal_tokens": "pivotal", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum", "group_sparse_attention": "group_attention",
+    "window_attention": "window_attention",
     "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "rope_half_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
@@ -105,6 +106,15 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     an optional map resized bilinearly to the queries (see ``ref.group_sparse_attention``)."""
     return implementation("group_sparse_attention", backend, q_RHld.device)(
         q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, group, scale, prefix, band_G2, add_RHpd, hw, add_hw)
+
+
+def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, tile_q_TM: torch.Tensor,
+                     tile_keys_TK: torch.Tensor, count_T: torch.Tensor, prefix: int, tables_4L: torch.Tensor, w: int,
+                     scale: float, *, backend: str = "auto") -> torch.Tensor:
+    """(R, H, l, d): each query tile reads a shared prefix and its listed keys, each listed key only by
+    the queries inside its window (see ``ref.window_attention``)."""
+    return implementation("window_attention", backend, q_RHld.device)(
+        q_RHld, k_RHLd, v_RHLd, tile_q_TM, tile_keys_TK, count_T, prefix, tables_4L, w, scale)
 
 
 def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tensor], gate_R1C: Optional[torch.Tensor],

@@ -481,6 +481,46 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     return out_RHld.to(q_RHld.dtype)
 
 
+def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, tile_q_TM: torch.Tensor,
+                     tile_keys_TK: torch.Tensor, count_T: torch.Tensor, prefix: int, tables_4L: torch.Tensor,
+                     w: int, scale: float) -> torch.Tensor:
+    """(R, H, l, d): attention in which each query reads the first ``prefix`` keys and, of the keys its
+    tile lists, those whose window holds it — SparVAR's CSLA (research/accel.md §4.4) in gathered form.
+    The queries are a map ``w`` wide in raster order, split into tiles: ``tile_q_TM[t]`` the query
+    positions of tile t (-1 pads; every query in exactly one tile), ``tile_keys_TK[t, :count_T[t]]``
+    the cache positions any of its queries may read past the prefix (distinct). Query (y, x) =
+    (q // w, q % w) reads listed key n iff ``tables_4L[0, n] <= y <= tables_4L[1, n]`` and
+    ``tables_4L[2, n] <= x <= tables_4L[3, n]``. Float32 softmax and sum, output in q's dtype; a
+    query with no key gives zeros. One tile at a time."""
+    R, H, l, d = q_RHld.shape
+    Lk = k_RHLd.shape[2]
+    _check_window_tiles(tile_q_TM, tile_keys_TK, count_T, tables_4L, prefix, l, Lk)
+    out_RHld = torch.zeros(R, H, l, d, device=q_RHld.device, dtype=torch.float32)
+    qf, kf, vf = q_RHld.float(), k_RHLd.float(), v_RHLd.float()
+    for t in range(tile_q_TM.shape[0]):
+        rows = tile_q_TM[t][tile_q_TM[t] >= 0].long()
+        keys = torch.cat([torch.arange(prefix, device=q_RHld.device),
+                          tile_keys_TK[t, :int(count_T[t])].long()])
+        y, x = rows // w, rows % w
+        lo_y, hi_y, lo_x, hi_x = (tables_4L[i, keys].long() for i in range(4))
+        seen = (lo_y <= y[:, None]) & (y[:, None] <= hi_y) & (lo_x <= x[:, None]) & (x[:, None] <= hi_x)
+        seen |= (keys < prefix)[None]                                                 # (rows, keys)
+        s = qf[:, :, rows] @ kf[:, :, keys].transpose(-1, -2) * scale                  # (R, H, rows, keys)
+        p = s.masked_fill(~seen, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        out_RHld[:, :, rows] = p @ vf[:, :, keys]
+    return out_RHld.to(q_RHld.dtype)
+
+
+def _check_window_tiles(tile_q_TM, tile_keys_TK, count_T, tables_4L, prefix, l, Lk) -> None:
+    T = tile_q_TM.shape[0]
+    if tile_q_TM.dim() != 2 or tile_keys_TK.dim() != 2 or tile_keys_TK.shape[0] != T or tuple(count_T.shape) != (T,) \
+            or tuple(tables_4L.shape) != (4, Lk) or not 0 <= prefix <= Lk:
+        raise ValueError(f"window_attention: tile_q_TM {tuple(tile_q_TM.shape)} / tile_keys_TK "
+                         f"{tuple(tile_keys_TK.shape)} / count_T {tuple(count_T.shape)} / tables_4L "
+                         f"{tuple(tables_4L.shape)} / prefix {prefix} need (T, M), (T, K), (T,), (4, {Lk}) and "
+                         f"0 <= prefix <= {Lk} for {l} queries")
+
+
 def _check_add(add_RHpd, hw, add_hw, R, H, l, d) -> None:
     if add_RHpd is None:
         return

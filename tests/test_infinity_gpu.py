@@ -206,7 +206,7 @@ def test_fused_elementwise_kernels_track_the_eager_path():
 
 
 def test_sparvar_on_the_triton_backend_draws_the_torch_backends_codes():
-    """SparVAR's GPU path (the gathered CS4A kernel, CSLA through compiled FlexAttention) on the tiny
+    """SparVAR's GPU path (the gathered CS4A kernel, CSLA as gathered windows) on the tiny
     model in float32: the neutral setting draws dense's greedy codes, and an active setting the
     codes its torch path draws (SDPA with masks, the torch twin)."""
     from sparsevar import SparVARConfig
@@ -239,7 +239,7 @@ def test_sparvar_on_the_triton_backend_draws_the_torch_backends_codes():
 @pytest.mark.parametrize("mapping", ["relative", "verbatim"])
 def test_sparvar_scales_replay_from_graphs_with_the_eager_codes_and_key_counts(mapping):
     """SparVAR's plans are static: its scales (the decision scale's selection, the sparse scales'
-    gathered kernel and FlexAttention) replay whole from CUDA graphs, drawing the eager run's bits and
+    gathered kernels) replay whole from CUDA graphs, drawing the eager run's bits and
     counting the same keys, at the capturing call and at a replaying one."""
     pipe = _tiny_bf16()
     pipe.set_kernels("triton")

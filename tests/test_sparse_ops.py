@@ -571,6 +571,29 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
         assert got[0, 0, :group].abs().max().item() == 0.0                          # a group with no key: zeros
 
 
+def _window_attention_case(hw, si, sinks, windows, tile, R, H, d, dtype, device):
+    """CSLA on the schedule ``hw`` at scale ``si`` (``policies.sparvar.csla_tiles``: ``tile`` patches
+    of queries, each listing the keys its queries' windows reach): the kernel against the torch twin
+    and a float64 oracle masked by ``csla_mask`` (what the torch backend feeds SDPA)."""
+    from sparsevar.policies.sparvar import csla_mask, csla_tiles
+    from sparsevar.sparse_ops import ref, window_attention
+    g = _gen(9)
+    mask_lL = csla_mask(hw, si, sinks, windows).to(device)
+    l, L = mask_lL.shape
+    q, k, v = (_rand((R, H, n, d), g, device, dtype=dtype) for n in (l, L, L))
+    tile_q, tile_keys, count, prefix, tables = (t.to(device) if isinstance(t, torch.Tensor) else t
+                                                for t in csla_tiles(hw, si, sinks, windows, tile))
+    args = (tile_q, tile_keys, count, prefix, tables, hw[si][1], d ** -0.5)
+    got = window_attention.window_attention(q, k, v, *args)
+    want = ref.window_attention(q, k, v, *args)
+    s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5
+    oracle = s.masked_fill(~mask_lL, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double()
+    # one step: both paths round one float32 result (equal to 5e-7 in the float32 cases), but Triton's
+    # interpreter casts to bf16 by truncation (its output is the float32 one with the low bits cut),
+    # a step from torch's rounding where an output is as large as v (a query reading ~10 keys)
+    assert_close_to_oracle("window_attention", got, want, oracle, one_step=True)
+
+
 # odd, small shapes for the interpreter (about 0.6 ms per program instance on 2 cores)
 @case("gather_norm_modulate-1x13x13-C96-bf16")
 def _(device="cpu"):
@@ -655,6 +678,19 @@ def _(device="cpu"):
 @case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-add-fp32")
 def _(device="cpu"):
     _group_attention_case(2, 2, 45, 90, 16, 16, 0.2, torch.float32, device, prefix=21, band=True, add=(5, 9, 3, 4))
+
+
+_CSLA_HW = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
+
+
+@case("window_attention-csla-12x17-sinks2-w3.1.-1-tile4x4-R2H2-d16-fp32")
+def _(device="cpu"):
+    _window_attention_case(_CSLA_HW, 5, 2, (3, 1, -1), (4, 4), 2, 2, 16, torch.float32, device)
+
+
+@case("window_attention-csla-9x13-sinks1-w7.0.3-tile3x5-R1H2-d32-bf16")
+def _(device="cpu"):
+    _window_attention_case(_CSLA_HW, 4, 1, (7, 0, 3), (3, 5), 1, 2, 32, torch.bfloat16, device)
 
 
 @case("attention_colsum-R1H2-l50-Lk77-d32-bf16")
@@ -1196,6 +1232,9 @@ def _needs_gpu():
         pytest.skip("needs triton")
 
 
+INFINITY_1024_HW = tuple((p, p) for p in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64))
+HART_HW = ((1, 300),) + tuple((p, p) for p in (2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64))    # text slots first
+
 GPU_CASES = {
     **{f"interp-shape:{k}": v for k, v in CASES.items()},
     # production shapes: Infinity-2B width, VAR-d30 width (not a power of 2), 64×64 maps
@@ -1231,6 +1270,15 @@ GPU_CASES = {
     "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-add-bf16":
         lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
                                              band=True, add=(64, 64, 40, 40)),
+    # CSLA at Infinity-2B 1024²'s last scale (paper windows, 5 sink scales) and HART's (24 heads of 64)
+    "window_attention-csla-infinity1024-last-R2H4-d128-bf16":
+        lambda device: _window_attention_case(INFINITY_1024_HW, 12, 5, (7, 5, 3), (8, 8), 2, 4, 128, torch.bfloat16,
+                                              device),
+    "window_attention-csla-infinity1024-third-last-R2H4-d128-bf16":
+        lambda device: _window_attention_case(INFINITY_1024_HW, 10, 5, (7, 5, 3), (8, 8), 2, 4, 128, torch.bfloat16,
+                                              device),
+    "window_attention-csla-hart-last-R2H6-d64-fp16":
+        lambda device: _window_attention_case(HART_HW, 13, 5, (7, 5, 3), (8, 8), 2, 6, 64, torch.float16, device),
     "attention_colsum-R2H16-l1600-Lk4121-d128-bf16":
         lambda device: _colsum_case(2, 16, 1600, 4121, 128, 192, torch.bfloat16, device),
     "dense_attention_lse-R2H16-l1600-Lk4121-d128-bf16": lambda device: _attention_lse_case(2, 16, 1600, 4121, 128,

@@ -84,28 +84,38 @@ def test_group_sparse_attention_is_dense_attention_over_each_groups_keys():
         sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :3], count[:, :, :3], 3, 0.5)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_csla_block_mask_reads_what_the_boolean_mask_reads():
-    """The FlexAttention path of CSLA (Triton backend) computes the window rule from positions; it
-    reads exactly the keys of ``csla_mask`` (the torch backend's SDPA mask), sinks, whole scales and
-    unread scales included, on a non-square schedule (eager FlexAttention here; the GPU test runs
-    the compiled one)."""
-    from sparsevar.policies.sparvar import csla_block_mask, csla_mask_mod
-    from sparsevar.sparse_ops.attention import attention
+def test_csla_tiles_read_what_the_boolean_mask_reads():
+    """The gathered form of CSLA (Triton backend) reads exactly the keys of ``csla_mask`` (the torch
+    backend's SDPA mask) — sinks, whole scales and unread scales included, on a non-square schedule:
+    the per-key tables give the mask, every query sits in one tile, each tile lists every key past
+    the prefix that its queries' windows reach, and the torch twin over the tiles equals masked SDPA
+    (the kernel against the twin: tests/test_sparse_ops.py)."""
+    from sparsevar.policies.sparvar import csla_tables, csla_tiles
     hw = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
-    for si, sinks, windows in ((4, 2, (3, 1, -1)), (5, 1, (7, 0, 3, 1)), (5, 0, (1,)), (3, 4, (5,))):
+    g = torch.Generator().manual_seed(1)
+    for si, sinks, windows, tile in ((4, 2, (3, 1, -1), (8, 8)), (5, 1, (7, 0, 3, 1), (4, 4)), (5, 0, (1,), (3, 5)),
+                                     (3, 4, (5,), (2, 2)), (5, 6, (3,), (8, 8))):
         want_lL = csla_mask(hw, si, sinks, windows)
         l, L = want_lL.shape
-        mod = csla_mask_mod(hw, si, sinks, windows, "cpu")
-        got_lL = mod(0, 0, torch.arange(l, dtype=torch.int32)[:, None], torch.arange(L, dtype=torch.int32)[None])
-        assert torch.equal(got_lL, want_lL), (si, sinks, windows)
-    mask_lL = csla_mask(hw, 4, 2, (3, 1, -1))
-    l, L = mask_lL.shape
-    g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 3, l, 16, generator=g), torch.randn(2, 3, L, 16, generator=g), torch.randn(2, 3, L, 16, generator=g)
-    got = attention(q, k, v, 0.25, block_mask=csla_block_mask(hw, 4, 2, (3, 1, -1), "cpu"))
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_lL, scale=0.25)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ylo, yhi, xlo, xhi = csla_tables(hw, si, sinks, windows)
+        w = hw[si][1]
+        y, x = torch.arange(l)[:, None] // w, torch.arange(l)[:, None] % w
+        assert torch.equal((ylo <= y) & (y <= yhi) & (xlo <= x) & (x <= xhi), want_lL), (si, sinks, windows)
+        tile_q, tile_keys, count, prefix, tables = csla_tiles(hw, si, sinks, windows, tile)
+        assert sorted(tile_q[tile_q >= 0].tolist()) == list(range(l))                   # each query once
+        assert bool(want_lL[:, :prefix].all())                                          # the sinks: read by all
+        for t in range(tile_q.shape[0]):
+            rows = tile_q[t][tile_q[t] >= 0].long()
+            listed = set(tile_keys[t, :count[t]].tolist())
+            reached = set(want_lL[rows][:, prefix:].any(0).nonzero().flatten().add(prefix).tolist())
+            assert reached <= listed and min(listed, default=prefix) >= prefix, (si, t)
+            assert all(bool(want_lL[:, n].any()) for n in listed), (si, t)            # never a key none reads
+        q, k, v = torch.randn(2, 3, l, 16, generator=g), torch.randn(2, 3, L, 16, generator=g), torch.randn(2, 3, L, 16, generator=g)
+        got = sparse_ref.window_attention(q, k, v, tile_q, tile_keys, count, prefix, tables, w, 0.25)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=want_lL, scale=0.25)
+        rows = want_lL.any(1)                     # a query with no key: zeros here, NaN from SDPA
+        torch.testing.assert_close(got[:, :, rows], want[:, :, rows], rtol=1e-5, atol=1e-5)
+        assert got[:, :, ~rows].abs().max().item() == 0 if (~rows).any() else True
 
 
 def test_key_lists_compact_each_groups_keys_in_order_within_the_width():

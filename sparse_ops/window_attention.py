@@ -1,0 +1,115 @@
+"""Triton: SparVAR's CSLA as gathered windowed attention, twin of ``ref.window_attention``.
+
+Each program takes one (row·head, tile) — a tile is a small 2-D patch of the query map, so the
+keys its queries' windows reach in each key scale form a small patch there too. It keeps an online
+softmax (base 2) over the prefix every query reads (contiguous tiles), then over the tile's key list,
+whose K and V rows are gathered from the cache into dense tiles; each listed key carries the ranges
+of query rows and columns whose window holds it (four table loads per key), so the window is exact
+per score. The work grows with the tile's keys (the union of its queries' windows), not with the
+cache; every run multiplies on the tensor cores (``group_attention._attend_tile``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import interpreting
+from .group_attention import _LOG2E, _attend_tile
+from .ref import _check_window_tiles
+
+
+@triton.jit
+def _window_attention_kernel(q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, count_ptr, tab_ptr, o_ptr, H, d, M, K, L, prefix,
+                             w, scale_log2, sq_r, sq_h, sq_l, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_l,
+                             UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rh = tl.program_id(1)
+    r = (rh // H).to(tl.int64)
+    hh = (rh % H).to(tl.int64)
+    mm = tl.arange(0, BLOCK_M)
+    qpos = tl.load(tq_ptr + t * M + mm, mask=mm < M, other=-1)
+    rows = qpos >= 0
+    qy = qpos // w
+    qx = qpos - qy * w
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < d
+    q = tl.load(q_ptr + r * sq_r + hh * sq_h + qpos[:, None].to(tl.int64) * sq_l + dd[None, :],
+                mask=rows[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + r * sk_r + hh * sk_h
+    v_base = v_ptr + r * sv_r + hh * sv_h
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # 1. the prefix every query reads: contiguous tiles
+    for n0 in range(0, prefix, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < prefix
+        key = n.to(tl.int64)
+        kv_mask = valid[:, None] & dmask[None, :]
+        m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
+                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i,
+                                     acc, scale_log2, UPCAST, PRECISION)
+    # 2. the tile's listed keys, gathered; each read only by the queries inside its window
+    count = tl.load(count_ptr + t)
+    for n0 in range(0, count, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        listed = n < count
+        key = tl.load(tk_ptr + t * K + n, mask=listed, other=0).to(tl.int64)
+        y_lo = tl.load(tab_ptr + key, mask=listed, other=1)
+        y_hi = tl.load(tab_ptr + L + key, mask=listed, other=0)
+        x_lo = tl.load(tab_ptr + 2 * L + key, mask=listed, other=1)
+        x_hi = tl.load(tab_ptr + 3 * L + key, mask=listed, other=0)
+        seen = (y_lo[None, :] <= qy[:, None]) & (qy[:, None] <= y_hi[None, :]) \
+            & (x_lo[None, :] <= qx[:, None]) & (qx[:, None] <= x_hi[None, :])
+        kv_mask = listed[:, None] & dmask[None, :]
+        m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
+                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, seen, m_i, l_i, acc,
+                                     scale_log2, UPCAST, PRECISION)
+    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)     # no key: zeros
+    tl.store(o_ptr + r * so_r + hh * so_h + qpos[:, None].to(tl.int64) * so_l + dd[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
+
+
+def _launch(M: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the tile's queries (a power of two) by 32 keys,
+    three stages, as the group kernel's sweep chose for 64-query blocks."""
+    block_m = max(16, triton.next_power_of_2(M))
+    if interpreting():
+        return block_m, 16, 4, 1
+    return block_m, 32, 4, 3
+
+
+def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, tile_q_TM: torch.Tensor,
+                     tile_keys_TK: torch.Tensor, count_T: torch.Tensor, prefix: int, tables_4L: torch.Tensor,
+                     w: int, scale: float) -> torch.Tensor:
+    """Triton twin of ``ref.window_attention``: (R, H, l, d) in q's dtype."""
+    R, H, l, d = q_RHld.shape
+    Lk = k_RHLd.shape[2]
+    _check_window_tiles(tile_q_TM, tile_keys_TK, count_T, tables_4L, prefix, l, Lk)
+    q = q_RHld if q_RHld.stride(-1) == 1 else q_RHld.contiguous()
+    k = k_RHLd if k_RHLd.stride(-1) == 1 else k_RHLd.contiguous()
+    v = v_RHLd if v_RHLd.stride(-1) == 1 else v_RHLd.contiguous()
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    tq, tk, count, tab = (x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+                          for x in (tile_q_TM, tile_keys_TK, count_T, tables_4L))
+    out = torch.zeros(R, H, l, d, device=q.device, dtype=q_RHld.dtype)
+    T, M = tq.shape
+    if R * H * l * d == 0 or T == 0:
+        return out
+    upcast = interpreting() and q.dtype not in (torch.float32, torch.float64)
+    precision = "ieee" if q.dtype == torch.float32 else None
+    block_m, block_n, num_warps, num_stages = _launch(M)
+    _window_attention_kernel[(T, R * H)](
+        q, k, v, tq, tk, count, tab, out, H, d, M, tk.shape[1], Lk, int(prefix), int(w), float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=num_warps, num_stages=num_stages)
+    return out
