@@ -8,6 +8,9 @@ The decision is read off data — the merged :class:`~.contract.ScalePlan` of a 
 - no policy acts in the model, some after the head: the scale's compute replays, the rest is eager;
 - the plan is static (its subset size and every acting hook fixed by the settings): the whole
   scale replays with the hooks inside it (``after_scale`` runs after the replay);
+- the plan is static, runs every token and hands no tensors to its hooks, and only in-layer hooks
+  act in the model (no ``observe``, no ``post_hidden``): the scale's compute (layers and head)
+  replays with the hooks inside it, where the adapter cannot capture the whole scale;
 - the plan runs every token (or a static subset) and no in-layer hook acts, or the acting ones are
   static: the layer stack (stage input → gather → layers → scatter) replays; ``observe`` gets its
   taps after the replay, ``post_hidden`` and the head run eagerly;
@@ -43,14 +46,20 @@ def persistent_copy(store: dict, key, t: torch.Tensor) -> torch.Tensor:
 
 def capture_mode(plan, hooks, whole_scales: bool) -> Optional[str]:
     """How a scale with this merged plan and these acting hooks may run from graphs: ``"whole"``,
-    ``"whole with hooks"``, ``"compute"`` (the scale's compute; guidance onwards eager), ``"layers"``
-    (the layer stack; observe, post_hidden and the head eager) or None (eager). ``whole_scales``:
-    the adapter can capture guidance, sampling and the latent update with its compute. A whole
-    scale falls back to its compute (or layer stack) where it cannot be used."""
+    ``"whole with hooks"``, ``"compute"`` (the scale's compute; guidance onwards eager), ``"compute
+    with hooks"`` (the same with static in-layer hooks inside it), ``"layers"`` (the layer stack;
+    observe, post_hidden and the head eager) or None (eager). ``whole_scales``: the adapter can
+    capture guidance, sampling and the latent update with its compute. A whole scale falls back to
+    its compute (or layer stack) where it cannot be used."""
     if plan.dense and not hooks.acts_in_model():
         return "whole" if whole_scales and not hooks.acts_after_head() else "compute"
     if (plan.dense or plan.static) and plan.token_valid is None and (plan.static or not hooks.acts_in_layers()):
-        return "whole with hooks" if whole_scales and plan.static else "layers"
+        if whole_scales and plan.static:
+            return "whole with hooks"
+        if plan.static and plan.token_index is None and not plan.tensors and not hooks["observe"] \
+                and not hooks["post_hidden"]:
+            return "compute with hooks"
+        return "layers"
     return None
 
 
@@ -106,6 +115,8 @@ class GraphRunner:
                 return whole
         if mode in ("whole", "compute"):
             logits = self.run(("dense", si), lambda: compute_scale(adapter, si, plan, run), run)
+        elif mode == "compute with hooks":
+            logits = self.run(("compute", si, run.hooks.key), lambda: compute_scale(adapter, si, plan, run), run)
         elif mode is not None:
             logits = compute_scale(adapter, si, plan, run, graphs=self)
         else:

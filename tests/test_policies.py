@@ -260,13 +260,14 @@ def test_which_scales_replay_from_which_graphs(pipe):
         name = "mode-probe"
 
         def __init__(self):
-            self.mode = {}
+            self.mode, self.part = {}, {}        # with whole-scale graphs, and for an adapter without them
 
         def plan_scale(self, si, run):
             return ScalePlan(hooks=frozenset({"after_scale"}), static=True)
 
         def after_scale(self, si, logits, run):
             self.mode[si] = capture_mode(run.plan, run.hooks, whole_scales=True)
+            self.part[si] = capture_mode(run.plan, run.hooks, whole_scales=False)
 
     class Silent(Policy):                          # acts after every head, says nothing
         name = "silent"
@@ -289,7 +290,13 @@ def test_which_scales_replay_from_which_graphs(pipe):
     _run(pipe.disable_fastvar().add_policy(Silent()))
     assert probe.mode == {si: "compute" for si in range(S)}         # no in-model hook: the compute replays
     _run(pipe.remove_policy("silent").add_policy(Watcher()))
-    assert probe.mode == {si: "layers" for si in range(S)}
+    assert probe.mode == probe.part == {si: "layers" for si in range(S)}
+    # SparVAR's static attention hooks: the whole scale with them, or (no whole-scale graphs) the
+    # compute with them, its head inside the graph
+    _run(pipe.remove_policy("watcher").enable_sparvar(decision_scale=-3))
+    assert probe.mode == {si: "compute" if si < S - 3 else "whole with hooks" for si in range(S)}
+    assert probe.part == {si: "compute" if si < S - 3 else "compute with hooks" for si in range(S)}
+    pipe.disable_sparvar().add_policy(Watcher())
     out, _ = _run(pipe.remove_policy("watcher").enable_sparsevar(tau=0.5, start_scale=-3))
     pruned = [s.si for s in out.stats[0].scales if s.tokens_computed < s.tokens]
     assert pruned and all(probe.mode[si] is None for si in pruned)   # tau: the kept counts are read back, eager
