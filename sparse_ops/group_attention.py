@@ -135,11 +135,11 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
 
 
 def _launch(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 queries by 32 keys, three stages (the best of
-    a sweep at d=128, benchmarks/results/README.md)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 queries by 64 keys, four warps, three stages
+    (the best of a sweep at d=128, benchmarks/results/README.md, Session 35)."""
     if interpreting():
         return 16, 16, 4, 1
-    return 64, 32, 4, 3
+    return 64, 64, 4, 3
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
