@@ -13,8 +13,9 @@ Three cases, each with its backend (research/kernels.md §0, §1):
   valid keys packed back to back first, which makes it slower than the masked SDPA at every
   measured shape (benchmarks/results/README.md), so "auto" does not pick it. It pays off only once
   the KV cache stores each row's keys compacted.
-- **block-sparse pattern** (a FlexAttention ``BlockMask``, SparVAR) → FlexAttention, which skips
-  the empty blocks. Pass a compiled ``flex_attention`` as ``flex_fn`` for speed.
+- **block-sparse pattern** (a FlexAttention ``BlockMask`` the caller made; no policy passes one:
+  SparVAR's CSLA reads its windows through ``window_attention``) → FlexAttention, which skips the
+  empty blocks. Pass a compiled ``flex_attention`` as ``flex_fn`` for speed.
 
 Every call logs its choice and the reason at DEBUG (``logging.getLogger(__name__)``).
 """
