@@ -1440,10 +1440,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
+    from .benchmarks.bench_speed import METHODS as SPEED_METHODS
     b.add_argument("--methods", nargs="+", default=["dense", "dense-graphs", "dense-eager"],
-                   help="dense, dense-compile, dense-graphs, dense-eager, " + ", ".join(
-                       ["sparsevar-keep1.0", "sparsevar-keep0.5", "sparsevar-keep0.3", "sparsevar-preset",
-                        "fastvar-preset", "skip-last-1", "skip-last-2"]) + ", or 'all'")
+                   help=", ".join(SPEED_METHODS) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
     b.add_argument("--vae-dtype", default="float32", choices=DTYPES[1:],
                    help="Infinity and HART models: the VAE's dtype (Infinity's bfloat16 decode runs channels-last "
