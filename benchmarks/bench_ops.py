@@ -363,6 +363,56 @@ def _cases(dev) -> list[dict]:
                                    q, k, v, d ** -0.5, key_valid_RL=m, backend="sdpa"),
                                "sdpa dense (bound)": lambda q=qa, k=ka, v=va, d=da: attention(q, k, v, d ** -0.5)}))
     cases += _csla_cases(dev, g)
+    cases += _cs4a_cases(dev, g)
+    return cases
+
+
+def _cs4a_cases(dev, g) -> list[dict]:
+    """SparVAR's CS4A at the last scale of Infinity-2B 1024² (decision scale 40×40, 16 heads of 128)
+    and of HART (decision scale 36×36, 24 of 64), lists as the policy builds them: each decision-scale
+    group keeps a random ``top_keys`` = 0.2 of its keys (ascending), moved to the last scale by the
+    relative map, the sinks (first 5 scales) and the group's band read as ranges, + the bilinear
+    resize of O_cache. Two rows: the gathered kernel and dense attention over the whole cache. FLOPs
+    count the keys each query reads."""
+    from ..engine.schedule import ScaleSchedule
+    from ..policies.sparvar import SparVARConfig, band_ranges, relative_key_map
+    from ..sparse_ops import group_attention
+    c = SparVARConfig()
+    cases = []
+    for name, hw, H, d, decision in (
+            ("Infinity-2B 1024² 64x64", tuple((p, p) for p in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)), 16,
+             128, 10),
+            ("HART 1024² 64x64", ((1, 300),) + tuple((p, p) for p in (2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)),
+             24, 64, 10)):
+        off = ScaleSchedule(hw).offsets
+        si, R, C = len(hw) - 1, 2, c.query_group
+        (h, w), (hS, wS) = hw[si], hw[decision]
+        l, L, L_dec = h * w, off[si + 1], off[decision + 1]
+        G_dec, G = -(-hS * wS // C), -(-l // C)
+        K = max(1, round(c.top_keys * L_dec))
+        idx = torch.rand(R, H, G_dec, L_dec, device=dev, generator=g).topk(K, dim=-1).indices.sort(-1).values
+        map_L, sinks = relative_key_map(hw, decision, si)
+        prefix = off[min(max(sinks, c.sink_scales), si + 1)]
+        src_G = torch.clamp(((torch.arange(G, dtype=torch.float64) + 0.5) * G_dec / G - 0.5).round().long(), 0,
+                            G_dec - 1)
+        lists = map_L.to(dev)[idx[:, :, src_G.to(dev)]].to(torch.int32).contiguous()     # (R, H, G, K)
+        count = torch.full((R, H, G), K, device=dev, dtype=torch.int32)
+        band = (off[si] + band_ranges(h, w, C, c.local_window + 2 * (si - decision - 1))).to(dev, torch.int32)
+        lo, hi = band[:, 0].clamp(min=prefix), band[:, 1]
+        outside = (lists >= prefix) & ((lists < lo[:, None]) | (lists > hi[:, None]))
+        per_group = prefix + (hi - lo + 1).clamp(min=0) + outside.sum(-1)                 # (R, H, G) keys read
+        sizes = torch.full((G,), float(C), device=dev)
+        sizes[-1] = l - C * (G - 1)
+        reads = int((per_group.float() * sizes).sum())                                     # query-key pairs
+        qc, kc, vc = (torch.randn(R, H, n, d, device=dev, generator=g).to(torch.bfloat16) for n in (l, L, L))
+        o_cache = torch.randn(R, H, hS * wS, d, device=dev, generator=g).to(torch.bfloat16)
+        cases.append(dict(op="cs4a attention", shape=f"{name}: R{R} H{H} l{l} Lk{L} d{d}, "
+                                                      f"{reads / (R * H * l):.0f} keys a query",
+                          dtype="bf16", flops=4 * reads * d, memory_bound=False, target=False,
+                          run={"gathered": lambda q=qc, k=kc, v=vc, i=lists, n=count, p=prefix, b=band, a=o_cache,
+                                   hw_=(h, w), ahw=(hS, wS), d=d: group_attention.group_sparse_attention(
+                                       q, k, v, i, n, C, d ** -0.5, p, b, a, hw_, ahw),
+                               "sdpa dense (bound)": lambda q=qc, k=kc, v=vc, d=d: attention(q, k, v, d ** -0.5)}))
     return cases
 
 
