@@ -100,6 +100,41 @@ def resolve_backend(backend: str, device: torch.device | str, name: str = "backe
     return "torch"
 
 
+# Bytes of shared memory a launch shape leaves unplanned (``fit_stages``): Triton's epilogues and
+# reductions use a little beside the pipelined tiles
+SHARED_MEMORY_SLACK = 2048
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def shared_memory(device: torch.device | str) -> int | None:
+    """Bytes of shared memory one Triton program may use on ``device``: the per-block opt-in limit
+    (232,448 on H100/H200, 166,912 on A100, 101,376 on sm_86/sm_89 cards such as the RTX 3090/4090);
+    None in Triton's interpreter or off CUDA (no limit)."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return None
+    return _shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fit_stages(stages: int, resident: int, per_stage: int, limit: int | None, least: int = 2) -> int | None:
+    """The most software-pipeline stages, at most ``stages``, whose tiles fit in ``limit`` bytes of
+    shared memory (less ``SHARED_MEMORY_SLACK``): ``resident`` bytes loaded once (a query tile) plus
+    ``per_stage`` bytes for each stage (the tiles one loop step loads). That sum is what Triton's
+    pipeliner allocates on sm_90 and at least what it allocates on sm_80/86/89 (the kernels compiled
+    for sm_86 are checked against it in tests/test_sparse_ops.py). ``stages`` where ``limit`` is None;
+    None where not even ``least`` stages fit."""
+    if limit is None:
+        return stages
+    for s in range(stages, least - 1, -1):
+        if resident + s * per_stage <= limit - SHARED_MEMORY_SLACK:
+            return s
+    return None
+
+
 # Products of at most this many rows run on this package's GEMM under the fused kernels
 # (Kernels.SMALL_GEMM_ROWS), so a layer there is a chain of this package's kernels only, and
 # only there do they use programmatic dependent launch (``_gdc``). Above it cuBLAS's products sit

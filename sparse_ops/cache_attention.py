@@ -21,12 +21,14 @@ through ``sparse_ops.attention``. ``tl.dot`` on bf16 is wrong in Triton's CPU in
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _gdc
-from ._backend import dependent_launch, interpreting
+from ._backend import dependent_launch, fit_stages, interpreting, shared_memory
 from .dense_fused import _norm_rows
 from .gemm_rows import empty_rows
 
@@ -99,11 +101,14 @@ def _qk_norm_attend_kernel(qkv_ptr, mult_ptr, k_ptr, v_ptr, o_ptr, l, start, H,
              mask=t_ok[:, None])
 
 
-def launch_shape(rows: int, heads: int, l: int, L: int) -> tuple[int, int, int, int]:
+def launch_shape(rows: int, heads: int, l: int, L: int, head_dim: int = 64, elem: int = 2,
+                 limit: Optional[int] = None) -> tuple[int, int, int, int]:
     """(query block, key block, warps, pipeline stages) for ``rows`` × ``heads`` × ``l`` queries
     over ``L`` keys, the fastest of a sweep over VAR-d30's shapes: with few (row, head) pairs, small
     query blocks put more programs on the SMs; with many, 64-query blocks read each key block fewer
-    times, and 32-key blocks are faster up to 128 queries."""
+    times, and 32-key blocks are faster up to 128 queries. Within ``limit`` bytes of shared memory
+    (``_backend.shared_memory``, for ``head_dim`` and ``elem``-byte operands): fewer stages, then
+    narrower key blocks, where they do not fit."""
     if interpreting():
         return 16, 16, 4, 1
     if rows * heads < 256:
@@ -112,7 +117,12 @@ def launch_shape(rows: int, heads: int, l: int, L: int) -> tuple[int, int, int, 
     else:
         block_q = 16 if l <= 16 else 32 if l <= 32 else 64
         block_k = 32 if l <= 128 else 64
-    return block_q, block_k, 4, 2 if l <= 48 else 3
+    stages = 2 if l <= 48 else 3
+    while True:
+        fit = fit_stages(stages, elem * block_q * head_dim, elem * 2 * block_k * head_dim, limit)  # q; k, v a stage
+        if fit is not None or block_k == 16:
+            return block_q, block_k, 4, fit or 1
+        block_k //= 2
 
 
 def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torch.Tensor,
@@ -133,7 +143,8 @@ def qk_norm_attend(qkv_Rl3Hd: torch.Tensor, mult_2H1: torch.Tensor, k_RHLd: torc
     out_RlHd = empty_rows((R, l, H, D), dtype=qkv_Rl3Hd.dtype, device=qkv_Rl3Hd.device, row_dims=2)  # proj may pad
     if R == 0 or l == 0:
         return out_RlHd
-    block_q, block_k, warps, stages = launch_shape(R, H, l, L)
+    block_q, block_k, warps, stages = launch_shape(R, H, l, L, D, qkv_Rl3Hd.element_size(),
+                                                  shared_memory(qkv_Rl3Hd.device))
     upcast = interpreting() and qkv_Rl3Hd.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if qkv_Rl3Hd.dtype == torch.float32 else None      # float32: no TF32
     pdl = dependent_launch(qkv_Rl3Hd.device, R * l, pdl)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
+from ._backend import fit_stages, interpreting, shared_memory
 
 _LOG2E = 1.4426950408889634
 
@@ -90,12 +90,21 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
     tl.store(out_ptr + (rh.to(tl.int64) * G + g) * Lk + n, acc, mask=n < Lk)
 
 
-def _colsum_launch(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes (64×128 tiles, 4 warps: the best of
-    a sweep at d=128)."""
+def _colsum_launch(d: int, elem: int = 2, limit: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both passes for head dim ``d`` and ``elem``-byte
+    operands within ``limit`` bytes of shared memory (``_backend.shared_memory``): 64×128 tiles, 4
+    warps, three stages (the best of a sweep at d=128); fewer stages, then narrower key tiles, where
+    they do not fit. The log-sum-exp pass, which keeps its 64 queries and streams key tiles, needs
+    the most; the column-sum pass keeps a key tile and streams query tiles and their sums."""
     if interpreting():
         return 16, 32, 4, 1
-    return 64, 128, 4, 3
+    bd = max(16, triton.next_power_of_2(d))
+    for block_n in (128, 64, 32):
+        lse = fit_stages(3, elem * 64 * bd, elem * block_n * bd, limit)
+        sums = fit_stages(3, elem * block_n * bd, elem * 64 * bd + 4 * 64, limit)
+        if lse is not None and sums is not None:
+            return 64, block_n, 4, min(lse, sums)
+    return 32, 32, 4, 1
 
 
 def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
@@ -116,7 +125,7 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
     upcast = interp and q.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if q.dtype == torch.float32 else None
     block_d = max(16, triton.next_power_of_2(d))
-    block_m, block_n, num_warps, num_stages = _colsum_launch(d)
+    block_m, block_n, num_warps, num_stages = _colsum_launch(d, q.element_size(), shared_memory(q.device))
     scale_log2 = float(scale) * _LOG2E
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     if lse_RHl is not None:                      # natural log → the kernels' base 2

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
+from ._backend import fit_stages, interpreting, shared_memory
 from .ref import _check_add, _check_group_lists
 
 _LOG2E = 1.4426950408889634
@@ -134,12 +134,19 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
              out.to(o_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
 
 
-def _launch(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 queries by 64 keys, four warps, three stages
-    (the best of a sweep at d=128, benchmarks/results/README.md, Session 35)."""
+def _launch(d: int, elem: int = 2, limit: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim ``d`` and ``elem``-byte operands within
+    ``limit`` bytes of shared memory (``_backend.shared_memory``): 64 queries by 64 keys, four
+    warps, three stages (the best of a sweep at d=128, benchmarks/results/README.md, Session 35);
+    fewer stages, then narrower key tiles, where they do not fit."""
     if interpreting():
         return 16, 16, 4, 1
-    return 64, 64, 4, 3
+    bd = max(16, triton.next_power_of_2(d))
+    for block_n in (64, 32, 16):
+        stages = fit_stages(3, elem * 64 * bd, elem * 2 * block_n * bd, limit)   # q; k and v tiles a stage
+        if stages is not None:
+            return 64, block_n, 4, stages
+    return 32, 16, 4, 1
 
 
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
@@ -171,7 +178,7 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
         return out
     upcast = interpreting() and q.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if q.dtype == torch.float32 else None
-    block_m, block_n, num_warps, num_stages = _launch(d)
+    block_m, block_n, num_warps, num_stages = _launch(d, q.element_size(), shared_memory(q.device))
     grid = (triton.cdiv(min(group, l), block_m), G, R * H)
     _group_attention_kernel[grid](
         q, k, v, idx, count, band if band is not None else count, out, add if add is not None else out, H, l, d,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc
-from ._backend import dependent_launch, interpreting
+from ._backend import dependent_launch, fit_stages, interpreting, shared_memory
 
 # Under programmatic dependent launch (``_gdc``) a program asks L2 for its first PREFETCH_STEPS
 # reduction steps of weights before it waits for the previous kernel (2: the fastest of the counts
@@ -122,8 +122,11 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def choose_config(M: int, N: int, K: int, num_sms: int, min_split_k: int = 1024) -> LinearConfig:
-    """The launch shape for an (M × K) · (K × N) product on a GPU with ``num_sms`` SMs.
+def choose_config(M: int, N: int, K: int, num_sms: int, min_split_k: int = 1024, elem: int = 2,
+                  limit: Optional[int] = None) -> LinearConfig:
+    """The launch shape for an (M × K) · (K × N) product of ``elem``-byte operands on a GPU with
+    ``num_sms`` SMs and ``limit`` bytes of shared memory a program (``_backend.shared_memory``; a
+    shape whose pipelined tiles do not fit gets fewer stages, then shorter reduction steps).
 
     Few rows: the product streams the weights, so tiles are narrow (many programs in flight). The
     reduction is split while the output tiles cannot fill the SMs once and each split keeps at
@@ -132,13 +135,25 @@ def choose_config(M: int, N: int, K: int, num_sms: int, min_split_k: int = 1024)
     if interpreting():
         return LinearConfig(16, 32, 32, 1 if K <= 64 else 2, 4, 1)
     if M <= 64:
-        return _few_rows_config(M, N, K, num_sms, min_split_k)
+        return _fit(_few_rows_config(M, N, K, num_sms, min_split_k), elem, limit)
     if M <= 256:
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    return LinearConfig(block_m, block_n, block_k, _splits(tiles, K, num_sms, min_split_k), warps, stages)
+    return _fit(LinearConfig(block_m, block_n, block_k, _splits(tiles, K, num_sms, min_split_k), warps, stages),
+                elem, limit)
+
+
+def _fit(config: LinearConfig, elem: int, limit: Optional[int]) -> LinearConfig:
+    """``config`` with fewer stages, then shorter reduction steps, where its pipelined x and weight
+    tiles do not fit in ``limit`` bytes of shared memory."""
+    block_k = config.block_k
+    while True:
+        stages = fit_stages(config.num_stages, 0, elem * (config.block_m + config.block_n) * block_k, limit)
+        if stages is not None or block_k == 16:
+            return config._replace(block_k=block_k, num_stages=stages or 1)
+        block_k //= 2
 
 
 def _splits(tiles: int, K: int, fill: float, min_split_k: int) -> int:
@@ -196,7 +211,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return torch.nn.functional.gelu(y, approximate="tanh").view(*lead, N) if gelu else y.view(*lead, N)
     if config is None:
         sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
-        config = choose_config(M, N, K, sms)
+        config = choose_config(M, N, K, sms, elem=x.element_size(), limit=shared_memory(x.device))
     k_per_split, split = _k_split(K, config)
     if split == 1:
         _launch(x2, w, bias, y, y.stride(0), 0, config, k_per_split, 1, gelu, partial=False, pdl=pdl)

@@ -10,11 +10,13 @@ cache; every run multiplies on the tensor cores (``group_attention._attend_tile`
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._backend import interpreting
+from ._backend import fit_stages, interpreting, shared_memory
 from .group_attention import _LOG2E, _attend_tile
 from .ref import _check_window_tiles
 
@@ -74,13 +76,20 @@ def _window_attention_kernel(q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, count_ptr, tab
              out.to(o_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
 
 
-def _launch(M: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the tile's queries (a power of two) by 32 keys,
-    three stages, as the group kernel's sweep chose for 64-query blocks."""
+def _launch(M: int, d: int = 128, elem: int = 2, limit: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``M``-query tiles, head dim ``d`` and
+    ``elem``-byte operands within ``limit`` bytes of shared memory (``_backend.shared_memory``): the
+    tile's queries (a power of two) by 32 keys, three stages; fewer stages, then 16-key tiles, where
+    they do not fit."""
     block_m = max(16, triton.next_power_of_2(M))
     if interpreting():
         return block_m, 16, 4, 1
-    return block_m, 32, 4, 3
+    bd = max(16, triton.next_power_of_2(d))
+    for block_n in (32, 16):
+        stages = fit_stages(3, elem * block_m * bd, elem * 2 * block_n * bd, limit)   # q; k and v tiles a stage
+        if stages is not None:
+            return block_m, block_n, 4, stages
+    return block_m, 16, 4, 1
 
 
 def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, tile_q_TM: torch.Tensor,
@@ -105,7 +114,7 @@ def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.T
         return out
     upcast = interpreting() and q.dtype not in (torch.float32, torch.float64)
     precision = "ieee" if q.dtype == torch.float32 else None
-    block_m, block_n, num_warps, num_stages = _launch(M)
+    block_m, block_n, num_warps, num_stages = _launch(M, d, q.element_size(), shared_memory(q.device))
     _window_attention_kernel[(T, R * H)](
         q, k, v, tq, tk, count, tab, out, H, d, M, tk.shape[1], Lk, int(prefix), int(w), float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -1135,6 +1135,84 @@ def test_few_row_launch_shapes_follow_their_rules():
     assert gather_modulate._launch_shape(1920) == (2048, 2, 4)
 
 
+# shared memory a program may use (bytes, per-block opt-in): H100/H200, A100, RTX 3090/4090 (sm_86/sm_89)
+SHARED_MEMORY = {"sm90": 232448, "sm80": 166912, "sm86": 101376}
+
+
+def test_launch_shapes_keep_their_tuned_shape_on_hopper_and_fit_smaller_shared_memory():
+    """Each attention kernel's and the GEMM's launch shape: on H100/H200 in bf16 the shape the
+    sweeps chose; where shared memory is smaller (A100, RTX 3090/4090) or operands are float32,
+    pipelined tiles that fit (q resident, each stage's k/v or x/weight tiles)."""
+    from sparsevar.sparse_ops import cache_attention, colsum, group_attention, linear, window_attention
+    from sparsevar.sparse_ops._backend import SHARED_MEMORY_SLACK
+    hopper = SHARED_MEMORY["sm90"]
+    assert group_attention._launch(128, 2, hopper) == (64, 64, 4, 3)
+    assert window_attention._launch(64, 128, 2, hopper) == (64, 32, 4, 3)
+    assert colsum._colsum_launch(128, 2, hopper) == (64, 128, 4, 3)
+    assert cache_attention.launch_shape(2, 30, 256, 680, 64, 2, hopper) == (64, 64, 4, 3)
+    assert linear.choose_config(50, 5760, 1920, 132, elem=2, limit=hopper) == \
+        linear._few_rows_config(50, 5760, 1920, 132, 1024)
+    for limit in SHARED_MEMORY.values():
+        room = limit - SHARED_MEMORY_SLACK
+        for elem in (2, 4):
+            for d in (64, 128):
+                bm, bn, _, st = group_attention._launch(d, elem, limit)
+                assert elem * d * (bm + st * 2 * bn) <= room, (limit, elem, d)
+                bm, bn, _, st = window_attention._launch(64, d, elem, limit)
+                assert elem * d * (bm + st * 2 * bn) <= room, (limit, elem, d)
+                bm, bn, _, st = colsum._colsum_launch(d, elem, limit)
+                assert elem * d * (bm + st * bn) <= room and elem * d * (bn + st * bm) + st * 4 * bm <= room
+                bq, bk, _, st = cache_attention.launch_shape(2, 16, 4096, 10521, d, elem, limit)
+                assert elem * d * (bq + st * 2 * bk) <= room, (limit, elem, d)
+            for M in (2, 50, 200, 4096):
+                cfg = linear.choose_config(M, 5760, 1920, 132, elem=elem, limit=limit)
+                assert cfg.num_stages * elem * (cfg.block_m + cfg.block_n) * cfg.block_k <= room, (limit, elem, M)
+    # an RTX 4090 keeps VAR-d30's 64-row product at three stages instead of five (5 × 32 KB > 99 KB)
+    assert linear.choose_config(50, 5760, 1920, 128, elem=2, limit=SHARED_MEMORY["sm86"]).num_stages == 3
+
+
+def test_kernels_compiled_for_an_rtx_4090_fit_its_shared_memory(monkeypatch):
+    """Triton's own compiler, targeting sm_86 (RTX 3090; the 4090's sm_89 has the same 101,376-byte
+    limit): the attention kernels and the GEMM, launched as the library launches them on such a card,
+    allocate no more shared memory than it has — the launch would fail with OutOfResources. Compiled
+    only (no GPU needed), with the argument specialisation Triton's launcher derives."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from sparsevar.policies.sparvar import csla_tiles
+    from sparsevar.sparse_ops import cache_attention, colsum, group_attention, linear, window_attention
+    limit = SHARED_MEMORY["sm86"]
+    launched = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: launched.append((self, args, kw)))
+    for module in (cache_attention, colsum, group_attention, linear, window_attention):
+        monkeypatch.setattr(module, "shared_memory", lambda device: limit)
+    R, H, d, l, L = 2, 2, 128, 256, 600
+    q, k, v = (torch.randn(R, H, n, d, dtype=torch.bfloat16) for n in (l, L, L))
+    G = -(-l // 192)
+    hw = ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16))
+    group_attention.group_sparse_attention(q, k, v, torch.zeros(R, H, G, 8, dtype=torch.int32),
+                                           torch.full((R, H, G), 8, dtype=torch.int32), 192, 0.1, 5,
+                                           torch.tensor([[300, 400]] * G, dtype=torch.int32),
+                                           torch.randn(R, H, 64, d, dtype=torch.bfloat16), (16, 16), (8, 8))
+    window_attention.window_attention(q, k[:, :, :341], v[:, :, :341], *csla_tiles(hw, 4, 2, (7, 5, 3)), 16, 0.1)
+    colsum.attention_colsum(q, k, 0.1, 192, None)
+    cache_attention.qk_norm_attend(torch.randn(R, l, 3, H, d, dtype=torch.bfloat16), torch.ones(2, H, 1), k, v)
+    for dtype in (torch.bfloat16, torch.float32):
+        linear.linear(torch.randn(50, 1920, dtype=dtype), torch.randn(5760, 1920, dtype=dtype))
+    names = sorted({kern.__name__ for kern, _, _ in launched})
+    assert names == ["_colsum_kernel", "_group_attention_kernel", "_linear_kernel", "_lse_kernel",
+                     "_qk_norm_attend_kernel", "_window_attention_kernel"], names
+    target = GPUTarget("cuda", 86, 32)
+    backend = make_backend(target)
+    for kern, args, kw in launched:
+        kw = {key: val for key, val in kw.items() if key != "launch_pdl"}
+        bound, specialization, options = create_function_from_signature(kern.signature, kern.params, backend)(*args, **kw)
+        options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, specialization, options)
+        compiled = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=target, options=options.__dict__)
+        assert 0 < compiled.metadata.shared <= limit, (kern.__name__, kw, compiled.metadata.shared)
+
+
 @pytest.mark.parametrize("make", [
     lambda: __import__("sparsevar").policies.SparseVARConfig(backend="gpu"),
     lambda: __import__("sparsevar").policies.FastVARConfig(backend="Triton"),
