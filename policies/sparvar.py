@@ -113,6 +113,10 @@ class SparVARConfig:
         if not isinstance(self.windows, tuple) or not all(_window_ok(w) for w in self.windows):
             raise ValueError(f"windows must be a tuple of odd ints >= 1, 0 (not read) or -1 (whole scale), "
                              f"one per key scale from the end, got {self.windows!r}")
+        if self.cs4a_layers < 1 and self.sink_scales == 0 and not any(self.windows):
+            raise ValueError(f"sink_scales=0 with windows={self.windows!r} leaves CSLA's queries (the layers past "
+                             f"cs4a_layers={self.cs4a_layers}) no key to read: give sink_scales >= 1 or a window "
+                             f"(e.g. windows=(7, 5, 3))")
 
     @classmethod
     def dense(cls, **fields_) -> "SparVARConfig":
@@ -332,8 +336,10 @@ class SparVARPolicy(Policy):
         c = self.config
         cache = run.shape_cache
         key = ("sparvar.csla_keys", run.schedule.hw, si, c.sink_scales, c.windows)
-        if key not in cache:
-            cache[key] = csla_mask(run.schedule.hw, si, c.sink_scales, c.windows).sum(1).double().mean().item()
+        if key not in cache:            # the (query, key) pairs read, from the per-key ranges (no (l, L) mask)
+            ylo, yhi, xlo, xhi = csla_tables(run.schedule.hw, si, c.sink_scales, c.windows)
+            pairs = ((yhi - ylo + 1).clamp(min=0) * (xhi - xlo + 1).clamp(min=0)).sum().item()
+            cache[key] = pairs / run.schedule.tokens(si)
         if not need_mask:
             return None, cache[key]
         mkey = ("sparvar.csla", run.schedule.hw, si, c.sink_scales, c.windows, str(device))

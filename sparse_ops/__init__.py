@@ -5,7 +5,9 @@
   ``gather_modulate.py`` (gather → LayerNorm → AdaLN modulation; row gather / scatter),
   ``restore.py`` (FastVAR's restore with the gated residual), ``select.py`` (SparseVAR's change
   map and kept-token selection), ``anchor.py`` (anchor matching), ``colsum.py`` (attention column
-  sums per query group), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
+  sums per query group), ``group_attention.py`` (SparVAR's CS4A: each query group's listed keys
+  gathered), ``window_attention.py`` (SparVAR's CSLA: each patch of queries reads its windows'
+  keys), ``dense_fused.py`` (the dense path's gated residual + LayerNorm + AdaLN and
   q/k normalisation + KV-cache write, with Infinity's RoPE in ``qk_norm_rope_store``, each one kernel),
   ``cache_attention.py`` (VAR's q/k norm, KV-cache write and attention over the cache in one
   launch), ``linear.py`` (the dense path's GEMM for a few rows, deterministic split-K),
@@ -18,6 +20,8 @@
 - ``ops.py``: the front ends, which pick the kernel or the reference per call
   (``backend="auto" | "triton" | "torch"``, see ``_backend.py``);
 - ``attention.py``: the attention backend chosen per call (SDPA, varlen, FlexAttention);
+- ``_backend.py``: which implementation runs (Triton or torch), and the shared memory a launch
+  shape may use on the GPU at hand (``shared_memory``, ``fit_stages``);
 - ``gemm_rows.py``: cuBLAS row padding — buffers with spare rows, and per GPU a measured table of
   the row counts at which cuBLAS picks a slow kernel (``gemm_rows/*.json``, written by
   ``benchmarks/bench_gemm_rows.py``) together with the count to run them on instead.

@@ -238,9 +238,9 @@ def test_sparvar_on_the_triton_backend_draws_the_torch_backends_codes():
 
 @pytest.mark.parametrize("mapping", ["relative", "verbatim"])
 def test_sparvar_scales_replay_from_graphs_with_the_eager_codes_and_key_counts(mapping):
-    """SparVAR's plans are static: its scales (the decision scale's selection, the sparse scales'
-    gathered kernels) replay whole from CUDA graphs, drawing the eager run's bits and
-    counting the same keys, at the capturing call and at a replaying one."""
+    """SparVAR's plans are static: its scales' compute (the decision scale's selection, the sparse
+    scales' gathered kernels, the head) replays from CUDA graphs with the hooks inside, drawing the
+    eager run's bits and counting the same keys, at the capturing call and at a replaying one."""
     pipe = _tiny_bf16()
     pipe.set_kernels("triton")
     pipe.enable_sparvar(windows=(3, 1), sink_scales=2, top_keys=0.1, mapping=mapping)

@@ -90,7 +90,7 @@ def test_csla_tiles_read_what_the_boolean_mask_reads():
     the per-key tables give the mask, every query sits in one tile, each tile lists every key past
     the prefix that its queries' windows reach, and the torch twin over the tiles equals masked SDPA
     (the kernel against the twin: tests/test_sparse_ops.py)."""
-    from sparsevar.policies.sparvar import csla_tables, csla_tiles
+    from sparsevar.policies.sparvar import csla_tables
     hw = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
     g = torch.Generator().manual_seed(1)
     for si, sinks, windows, tile in ((4, 2, (3, 1, -1), (8, 8)), (5, 1, (7, 0, 3, 1), (4, 4)), (5, 0, (1,), (3, 5)),
@@ -101,21 +101,69 @@ def test_csla_tiles_read_what_the_boolean_mask_reads():
         w = hw[si][1]
         y, x = torch.arange(l)[:, None] // w, torch.arange(l)[:, None] % w
         assert torch.equal((ylo <= y) & (y <= yhi) & (xlo <= x) & (x <= xhi), want_lL), (si, sinks, windows)
-        tile_q, tile_keys, count, prefix, tables = csla_tiles(hw, si, sinks, windows, tile)
-        assert sorted(tile_q[tile_q >= 0].tolist()) == list(range(l))                   # each query once
-        assert bool(want_lL[:, :prefix].all())                                          # the sinks: read by all
-        for t in range(tile_q.shape[0]):
-            rows = tile_q[t][tile_q[t] >= 0].long()
-            listed = set(tile_keys[t, :count[t]].tolist())
-            reached = set(want_lL[rows][:, prefix:].any(0).nonzero().flatten().add(prefix).tolist())
-            assert reached <= listed and min(listed, default=prefix) >= prefix, (si, t)
-            assert all(bool(want_lL[:, n].any()) for n in listed), (si, t)            # never a key none reads
+        tile_q, tile_keys, count, prefix, tables = _check_tiles(hw, si, sinks, windows, tile, want_lL)
         q, k, v = torch.randn(2, 3, l, 16, generator=g), torch.randn(2, 3, L, 16, generator=g), torch.randn(2, 3, L, 16, generator=g)
         got = sparse_ref.window_attention(q, k, v, tile_q, tile_keys, count, prefix, tables, w, 0.25)
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=want_lL, scale=0.25)
         rows = want_lL.any(1)                     # a query with no key: zeros here, NaN from SDPA
         torch.testing.assert_close(got[:, :, rows], want[:, :, rows], rtol=1e-5, atol=1e-5)
         assert got[:, :, ~rows].abs().max().item() == 0 if (~rows).any() else True
+
+
+def _check_tiles(hw, si, sinks, windows, tile, want_lL):
+    """``csla_tiles`` against the mask ``want_lL``: each query in one tile, the prefix read by every
+    query, each tile listing every key past the prefix its queries reach and no key none reads."""
+    from sparsevar.policies.sparvar import csla_tiles
+    l = want_lL.shape[0]
+    tile_q, tile_keys, count, prefix, tables = csla_tiles(hw, si, sinks, windows, tile)
+    assert sorted(tile_q[tile_q >= 0].tolist()) == list(range(l))                       # each query once
+    assert bool(want_lL[:, :prefix].all())                                              # the sinks: read by all
+    read_by_any = want_lL.any(0)
+    for t in range(tile_q.shape[0]):
+        rows = tile_q[t][tile_q[t] >= 0].long()
+        listed = tile_keys[t, :count[t]].long()
+        reached = want_lL[rows][:, prefix:].any(0).nonzero().flatten().add(prefix)
+        assert set(reached.tolist()) <= set(listed.tolist()), (si, t)
+        assert listed.numel() == 0 or (int(listed.min()) >= prefix and bool(read_by_any[listed].all())), (si, t)
+    return tile_q, tile_keys, count, prefix, tables
+
+
+@pytest.mark.parametrize("name, hw, si", [
+    ("Infinity-2B 1024², last scale", tuple((p, p) for p in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)), 12),
+    ("Infinity-2B 1024², second-last", tuple((p, p) for p in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)), 11),
+    ("HART 1024² (300 text slots first), last scale",
+     ((1, 300),) + tuple((p, p) for p in (2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64)), 13),
+    ("Infinity 2:1 (1024×512-like), last scale", ((1, 1), (1, 2), (2, 4), (4, 8), (6, 12), (8, 16), (12, 24),
+                                                  (16, 32), (20, 40), (24, 48), (32, 64)), 10),
+])
+def test_csla_tiles_cover_the_mask_at_production_schedules(name, hw, si):
+    """The tiles the Triton kernel reads, at the production schedules (paper windows 7/5/3, 5 sink
+    scales, 8×8 patches): the per-key tables give ``csla_mask`` and every tile lists what its
+    queries' windows reach."""
+    from sparsevar.policies.sparvar import CSLA_TILE, csla_tables
+    want_lL = csla_mask(hw, si, 5, (7, 5, 3))
+    ylo, yhi, xlo, xhi = csla_tables(hw, si, 5, (7, 5, 3))
+    w = hw[si][1]
+    l = want_lL.shape[0]
+    y, x = torch.arange(l)[:, None] // w, torch.arange(l)[:, None] % w
+    assert torch.equal((ylo <= y) & (y <= yhi) & (xlo <= x) & (x <= xhi), want_lL), name
+    _check_tiles(hw, si, 5, (7, 5, 3), CSLA_TILE, want_lL)
+    # the stats' keys a query reads (counted from the per-key ranges, no mask) are the mask's
+    import types
+    from sparsevar.engine.schedule import ScaleSchedule
+    from sparsevar.policies.sparvar import SparVARPolicy
+    run = types.SimpleNamespace(shape_cache={}, schedule=ScaleSchedule(hw))
+    policy = SparVARPolicy(SparVARConfig(sink_scales=5, windows=(7, 5, 3)))
+    mask, keys = policy._csla_mask(si, run, "cpu", need_mask=False)
+    assert mask is None and keys == pytest.approx(want_lL.sum(1).double().mean().item(), rel=1e-12)
+
+
+def test_a_setting_whose_csla_queries_read_nothing_is_refused():
+    with pytest.raises(ValueError, match=r"sink_scales=0 with windows=\(0, 0\) leaves CSLA's queries"):
+        SparVARConfig(sink_scales=0, windows=(0, 0))
+    with pytest.raises(ValueError, match=r"sink_scales >= 1 or a window"):
+        SparVARConfig(sink_scales=0, windows=())
+    assert SparVARConfig(sink_scales=0, windows=(0, 0), cs4a_layers=1.0).cs4a_layers == 1.0   # no CSLA layer
 
 
 def test_key_lists_compact_each_groups_keys_in_order_within_the_width():
