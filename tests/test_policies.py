@@ -285,8 +285,13 @@ def test_which_scales_replay_from_which_graphs(pipe):
     probe = ModeProbe()
     _run(pipe.enable_sparsevar(keep_ratio=0.5, start_scale=-3).add_policy(probe))
     assert probe.mode == {si: "compute" if si < S - 4 else "whole with hooks" for si in range(S)}
+    # without whole-scale graphs a subset (SparseVAR keep) replays its layer stack only
+    assert probe.part == {si: "compute" if si < S - 4 else "layers" for si in range(S)}
     _run(pipe.disable_sparsevar().enable_fastvar(ratios=(0.5, 0.75)))
     assert probe.mode == {si: "compute" if si < S - 3 else "whole with hooks" for si in range(S)}
+    # FastVAR prunes inside the layers and runs every token at the scale's level: its compute and
+    # head replay with its hooks inside
+    assert probe.part == {si: "compute" if si < S - 3 else "compute with hooks" for si in range(S)}
     _run(pipe.disable_fastvar().add_policy(Silent()))
     assert probe.mode == {si: "compute" for si in range(S)}         # no in-model hook: the compute replays
     _run(pipe.remove_policy("silent").add_policy(Watcher()))
