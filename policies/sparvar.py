@@ -370,7 +370,7 @@ class SparVARPolicy(Policy):
                                                          backend=backend)
             # what the unselected keys contributed, (R, H, hS·wS, d) in q's dtype: later scales' sparse pass
             # adds its bilinear resize
-            o_cache = (o_dense.float() - o_sparse.float()).to(q_RHld.dtype)
+            o_cache = (o_dense - o_sparse).to(q_RHld.dtype)     # bf16/fp16 subtract in float32, round once
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, o_hw=run.schedule.hw[si], idx=idx_RHGK, si=si,
                                                         width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
