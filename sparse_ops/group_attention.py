@@ -50,6 +50,22 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, valid, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
+def _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The contiguous keys lo … hi (inclusive; none where hi < lo) into the online softmax, in
+    tiles of ``BLOCK_N``."""
+    for n0 in range(lo, hi + 1, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n <= hi
+        key = n.to(tl.int64)
+        kv_mask = valid[:, None] & dmask[None, :]
+        m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
+                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i,
+                                     acc, scale_log2, UPCAST, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o_ptr, add_ptr, H, l, d, group, G, K,
                             prefix, scale_log2, sq_r, sq_h, sq_l, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_l,
                             sa_r, sa_h, sa_l, w, h_add, w_add, ratio_h, ratio_w,
@@ -76,28 +92,16 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # 1. the prefix every group reads: contiguous tiles
-    for n0 in range(0, prefix, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < prefix
-        key = n.to(tl.int64)
-        kv_mask = valid[:, None] & dmask[None, :]
-        m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i, acc,
-                                     scale_log2, UPCAST, PRECISION)
+    m_i, l_i, acc = _attend_range(q, k_base, v_base, 0, prefix - 1, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
+                                  UPCAST, PRECISION, BLOCK_N)
     # 2. the group's band: one contiguous range (keys inside the prefix were read above)
     lo = prefix
     hi = prefix - 1
     if HAS_BAND:
         lo = tl.maximum(tl.load(band_ptr + 2 * g), prefix)
         hi = tl.load(band_ptr + 2 * g + 1)
-        for n0 in range(lo, hi + 1, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n <= hi
-            key = n.to(tl.int64)
-            kv_mask = valid[:, None] & dmask[None, :]
-            m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                         v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i,
-                                         l_i, acc, scale_log2, UPCAST, PRECISION)
+        m_i, l_i, acc = _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
+                                      UPCAST, PRECISION, BLOCK_N)
     # 3. the listed keys, gathered; those already read (prefix, band) are skipped
     list_at = rh.to(tl.int64) * G + g
     count = tl.load(count_ptr + list_at)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._backend import fit_stages, interpreting, shared_memory
-from .group_attention import _LOG2E, _attend_tile
+from .group_attention import _LOG2E, _attend_range, _attend_tile
 from .ref import _check_window_tiles
 
 
@@ -47,14 +47,8 @@ def _window_attention_kernel(q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, count_ptr, tab
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # 1. the prefix every query reads: contiguous tiles
-    for n0 in range(0, prefix, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < prefix
-        key = n.to(tl.int64)
-        kv_mask = valid[:, None] & dmask[None, :]
-        m_i, l_i, acc = _attend_tile(q, k_base + key[:, None] * sk_l + dd[None, :],
-                                     v_base + key[:, None] * sv_l + dd[None, :], kv_mask, valid[None, :], m_i, l_i,
-                                     acc, scale_log2, UPCAST, PRECISION)
+    m_i, l_i, acc = _attend_range(q, k_base, v_base, 0, prefix - 1, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
+                                  UPCAST, PRECISION, BLOCK_N)
     # 2. the tile's listed keys, gathered; each read only by the queries inside its window
     count = tl.load(count_ptr + t)
     for n0 in range(0, count, BLOCK_N):
