@@ -105,9 +105,14 @@ def resolve_backend(backend: str, device: torch.device | str, name: str = "backe
 SHARED_MEMORY_SLACK = 2048
 
 
+# the per-block opt-in shared memory by compute capability, for a torch whose device properties lack it
+_SHARED_MEMORY_BY_CAPABILITY = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_memory_optin(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    limit = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", None)
+    return limit or _SHARED_MEMORY_BY_CAPABILITY.get(_capability(device_index), 101376)
 
 
 def shared_memory(device: torch.device | str) -> int | None:
