@@ -256,7 +256,7 @@ def csla_tiles(hw, si: int, sink_scales: int, windows: tuple[int, ...], tile: Op
             q = (torch.arange(y0, y1 + 1)[:, None] * w + torch.arange(x0, x1 + 1)[None]).flatten()
             tile_q.append(torch.cat([q, q.new_full((th * tw - q.numel(),), -1)]))
             meets = (tables[0] <= y1) & (tables[1] >= y0) & (tables[2] <= x1) & (tables[3] >= x0) & past
-            tile_keys.append(meets.nonzero().flatten())
+            tile_keys.append(meets.nonzero().flatten())      # host tensors, once per shape: not in the loop
     count = torch.tensor([k.numel() for k in tile_keys], dtype=torch.int32)
     K = max(1, int(count.max()))
     keys_TK = torch.stack([torch.cat([k, k.new_zeros(K - k.numel())]) for k in tile_keys])
