@@ -50,6 +50,23 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, valid, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
+def _start_queries(q_ptr, pos, rows, r, hh, sq_r, sq_h, sq_l, d, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """The queries at positions ``pos`` (``rows`` valid) of one (row, head), and an empty online
+    softmax for them: (q, dd, dmask, m_i, l_i, acc)."""
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < d
+    q = tl.load(q_ptr + r * sq_r + hh * sq_h + pos[:, None].to(tl.int64) * sq_l + dd[None, :],
+                mask=rows[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    return q, dd, dmask, m_i, l_i, acc
+
+
+@triton.jit
 def _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """The contiguous keys lo … hi (inclusive; none where hi < lo) into the online softmax, in
@@ -80,17 +97,9 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
     q_hi = tl.minimum(q_lo + group, l)
     m = q_lo + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = m < q_hi
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < d
-    q = tl.load(q_ptr + r * sq_r + hh * sq_h + m[:, None].to(tl.int64) * sq_l + dd[None, :],
-                mask=rows[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q, dd, dmask, m_i, l_i, acc = _start_queries(q_ptr, m, rows, r, hh, sq_r, sq_h, sq_l, d, UPCAST, BLOCK_M, BLOCK_D)
     k_base = k_ptr + r * sk_r + hh * sk_h
     v_base = v_ptr + r * sv_r + hh * sv_h
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # 1. the prefix every group reads: contiguous tiles
     m_i, l_i, acc = _attend_range(q, k_base, v_base, 0, prefix - 1, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
                                   UPCAST, PRECISION, BLOCK_N)
@@ -153,6 +162,12 @@ def _launch(d: int, elem: int = 2, limit: Optional[int] = None) -> tuple[int, in
     return 32, 16, 4, 1
 
 
+def _operands(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor):
+    """q, k, v with a unit-stride head dim, k and v in q's dtype (what the gathered kernels load)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_RHld, k_RHLd, v_RHLd))
+    return q, k.to(q.dtype), v.to(q.dtype)
+
+
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
                            band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
@@ -163,13 +178,7 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     G, K = -(-l // group), idx_RHGK.shape[-1]
     _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group)
     _check_add(add_RHpd, hw, add_hw, R, H, l, d)
-    q = q_RHld if q_RHld.stride(-1) == 1 else q_RHld.contiguous()
-    k = k_RHLd if k_RHLd.stride(-1) == 1 else k_RHLd.contiguous()
-    v = v_RHLd if v_RHLd.stride(-1) == 1 else v_RHLd.contiguous()
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-    if v.dtype != q.dtype:
-        v = v.to(q.dtype)
+    q, k, v = _operands(q_RHld, k_RHLd, v_RHLd)
     idx = idx_RHGK if idx_RHGK.dtype == torch.int32 and idx_RHGK.is_contiguous() else \
         idx_RHGK.to(torch.int32).contiguous()
     count = count_RHG if count_RHG.dtype == torch.int32 and count_RHG.is_contiguous() else \

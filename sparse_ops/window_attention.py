@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._backend import fit_stages, interpreting, shared_memory
-from .group_attention import _LOG2E, _attend_range, _attend_tile
+from .group_attention import _LOG2E, _attend_range, _attend_tile, _operands, _start_queries
 from .ref import _check_window_tiles
 
 
@@ -35,17 +35,10 @@ def _window_attention_kernel(q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, count_ptr, tab
     rows = qpos >= 0
     qy = qpos // w
     qx = qpos - qy * w
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < d
-    q = tl.load(q_ptr + r * sq_r + hh * sq_h + qpos[:, None].to(tl.int64) * sq_l + dd[None, :],
-                mask=rows[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q, dd, dmask, m_i, l_i, acc = _start_queries(q_ptr, qpos, rows, r, hh, sq_r, sq_h, sq_l, d, UPCAST, BLOCK_M,
+                                                 BLOCK_D)
     k_base = k_ptr + r * sk_r + hh * sk_h
     v_base = v_ptr + r * sv_r + hh * sv_h
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # 1. the prefix every query reads: contiguous tiles
     m_i, l_i, acc = _attend_range(q, k_base, v_base, 0, prefix - 1, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
                                   UPCAST, PRECISION, BLOCK_N)
@@ -93,13 +86,7 @@ def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.T
     R, H, l, d = q_RHld.shape
     Lk = k_RHLd.shape[2]
     _check_window_tiles(tile_q_TM, tile_keys_TK, count_T, tables_4L, prefix, l, Lk)
-    q = q_RHld if q_RHld.stride(-1) == 1 else q_RHld.contiguous()
-    k = k_RHLd if k_RHLd.stride(-1) == 1 else k_RHLd.contiguous()
-    v = v_RHLd if v_RHLd.stride(-1) == 1 else v_RHLd.contiguous()
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-    if v.dtype != q.dtype:
-        v = v.to(q.dtype)
+    q, k, v = _operands(q_RHld, k_RHLd, v_RHLd)
     tq, tk, count, tab = (x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
                           for x in (tile_q_TM, tile_keys_TK, count_T, tables_4L))
     out = torch.zeros(R, H, l, d, device=q.device, dtype=q_RHld.dtype)
