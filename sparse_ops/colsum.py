@@ -3,9 +3,9 @@ twin of ``ref.attention_colsum``.
 
 Two passes, no atomics (research/kernels.md §4.2): pass 1 computes every query's log-sum-exp over
 all keys (online, FA2-style), unless the caller has it from its dense pass; pass 2 gives each
-program one (row·head, query group, key block), recomputes q·kᵀ for the group's queries tile by
-tile, turns it into probabilities with the LSE and sums them over the queries, so each output
-element is written by exactly one program.
+program one (row·head, key block) and a run of query groups, recomputes q·kᵀ for each group's
+queries tile by tile, turns it into probabilities with the LSE and sums them over the group's
+queries, so each output element is written by exactly one program.
 
 ``tl.dot`` on bf16 is wrong in Triton's CPU interpreter (triton#11584), so there the operands are
 cast to float32 first (``UPCAST``); on a GPU bf16/fp16 operands go to the tensor cores with float32
@@ -61,12 +61,12 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, H, l, Lk, d, scale_log2,
 
 
 @triton.jit
-def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_log2,
+def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, groups, tiles, scale_log2,
                    sq_r, sq_h, sq_l, sk_r, sk_h, sk_l,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rh = tl.program_id(2)
-    g = tl.program_id(1)
+    g0 = tl.program_id(1) * groups
     r = (rh // H).to(tl.int64)
     hh = (rh % H).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,12 +74,16 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
     k_ptrs = k_ptr + r * sk_r + hh * sk_h + n[:, None].to(tl.int64) * sk_l + dd[None, :]
     km = (n < Lk)[:, None] & (dd < d)[None, :]
     k = _load_operand(k_ptrs, km, UPCAST)
-    q_lo = g * group
-    q_hi = tl.minimum(q_lo + group, l)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for m0 in range(0, group, BLOCK_M):
-        m = q_lo + m0 + tl.arange(0, BLOCK_M)
-        rows = m < q_hi
+    # one flat loop over this program's groups' query tiles (``tiles`` a group), so the key tile is
+    # loaded once and the query loads pipeline across groups; a group's sums are stored after its
+    # last tile and the accumulator cleared
+    for t in range(0, (tl.minimum(g0 + groups, G) - g0) * tiles):
+        g = g0 + t // tiles
+        j = t % tiles
+        i = j * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = g * group + i
+        rows = (i < group) & (m < l)
         q_ptrs = q_ptr + r * sq_r + hh * sq_h + m[:, None].to(tl.int64) * sq_l + dd[None, :]
         qm = rows[:, None] & (dd < d)[None, :]
         q = _load_operand(q_ptrs, qm, UPCAST)
@@ -87,7 +91,9 @@ def _colsum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, H, l, Lk, d, group, G, scale_
         lse = tl.load(lse_ptr + rh.to(tl.int64) * l + m, mask=rows, other=0.0)
         p = tl.exp2(s - lse[:, None])
         acc += tl.sum(tl.where(rows[:, None], p, 0.0), axis=0)
-    tl.store(out_ptr + (rh.to(tl.int64) * G + g) * Lk + n, acc, mask=n < Lk)
+        last = j == tiles - 1
+        tl.store(out_ptr + (rh.to(tl.int64) * G + g) * Lk + n, acc, mask=(n < Lk) & last)
+        acc = tl.where(last, 0.0, acc)
 
 
 def _colsum_launch(d: int, elem: int = 2, limit: Optional[int] = None) -> tuple[int, int, int, int]:
@@ -105,6 +111,16 @@ def _colsum_launch(d: int, elem: int = 2, limit: Optional[int] = None) -> tuple[
         if lse is not None and sums is not None:
             return 64, block_n, 4, min(lse, sums)
     return 32, 32, 4, 1
+
+
+def _groups_per_program(G: int, programs_a_group: int, sms: int) -> int:
+    """Query groups one column-sum program sums (each reading its key tile once): as many as leave
+    at least two waves of programs on ``sms`` SMs."""
+    return max(1, min(G, (G * programs_a_group) // (2 * sms)))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
@@ -136,8 +152,10 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
             q, k, lse, H, l, Lk, d, scale_log2, *strides,
             UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             num_warps=num_warps, num_stages=num_stages)
-    _colsum_kernel[(triton.cdiv(Lk, block_n), G, R * H)](
-        q, k, lse, out, H, l, Lk, d, group, G, scale_log2, *strides,
+    tiles = triton.cdiv(min(group, l), block_m)                 # query tiles a group
+    groups = _groups_per_program(G, triton.cdiv(Lk, block_n) * R * H, _sm_count(dev))
+    _colsum_kernel[(triton.cdiv(Lk, block_n), triton.cdiv(G, groups), R * H)](
+        q, k, lse, out, H, l, Lk, d, group, G, groups, tiles, scale_log2, *strides,
         UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -703,6 +703,11 @@ def _(device="cpu"):
     _colsum_case(2, 1, 37, 61, 16, 16, torch.float32, device, with_lse=True)
 
 
+@case("attention_colsum-R2H2-l331-Lk70-d16-g100-fp32")
+def _(device="cpu"):       # groups of several query tiles, the last partial, summed by one program each run
+    _colsum_case(2, 2, 331, 70, 16, 100, torch.float32, device)
+
+
 @case("residual_norm_modulate-R2-l13-C96-bf16")
 def _(device="cpu"):
     _residual_norm_case(2, 13, 96, torch.bfloat16, device)
