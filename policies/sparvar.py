@@ -322,9 +322,12 @@ class SparVARPolicy(Policy):
         host numbers."""
         st = run.policy_state[self.name]
         counts = st["keys"]
-        if counts:
+        if counts:     # per layer: a host mean, a device mean, or (host mean, reads_RHG, weight per group)
+            read = [k for k in counts if isinstance(k, tuple)]
             on_device = [k for k in counts if isinstance(k, torch.Tensor)]
-            total = sum(k for k in counts if not isinstance(k, torch.Tensor))
+            if read:              # one weighted sum over every layer's counts (the weights are the scale's)
+                on_device.append((torch.stack([r for _, r, _ in read]).float() * read[0][2]).sum())
+            total = sum(k for k in counts if isinstance(k, (int, float))) + sum(m for m, _, _ in read)
             if on_device:
                 total += torch.stack(on_device).sum().item()
             run.keys_read = total / len(counts)
@@ -382,14 +385,17 @@ class SparVARPolicy(Policy):
         entry = st["cs4a"][ctx.layer]
         h, w = run.schedule.hw[si]
         band_G2, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
-        lists = self._relative_lists(entry["idx"][:R], entry["si"], si, run) if c.mapping == "relative" else None
-        if lists is not None:        # the mapped keys, distinct; sinks and band read as ranges by the kernel
-            idx_RHGK, prefix = lists
+        maps = self._relative_maps(entry["idx"].shape[2], entry["si"], si, run, q_RHld.device) \
+            if c.mapping == "relative" else None
+        if maps is not None:         # the decision scale's lists, read through the maps by the kernel, which
+            key_map_P, list_of_G, prefix, ranges_mean = maps   # counts the listed keys it read past the ranges
+            idx_RHGK = entry["idx"][:R]
             count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
-            lo_G, hi_G = band_G2[:, 0].clamp(min=prefix), band_G2[:, 1]
-            outside_RHGK = (idx_RHGK >= prefix) & ((idx_RHGK < lo_G[:, None]) | (idx_RHGK > hi_G[:, None]))
-            n_RHG = prefix + (hi_G - lo_G + 1).clamp(min=0) + outside_RHGK.sum(-1)
-            band_arg = band_G2
+            reads_RHG = torch.empty(R, idx_RHGK.shape[1], band_G2.shape[0], device=q_RHld.device, dtype=torch.int32)
+            st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G / (R * idx_RHGK.shape[1] * h * w))]
+            return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
+                                                     band_G2, entry["o_cache"], (h, w), entry["o_hw"], key_map_P,
+                                                     list_of_G, reads_RHG, backend=backend)
         else:                        # masks: verbatim chaining, or a schedule whose scales do not map one to one
             keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
             keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
@@ -397,12 +403,10 @@ class SparVARPolicy(Policy):
             if c.mapping == "verbatim":
                 st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
             idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
-            prefix, band_arg, n_RHG = 0, None, count_RHG
-        st["keys"] = st["keys"] + [(n_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
+        st["keys"] = st["keys"] + [(count_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
         # the sparse pass + upsample(O_cache) (bilinear, in the kernel's epilogue)
-        return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix, band_arg,
-                                                 entry["o_cache"], (h, w), entry["o_hw"],
-                                                 backend=backend)
+        return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, 0, None,
+                                                 entry["o_cache"], (h, w), entry["o_hw"], backend=backend)
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""
@@ -429,15 +433,21 @@ class SparVARPolicy(Policy):
         key = ("sparvar.band", run.schedule.hw, si, decision, c.query_group, c.local_window, str(device))
         cache = run.shape_cache
         if key not in cache:
-            h, w = run.schedule.hw[si]
-            side = c.local_window if c.local_window < 0 else c.local_window + 2 * (si - decision - 1)
-            band_G2 = run.schedule.offsets[si] + band_ranges(h, w, c.query_group, side)
-            G = band_G2.shape[0]
-            sizes_G = torch.full((G,), float(c.query_group))
-            sizes_G[-1] = h * w - c.query_group * (G - 1)                                # the last group's queries
+            band_G2, sizes_G = self._band_host(si, decision, run)
             band_max = int((band_G2[:, 1] - band_G2[:, 0]).max()) + 1
             cache[key] = (band_G2.to(device=device, dtype=torch.int32), sizes_G.to(device), band_max)
         return cache[key]
+
+    def _band_host(self, si: int, decision: int, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_band``'s (G, 2) ranges and (G,) group sizes, on the host."""
+        c = self.config
+        h, w = run.schedule.hw[si]
+        side = c.local_window if c.local_window < 0 else c.local_window + 2 * (si - decision - 1)
+        band_G2 = run.schedule.offsets[si] + band_ranges(h, w, c.query_group, side)
+        G = band_G2.shape[0]
+        sizes_G = torch.full((G,), float(c.query_group))
+        sizes_G[-1] = h * w - c.query_group * (G - 1)                                    # the last group's queries
+        return band_G2, sizes_G
 
     def _band_mask(self, si: int, decision: int, run, device) -> torch.Tensor:
         """(G, L) bool: ``_band`` as a mask over the cache (the mask paths)."""
@@ -468,18 +478,25 @@ class SparVARPolicy(Policy):
             cache[key] = (map_L.to(device=device, dtype=torch.int32), prefix, past.unique().numel() == past.numel())
         return cache[key]
 
-    def _relative_lists(self, idx_RHGK: torch.Tensor, si_from: int, si_to: int, run):
-        """(scale ``si_to``'s key lists (R, H, G_to, K) int32, the sink prefix) from the decision
-        scale's ascending lists, or None where the map is not one to one (the mask path dedupes).
-        The map keeps raster order, so the lists stay ascending and distinct."""
+    def _relative_maps(self, G_from: int, si_from: int, si_to: int, run, device):
+        """What the kernel reads to follow the decision scale's lists at scale ``si_to``: (the key map
+        (int32, ``relative_key_map``), the list each group reads (G_to,) int32, the sink prefix, the
+        mean over the queries of the keys the prefix and the group's band give), or None where the
+        map is not one to one (the mask path dedupes). Built once per shape."""
         c, sched = self.config, run.schedule
-        map_L, prefix, injective = self._relative_map(si_from, si_to, run, idx_RHGK.device)
+        map_L, prefix, injective = self._relative_map(si_from, si_to, run, device)
         if not injective:
             return None
-        G_to = -(-sched.tokens(si_to) // c.query_group)
-        src_G = self._group_map(idx_RHGK.shape[2], G_to, run, idx_RHGK.device)
-        mapped_RHGK = map_L[idx_RHGK[:, :, src_G].long()]
-        return mapped_RHGK, prefix
+        key = ("sparvar.relative_maps", sched.hw, G_from, si_from, si_to, c.sink_scales, c.query_group,
+               c.local_window, str(device))
+        cache = run.shape_cache
+        if key not in cache:
+            band_G2, sizes_G = self._band_host(si_to, si_from, run)
+            lo_G, hi_G = band_G2[:, 0].clamp(min=prefix), band_G2[:, 1]
+            ranges = float(((prefix + (hi_G - lo_G + 1).clamp(min=0)) * sizes_G).sum()) / sched.tokens(si_to)
+            list_of_G = self._group_map(G_from, band_G2.shape[0], run, device).to(torch.int32)
+            cache[key] = (map_L, list_of_G, prefix, ranges)
+        return cache[key]
 
     def _follow(self, keys_RHGL: torch.Tensor, si_from: int, si_to: int, run, width: int) -> tuple[torch.Tensor, int]:
         """Scale ``si_from``'s key selection for scale ``si_to``'s query groups as a mask: group g

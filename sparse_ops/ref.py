@@ -443,8 +443,9 @@ def key_lists(keys_RHGL: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, idx_RHGK: torch.Tensor,
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
                            band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
-                           hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None
-                           ) -> torch.Tensor:
+                           hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None,
+                           key_map_P: Optional[torch.Tensor] = None, list_of_G: Optional[torch.Tensor] = None,
+                           reads_RHG: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
     group may be shorter; G = ceil(l / group)) reads only its keys, softmax normalised over those
     keys alone — SparVAR's column-sparse attention (research/accel.md §4.2–4.3). A group's keys
@@ -455,20 +456,35 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     w') in raster order) the queries, an ``hw`` = (h, w) map, get its bilinear resize to (h, w)
     added (align_corners=False, as ``F.interpolate``): CS4A's ``upsample(O_cache) + sparse
     attention``. Float32 softmax and sum, output in q's dtype; one group at a time, so memory
-    stays at (R, H, group, Lk)."""
+    stays at (R, H, group, Lk).
+
+    Lists of another scale, read through maps (CS4A's relative mapping, with no mapped copy made):
+    ``list_of_G`` (G,) names the list (of G' in ``idx_RHGK`` / ``count_RHG``, (R, H, G', K) /
+    (R, H, G')) each group reads, and ``key_map_P`` (P,) turns each listed entry e into the key
+    ``key_map_P[e]``; the mapped keys of a list must stay distinct past the prefix. ``reads_RHG``
+    (R, H, G) int32, when given, receives the listed keys each group read that the prefix and its
+    range did not (its keys read: prefix + range + that)."""
     R, H, l, d = q_RHld.shape
     G, K, Lk = -(-l // group), idx_RHGK.shape[-1], k_RHLd.shape[2]
-    _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group)
+    _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group, list_of_G, reads_RHG)
     _check_add(add_RHpd, hw, add_hw, R, H, l, d)
     out_RHld = torch.empty(R, H, l, d, device=q_RHld.device, dtype=torch.float32)
-    listed_RHGK = torch.arange(K, device=q_RHld.device) < count_RHG[..., None].long()
     pos_L = torch.arange(Lk + 1, device=q_RHld.device)
     k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
     for g in range(G):
+        src = g if list_of_G is None else int(list_of_G[g])
+        listed_RHK = torch.arange(K, device=q_RHld.device) < count_RHG[:, :, src, None].long()
+        key_RHK = idx_RHGK[:, :, src].long()
+        if key_map_P is not None:
+            key_RHK = key_map_P.long()[torch.where(listed_RHK, key_RHK, 0)]
         keys_RHL = (pos_L < prefix).expand(R, H, Lk + 1).clone()                     # column Lk: a spare slot
+        covered_RHK = key_RHK < prefix
         if band_G2 is not None:
             keys_RHL |= (pos_L >= band_G2[g, 0]) & (pos_L <= band_G2[g, 1])
-        keys_RHL.scatter_(-1, torch.where(listed_RHGK[:, :, g], idx_RHGK[:, :, g].long(), Lk), True)
+            covered_RHK |= (key_RHK >= band_G2[g, 0]) & (key_RHK <= band_G2[g, 1])
+        if reads_RHG is not None:
+            reads_RHG[:, :, g] = (listed_RHK & ~covered_RHK).sum(-1).to(reads_RHG.dtype)
+        keys_RHL.scatter_(-1, torch.where(listed_RHK, key_RHK, Lk), True)
         keys_RHL = keys_RHL[..., :Lk]
         s = q_RHld[:, :, g * group:(g + 1) * group].float() @ k_T * scale              # (R, H, ≤group, Lk)
         p = s.masked_fill(~keys_RHL[:, :, None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
@@ -530,9 +546,17 @@ def _check_add(add_RHpd, hw, add_hw, R, H, l, d) -> None:
                          f"{d}) with add_hw = (h', w') = {add_hw} and hw = {hw} covering the {l} queries")
 
 
-def _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group) -> None:
-    if idx_RHGK.shape[:3] != (R, H, G) or count_RHG.shape != (R, H, G) \
-            or (band_G2 is not None and tuple(band_G2.shape) != (G, 2)):
+def _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group, list_of_G=None, reads_RHG=None) -> None:
+    lists = G if list_of_G is None else idx_RHGK.shape[2]
+    if idx_RHGK.shape[:2] != (R, H) or idx_RHGK.shape[2] != lists or tuple(count_RHG.shape) != (R, H, lists) \
+            or (band_G2 is not None and tuple(band_G2.shape) != (G, 2)) \
+            or (list_of_G is not None and tuple(list_of_G.shape) != (G,)):
         raise ValueError(f"group_sparse_attention: idx_RHGK {tuple(idx_RHGK.shape)} / count_RHG "
-                         f"{tuple(count_RHG.shape)} / band_G2 {None if band_G2 is None else tuple(band_G2.shape)} "
-                         f"need (R, H, G) = {(R, H, G)} and (G, 2) for {l} queries in groups of {group}")
+                         f"{tuple(count_RHG.shape)} / band_G2 {None if band_G2 is None else tuple(band_G2.shape)} / "
+                         f"list_of_G {None if list_of_G is None else tuple(list_of_G.shape)} need (R, H, G) = "
+                         f"{(R, H, G)} and (G, 2) for {l} queries in groups of {group} (with list_of_G: lists "
+                         f"(R, H, any) and list_of_G (G,))")
+    if reads_RHG is not None and (tuple(reads_RHG.shape) != (R, H, G) or reads_RHG.dtype != torch.int32
+                                  or not reads_RHG.is_contiguous()):
+        raise ValueError(f"group_sparse_attention: reads_RHG {tuple(reads_RHG.shape)} {reads_RHG.dtype} needs a "
+                         f"contiguous (R, H, G) = {(R, H, G)} int32 tensor")

@@ -526,28 +526,48 @@ def _attention_lse_case(R, H, l, Lk, d, dtype, device):
     torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-3)
 
 
-def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3, add=None):
+def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3, add=None,
+                          mapped=None):
     """Random per-group key masks (about ``keep`` of the keys, compacted by ``ref.key_lists``; the
     lists overlap the prefix and the bands, which must count once), a shared ``prefix``, and with
     ``band`` a random range per group. Group 0 of row 0 lists no key and, without a prefix or band,
     reads none; the last group is partial when ``group`` does not divide ``l``. ``add`` = (h, w,
     h', w'): the queries are an h × w map and get a random h' × w' map (one row more than R, as
-    CS4A's O_cache has after the guidance rows halve) resized bilinearly and added."""
+    CS4A's O_cache has after the guidance rows halve) resized bilinearly and added. ``mapped`` = (G',
+    P): the lists are G' lists of entries 0 … P − 1 of another scale, each group reading a random one
+    (``list_of_G``) through a random map of entries to keys (``key_map_P``: distinct past the prefix,
+    several entries on one prefix key); the kernel's and the torch path's read counts are checked
+    against a count made here."""
     from sparsevar.sparse_ops import group_attention, ref
     g = _gen(7)
     q = _rand((R, H, l, d), g, device, dtype=dtype)
     k = _rand((R, H, Lk, d), g, device, dtype=dtype)
     v = _rand((R, H, Lk, d), g, device, dtype=dtype)
     G = -(-l // group)
-    listed = torch.rand(R, H, G, Lk, generator=g) < keep
-    listed[0, 0, 0] = False
+    maps = {}
+    if mapped is None:
+        listed = torch.rand(R, H, G, Lk, generator=g) < keep
+        listed[0, 0, 0] = False
+        entries = listed
+    else:                                   # lists of P entries; group → list, entry → key
+        G_src, P = mapped
+        entries = torch.rand(R, H, G_src, P, generator=g) < keep
+        list_of_G = torch.randint(0, G_src, (G,), generator=g)
+        key_map_P = torch.randperm(Lk, generator=g)[:P]
+        key_map_P[:3] = 0 if prefix else key_map_P[:3]                  # entries sharing a prefix key
+        listed = torch.zeros(R, H, G, Lk + 1, dtype=torch.bool)                    # column Lk: a spare slot
+        for gg in range(G):
+            e_RHP = entries[:, :, list_of_G[gg]]
+            listed[:, :, gg].scatter_(-1, torch.where(e_RHP, key_map_P, Lk), True)
+        listed = listed[..., :Lk]
+        maps = dict(key_map_P=key_map_P.to(device), list_of_G=list_of_G.to(device))
     band_G2 = None
     if band:
         lo = torch.randint(0, Lk, (G,), generator=g)
         band_G2 = torch.stack([lo, (lo + torch.randint(0, 40, (G,), generator=g)).clamp(max=Lk - 1)], 1).to(device)
-    width = int(listed.sum(-1).max()) + width_slack
-    idx, count = ref.key_lists(listed.to(device), width)
-    assert torch.equal(count.long().cpu(), listed.sum(-1))
+    width = int(entries.sum(-1).max()) + width_slack
+    idx, count = ref.key_lists(entries.to(device), width)
+    assert torch.equal(count.long().cpu(), entries.sum(-1))
     extra, up = (), 0.0
     if add is not None:
         h, w, h2, w2 = add
@@ -556,13 +576,25 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
         planes = add_RHpd[:R].double().reshape(R * H, h2, w2, d).permute(0, 3, 1, 2)
         up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
         up = up.reshape(R, H, d, l).transpose(-1, -2)
-    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra)
-    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra)
+    if maps:
+        extra = extra or (None, None, None)
+        reads_got, reads_want = (torch.full((R, H, G), -1, device=device, dtype=torch.int32) for _ in range(2))
+    got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra,
+                                                 **maps, **(dict(reads_RHG=reads_got) if maps else {}))
+    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra, **maps,
+                                      **(dict(reads_RHG=reads_want) if maps else {}))
     keys = listed.to(device).clone()
-    keys[..., :prefix] = True
+    covered = torch.zeros_like(keys)
+    covered[..., :prefix] = True
     if band:
         pos = torch.arange(Lk, device=device)
-        keys |= ((pos >= band_G2[:, :1]) & (pos <= band_G2[:, 1:]))[None, None]
+        covered |= ((pos >= band_G2[:, :1]) & (pos <= band_G2[:, 1:]))[None, None]
+    if maps:                                # listed keys the prefix and band did not cover, counted here
+        reads = (keys & ~covered).sum(-1).to(torch.int32)
+        assert reads.sum() > 0
+        assert torch.equal(reads_want, reads), "torch path's read counts"
+        assert torch.equal(reads_got, reads), "kernel's read counts"
+    keys |= covered
     s = q.double() @ k.double().transpose(-1, -2) * d ** -0.5                       # (R, H, l, Lk)
     mask = keys.repeat_interleave(group, dim=2)[:, :, :l]
     oracle = (s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0) @ v.double()) + up
@@ -678,6 +710,12 @@ def _(device="cpu"):
 @case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-add-fp32")
 def _(device="cpu"):
     _group_attention_case(2, 2, 45, 90, 16, 16, 0.2, torch.float32, device, prefix=21, band=True, add=(5, 9, 3, 4))
+
+
+@case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-add-mapped7x60-fp32")
+def _(device="cpu"):
+    _group_attention_case(2, 2, 45, 90, 16, 16, 0.3, torch.float32, device, prefix=21, band=True, add=(5, 9, 3, 4),
+                          mapped=(7, 60))
 
 
 _CSLA_HW = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
@@ -1355,6 +1393,10 @@ GPU_CASES = {
     "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-add-bf16":
         lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
                                              band=True, add=(64, 64, 40, 40)),
+    # CS4A's last scale as the policy runs it: the decision scale's 9 lists of its 4121 keys, mapped
+    "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-add-mapped9x4121-bf16":
+        lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
+                                             band=True, add=(64, 64, 40, 40), mapped=(9, 4121)),
     # CSLA at Infinity-2B 1024²'s last scale (paper windows, 5 sink scales) and HART's (24 heads of 64)
     "window_attention-csla-infinity1024-last-R2H4-d128-bf16":
         lambda device: _window_attention_case(INFINITY_1024_HW, 12, 5, (7, 5, 3), (8, 8), 2, 4, 128, torch.bfloat16,
