@@ -372,9 +372,10 @@ def _cs4a_cases(dev, g) -> list[dict]:
     and of HART (decision scale 36×36, 24 of 64), lists as the policy builds them: each decision-scale
     group keeps a random ``top_keys`` = 0.2 of its keys (ascending), moved to the last scale by the
     relative map, the sinks (first 5 scales) and the group's band read as ranges, + the bilinear
-    resize of O_cache. Three rows: the gathered kernel on mapped lists, the same kernel mapping the
-    decision scale's lists itself and counting what it read (what the policy runs), and dense
-    attention over the whole cache. FLOPs count the keys each query reads."""
+    resize of O_cache. Three rows: the gathered kernel on one list a group, the policy's path (the
+    decision scale's lists mapped, each group reading its source group's list, the keys read
+    counted by the kernel), and dense attention over the whole cache. FLOPs count the keys each
+    query reads."""
     from ..engine.schedule import ScaleSchedule
     from ..policies.sparvar import SparVARConfig, band_ranges, relative_key_map
     from ..sparse_ops import group_attention
@@ -417,11 +418,11 @@ def _cs4a_cases(dev, g) -> list[dict]:
                           run={"gathered": lambda q=qc, k=kc, v=vc, i=lists, n=count, p=prefix, b=band, a=o_cache,
                                    hw_=(h, w), ahw=(hS, wS), d=d: group_attention.group_sparse_attention(
                                        q, k, v, i, n, C, d ** -0.5, p, b, a, hw_, ahw),
-                               "gathered, mapped + counted in the kernel (the policy's path)":
-                                   lambda q=qc, k=kc, v=vc, i=idx_dec, n=count_dec, p=prefix, b=band, a=o_cache,
-                                   hw_=(h, w), ahw=(hS, wS), d=d, m=map_i32, s=src_i32, r=reads_out:
-                                   group_attention.group_sparse_attention(q, k, v, i, n, C, d ** -0.5, p, b, a, hw_,
-                                                                          ahw, m, s, r),
+                               "gathered, the policy's path (one list a source group, reads counted)":
+                                   lambda q=qc, k=kc, v=vc, m=map_i32, i=idx_dec, n=count_dec, p=prefix, b=band,
+                                   a=o_cache, hw_=(h, w), ahw=(hS, wS), d=d, s=src_i32, r=reads_out:
+                                   group_attention.group_sparse_attention(q, k, v, m[i], n, C, d ** -0.5, p, b, a, hw_,
+                                                                          ahw, s, r),
                                "sdpa dense (bound)": lambda q=qc, k=kc, v=vc, d=d: attention(q, k, v, d ** -0.5)}))
     return cases
 

@@ -387,15 +387,15 @@ class SparVARPolicy(Policy):
         band_G2, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
         maps = self._relative_maps(entry["idx"].shape[2], entry["si"], si, run, q_RHld.device) \
             if c.mapping == "relative" else None
-        if maps is not None:         # the decision scale's lists, read through the maps by the kernel, which
-            key_map_P, list_of_G, prefix, ranges_mean = maps   # counts the listed keys it read past the ranges
-            idx_RHGK = entry["idx"][:R]
+        if maps is not None:         # the decision scale's lists, moved to this scale (distinct, ascending); each
+            key_map_P, list_of_G, prefix, ranges_mean = maps     # group reads its source group's list, and the
+            idx_RHGK = key_map_P[entry["idx"][:R]]                  # kernel counts the keys it read past the ranges
             count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
             reads_RHG = torch.empty(R, idx_RHGK.shape[1], band_G2.shape[0], device=q_RHld.device, dtype=torch.int32)
             st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G / (R * idx_RHGK.shape[1] * h * w))]
             return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
-                                                     band_G2, entry["o_cache"], (h, w), entry["o_hw"], key_map_P,
-                                                     list_of_G, reads_RHG, backend=backend)
+                                                     band_G2, entry["o_cache"], (h, w), entry["o_hw"], list_of_G,
+                                                     reads_RHG, backend=backend)
         else:                        # masks: verbatim chaining, or a schedule whose scales do not map one to one
             keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
             keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
@@ -479,10 +479,11 @@ class SparVARPolicy(Policy):
         return cache[key]
 
     def _relative_maps(self, G_from: int, si_from: int, si_to: int, run, device):
-        """What the kernel reads to follow the decision scale's lists at scale ``si_to``: (the key map
-        (int32, ``relative_key_map``), the list each group reads (G_to,) int32, the sink prefix, the
-        mean over the queries of the keys the prefix and the group's band give), or None where the
-        map is not one to one (the mask path dedupes). Built once per shape."""
+        """What follows the decision scale's lists at scale ``si_to``: (the key map (int32,
+        ``relative_key_map``: it keeps raster order, so mapped lists stay ascending and distinct),
+        the list each group reads (G_to,) int32, the sink prefix, the mean over the queries of the
+        keys the prefix and the group's band give), or None where the map is not one to one (the
+        mask path dedupes). Built once per shape."""
         c, sched = self.config, run.schedule
         map_L, prefix, injective = self._relative_map(si_from, si_to, run, device)
         if not injective:

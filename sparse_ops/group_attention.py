@@ -6,10 +6,10 @@ tiles), the group's band (one contiguous range), then its key list (``ref.key_li
 and V rows are gathered from the cache into dense tiles, skipping keys the first two runs read.
 Every run multiplies on the tensor cores; no mask over the full cache is read, and the work grows
 with the keys a group reads, not with the cache. Loop bounds (band, list count) are read on the
-device. A group may read another scale's list through two maps (which list; each entry's key), and
-count the listed keys it read. With a map to add (CS4A's O_cache), the epilogue adds its bilinear resize to the query
-scale (the four taps of ``F.interpolate``'s align_corners=False rule) to the float32 result, so
-the resized map is never written.
+device. A group may read another group's list (a map of groups) and count the listed keys it read.
+With a map to add (CS4A's O_cache), the epilogue adds its bilinear resize to the query scale (the
+four taps of ``F.interpolate``'s align_corners=False rule) to the float32 result, so the resized
+map is never written.
 
 ``tl.dot`` on bf16 is wrong in Triton's CPU interpreter (triton#11584), so there the operands are
 cast to float32 first (``UPCAST``); on a GPU bf16/fp16 operands go to the tensor cores with float32
@@ -84,11 +84,11 @@ def _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, ac
 
 
 @triton.jit
-def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o_ptr, add_ptr, map_ptr, src_ptr,
-                            reads_ptr, H, l, d, group, G, G_src, K, prefix, scale_log2, sq_r, sq_h, sq_l,
+def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o_ptr, add_ptr, src_ptr, reads_ptr,
+                            H, l, d, group, G, G_src, K, prefix, scale_log2, sq_r, sq_h, sq_l,
                             sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_l, sa_r, sa_h, sa_l, w, h_add, w_add,
                             ratio_h, ratio_w,
-                            HAS_BAND: tl.constexpr, HAS_ADD: tl.constexpr, MAP_KEYS: tl.constexpr,
+                            HAS_BAND: tl.constexpr, HAS_ADD: tl.constexpr,
                             MAP_GROUPS: tl.constexpr, COUNT_READS: tl.constexpr, UPCAST: tl.constexpr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -114,8 +114,8 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
         hi = tl.load(band_ptr + 2 * g + 1)
         m_i, l_i, acc = _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
                                       UPCAST, PRECISION, BLOCK_N)
-    # 3. the listed keys (of list src_ptr[g], each entry through map_ptr, with the maps), gathered;
-    # those already read (prefix, band) are skipped
+    # 3. the listed keys (of list src_ptr[g] with the map), gathered; those already read (prefix,
+    # band) are skipped
     src = g
     if MAP_GROUPS:
         src = tl.load(src_ptr + g)
@@ -126,8 +126,6 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
         n = n0 + tl.arange(0, BLOCK_N)
         listed = n < count
         key = tl.load(idx_ptr + list_at * K + n, mask=listed, other=0)
-        if MAP_KEYS:
-            key = tl.load(map_ptr + key, mask=listed, other=0)
         valid = listed & (key >= prefix) & ((key < lo) | (key > hi))
         if COUNT_READS:
             reads += valid.to(tl.int32)
@@ -187,8 +185,8 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
                            band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
                            hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None,
-                           key_map_P: Optional[torch.Tensor] = None, list_of_G: Optional[torch.Tensor] = None,
-                           reads_RHG: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           list_of_G: Optional[torch.Tensor] = None, reads_RHG: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
     """Triton twin of ``ref.group_sparse_attention``: (R, H, l, d) in q's dtype."""
     R, H, l, d = q_RHld.shape
     G, K = -(-l // group), idx_RHGK.shape[-1]
@@ -200,8 +198,7 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     count = count_RHG if count_RHG.dtype == torch.int32 and count_RHG.is_contiguous() else \
         count_RHG.to(torch.int32).contiguous()
     band = None if band_G2 is None else band_G2.to(device=q.device, dtype=torch.int32).contiguous()
-    key_map, src = (None if t is None else t.to(device=q.device, dtype=torch.int32).contiguous()
-                    for t in (key_map_P, list_of_G))
+    src = None if list_of_G is None else list_of_G.to(device=q.device, dtype=torch.int32).contiguous()
     add = None if add_RHpd is None else (add_RHpd if add_RHpd.stride(-1) == 1 else add_RHpd.contiguous())
     w, (h_add, w_add) = (hw[1], add_hw) if add is not None else (1, (1, 1))
     out = torch.empty(R, H, l, d, device=q.device, dtype=q_RHld.dtype)
@@ -213,15 +210,14 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     grid = (triton.cdiv(min(group, l), block_m), G, R * H)
     _group_attention_kernel[grid](
         q, k, v, idx, count, band if band is not None else count, out, add if add is not None else out,
-        key_map if key_map is not None else count, src if src is not None else count,
+        src if src is not None else count,
         reads_RHG if reads_RHG is not None else count, H, l, d, group, G, idx.shape[2], K, int(prefix),
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *((add.stride(0), add.stride(1), add.stride(2)) if add is not None else (0, 0, 0)),
         w, h_add, w_add, h_add / (l // w), w_add / w,
-        HAS_BAND=band is not None, HAS_ADD=add is not None, MAP_KEYS=key_map is not None,
-        MAP_GROUPS=src is not None, COUNT_READS=reads_RHG is not None, UPCAST=upcast, PRECISION=precision,
+        HAS_BAND=band is not None, HAS_ADD=add is not None, MAP_GROUPS=src is not None, COUNT_READS=reads_RHG is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=num_warps,
         num_stages=num_stages)
     return out

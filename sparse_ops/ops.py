@@ -101,14 +101,14 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
                            band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
                            hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None,
-                           key_map_P: Optional[torch.Tensor] = None, list_of_G: Optional[torch.Tensor] = None,
-                           reads_RHG: Optional[torch.Tensor] = None, *, backend: str = "auto") -> torch.Tensor:
-    """(R, H, l, d): each query group attends to a shared prefix, its band and its listed keys (of
-    another scale's lists through maps, optionally), plus an optional map resized bilinearly to the
+                           list_of_G: Optional[torch.Tensor] = None, reads_RHG: Optional[torch.Tensor] = None, *,
+                           backend: str = "auto") -> torch.Tensor:
+    """(R, H, l, d): each query group attends to a shared prefix, its band and its listed keys (or
+    another group's, through a map), plus an optional map resized bilinearly to the
     queries; ``reads_RHG`` receives the listed keys read (see ``ref.group_sparse_attention``)."""
     return implementation("group_sparse_attention", backend, q_RHld.device)(
-        q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, group, scale, prefix, band_G2, add_RHpd, hw, add_hw, key_map_P,
-        list_of_G, reads_RHG)
+        q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, group, scale, prefix, band_G2, add_RHpd, hw, add_hw, list_of_G,
+        reads_RHG)
 
 
 def window_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: torch.Tensor, tile_q_TM: torch.Tensor,

@@ -444,8 +444,8 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
                            count_RHG: torch.Tensor, group: int, scale: float, prefix: int = 0,
                            band_G2: Optional[torch.Tensor] = None, add_RHpd: Optional[torch.Tensor] = None,
                            hw: Optional[tuple[int, int]] = None, add_hw: Optional[tuple[int, int]] = None,
-                           key_map_P: Optional[torch.Tensor] = None, list_of_G: Optional[torch.Tensor] = None,
-                           reads_RHG: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           list_of_G: Optional[torch.Tensor] = None, reads_RHG: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
     """(R, H, l, d): attention in which query group g (queries g·group … (g+1)·group − 1, the last
     group may be shorter; G = ceil(l / group)) reads only its keys, softmax normalised over those
     keys alone — SparVAR's column-sparse attention (research/accel.md §4.2–4.3). A group's keys
@@ -458,12 +458,11 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     attention``. Float32 softmax and sum, output in q's dtype; one group at a time, so memory
     stays at (R, H, group, Lk).
 
-    Lists of another scale, read through maps (CS4A's relative mapping, with no mapped copy made):
-    ``list_of_G`` (G,) names the list (of G' in ``idx_RHGK`` / ``count_RHG``, (R, H, G', K) /
-    (R, H, G')) each group reads, and ``key_map_P`` (P,) turns each listed entry e into the key
-    ``key_map_P[e]``; the mapped keys of a list must stay distinct past the prefix. ``reads_RHG``
-    (R, H, G) int32, when given, receives the listed keys each group read that the prefix and its
-    range did not (its keys read: prefix + range + that)."""
+    ``list_of_G`` (G,): the list each group reads, of G' lists (``idx_RHGK`` / ``count_RHG`` then
+    (R, H, G', K) / (R, H, G')): CS4A's groups of a later scale read the decision scale's group
+    lists without a copy per group. ``reads_RHG`` (R, H, G) int32, when given, receives the listed
+    keys each group read that the prefix and its range did not (its keys read: prefix + range +
+    that)."""
     R, H, l, d = q_RHld.shape
     G, K, Lk = -(-l // group), idx_RHGK.shape[-1], k_RHLd.shape[2]
     _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group, list_of_G, reads_RHG)
@@ -475,8 +474,6 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
         src = g if list_of_G is None else int(list_of_G[g])
         listed_RHK = torch.arange(K, device=q_RHld.device) < count_RHG[:, :, src, None].long()
         key_RHK = idx_RHGK[:, :, src].long()
-        if key_map_P is not None:
-            key_RHK = key_map_P.long()[torch.where(listed_RHK, key_RHK, 0)]
         keys_RHL = (pos_L < prefix).expand(R, H, Lk + 1).clone()                     # column Lk: a spare slot
         covered_RHK = key_RHK < prefix
         if band_G2 is not None:

@@ -114,13 +114,13 @@ def test_sparvar_relative_lists_serve_hart_whose_first_scale_is_its_text(adapter
     seen = []
 
     class Lists(SparVARPolicy):
-        def _relative_lists(self, idx_RHGK, si_from, si_to, run):
-            out = super()._relative_lists(idx_RHGK, si_from, si_to, run)
+        def _relative_maps(self, G_from, si_from, si_to, run, device):
+            out = super()._relative_maps(G_from, si_from, si_to, run, device)
             seen.append(out is not None)
             return out
 
     class MaskPath(SparVARPolicy):
-        def _relative_lists(self, idx_RHGK, si_from, si_to, run):
+        def _relative_maps(self, G_from, si_from, si_to, run, device):
             return None
 
     cfg = SparVARConfig(decision_scale=-3, top_keys=0.3, query_group=4, local_window=3, sink_scales=3)

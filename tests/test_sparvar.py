@@ -223,9 +223,9 @@ def test_preset_changes_the_picture_and_a_batch_equals_its_images(pipe):
 
 
 def test_relative_index_lists_read_the_keys_of_the_mask_path(pipe):
-    """The "relative" mapping hands the kernel the decision scale's index lists with the maps that
-    move them (which list a group reads; each entry's key) and the sinks and the band as ranges, and
-    the kernel counts the listed keys it read past the ranges; the mask path (used where a
+    """The "relative" mapping moves the decision scale's index lists and hands them to the kernel
+    with the list each group reads, and the sinks and the band as ranges; the kernel counts the
+    listed keys it read past the ranges; the mask path (used where a
     schedule's map is not one to one) unions the same keys as masks and counts them. Same keys: the
     same pictures and the same key counts."""
     from sparsevar.policies.sparvar import SparVARPolicy
@@ -342,8 +342,8 @@ def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_deci
     for si, (h, w), _, (hS, wS), o_cache, (args, kw), out in later:
         R, H, l, d = out.shape
         assert o_cache.shape[1:] == (H, hS * wS, d)
-        o_sparse = sparse_ref.group_sparse_attention(*args[:9], None, None, None, *args[12:14])   # no map to add
-        assert len(args) == 15 and args[12] is not None                  # the decision scale's lists, mapped
+        o_sparse = sparse_ref.group_sparse_attention(*args[:9], None, None, None, args[12])   # no map to add
+        assert len(args) == 14 and args[12] is not None                  # groups read the decision scale's lists
         planes = o_cache[:R].double().reshape(R * H, hS, wS, d).permute(0, 3, 1, 2)    # (R·H, d, hS, wS)
         up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
         want = o_sparse.double() + up.reshape(R, H, d, h * w).transpose(-1, -2)
