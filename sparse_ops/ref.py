@@ -467,13 +467,14 @@ def group_sparse_attention(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, v_RHLd: t
     G, K, Lk = -(-l // group), idx_RHGK.shape[-1], k_RHLd.shape[2]
     _check_group_lists(idx_RHGK, count_RHG, band_G2, R, H, G, l, group, list_of_G, reads_RHG)
     _check_add(add_RHpd, hw, add_hw, R, H, l, d)
+    if list_of_G is not None:                       # each group's list, copied (no host read: graphs capture this)
+        idx_RHGK, count_RHG = (t.index_select(2, list_of_G.long()) for t in (idx_RHGK, count_RHG))
     out_RHld = torch.empty(R, H, l, d, device=q_RHld.device, dtype=torch.float32)
     pos_L = torch.arange(Lk + 1, device=q_RHld.device)
     k_T, v_f = k_RHLd.float().transpose(-1, -2), v_RHLd.float()
     for g in range(G):
-        src = g if list_of_G is None else int(list_of_G[g])
-        listed_RHK = torch.arange(K, device=q_RHld.device) < count_RHG[:, :, src, None].long()
-        key_RHK = idx_RHGK[:, :, src].long()
+        listed_RHK = torch.arange(K, device=q_RHld.device) < count_RHG[:, :, g, None].long()
+        key_RHK = idx_RHGK[:, :, g].long()
         keys_RHL = (pos_L < prefix).expand(R, H, Lk + 1).clone()                     # column Lk: a spare slot
         covered_RHK = key_RHK < prefix
         if band_G2 is not None:
