@@ -387,22 +387,24 @@ class SparVARPolicy(Policy):
         band_G2, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
         maps = self._relative_maps(entry["idx"].shape[2], entry["si"], si, run, q_RHld.device) \
             if c.mapping == "relative" else None
-        if maps is not None:         # the decision scale's lists, moved to this scale (distinct, ascending); each
-            key_map_P, list_of_G, prefix, ranges_mean = maps     # group reads its source group's list, and the
-            idx_RHGK = key_map_P[entry["idx"][:R]]                  # kernel counts the keys it read past the ranges
+        if maps is not None:
+            # the decision scale's lists moved to this scale (still distinct and ascending); each group
+            # reads its source group's list, and the kernel counts the keys it read past the ranges
+            key_map_P, list_of_G, prefix, ranges_mean = maps
+            idx_RHGK = key_map_P[entry["idx"][:R]]
             count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
             reads_RHG = torch.empty(R, idx_RHGK.shape[1], band_G2.shape[0], device=q_RHld.device, dtype=torch.int32)
             st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G / (R * idx_RHGK.shape[1] * h * w))]
             return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
                                                      band_G2, entry["o_cache"], (h, w), entry["o_hw"], list_of_G,
                                                      reads_RHG, backend=backend)
-        else:                        # masks: verbatim chaining, or a schedule whose scales do not map one to one
-            keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
-            keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
-            width = min(Lk, followed_max + band_max)       # a bound on any group's keys, known on the host
-            if c.mapping == "verbatim":
-                st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
-            idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
+        # masks: verbatim chaining, or a schedule whose scales do not map one to one
+        keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
+        keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
+        width = min(Lk, followed_max + band_max)           # a bound on any group's keys, known on the host
+        if c.mapping == "verbatim":
+            st["cs4a"] = {**st["cs4a"], ctx.layer: {**entry, "keys": keys_RHGL, "si": si, "width": width}}
+        idx_RHGK, count_RHG = ref.key_lists(keys_RHGL, width)
         st["keys"] = st["keys"] + [(count_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
         # the sparse pass + upsample(O_cache) (bilinear, in the kernel's epilogue)
         return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, 0, None,

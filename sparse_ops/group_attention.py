@@ -114,8 +114,8 @@ def _group_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, count_ptr, band_ptr, o
         hi = tl.load(band_ptr + 2 * g + 1)
         m_i, l_i, acc = _attend_range(q, k_base, v_base, lo, hi, sk_l, sv_l, dd, dmask, m_i, l_i, acc, scale_log2,
                                       UPCAST, PRECISION, BLOCK_N)
-    # 3. the listed keys (of list src_ptr[g] with the map), gathered; those already read (prefix,
-    # band) are skipped
+    # 3. the listed keys (group g's list, or list src_ptr[g] with a map of groups), gathered; those
+    # already read (prefix, band) are skipped
     src = g
     if MAP_GROUPS:
         src = tl.load(src_ptr + g)

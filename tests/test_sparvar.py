@@ -82,6 +82,14 @@ def test_group_sparse_attention_is_dense_attention_over_each_groups_keys():
     idx, count = sparse_ref.key_lists(every, 13)
     with pytest.raises(ValueError, match=r"need \(R, H, G\) = \(2, 3, 4\) and \(G, 2\) for 10 queries in groups of 3"):
         sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :3], count[:, :, :3], 3, 0.5)
+    src = torch.tensor([0, 0, 1, 1])                                  # groups reading another group's list
+    sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :2], count[:, :, :2], 3, 0.5, list_of_G=src)
+    with pytest.raises(ValueError, match=r"list_of_G \(3,\) need .* \(with list_of_G: lists \(R, H, any\) and "
+                                         r"list_of_G \(G,\)\)"):
+        sparse_ref.group_sparse_attention(q, k, v, idx[:, :, :2], count[:, :, :2], 3, 0.5, list_of_G=src[:3])
+    with pytest.raises(ValueError, match=r"reads_RHG \(2, 3, 4\) torch.int64 needs a contiguous \(R, H, G\) = "
+                                         r"\(2, 3, 4\) int32 tensor"):
+        sparse_ref.group_sparse_attention(q, k, v, idx, count, 3, 0.5, reads_RHG=torch.zeros(2, 3, 4, dtype=torch.long))
 
 
 def test_csla_tiles_read_what_the_boolean_mask_reads():
