@@ -322,12 +322,13 @@ class SparVARPolicy(Policy):
         host numbers."""
         st = run.policy_state[self.name]
         counts = st["keys"]
-        if counts:     # per layer: a host mean, a device mean, or (host mean, reads_RHG, weight per group)
+        if counts:     # per layer: a host mean, a device mean, or (host mean, reads_RHG, group sizes, rows·queries)
             read = [k for k in counts if isinstance(k, tuple)]
             on_device = [k for k in counts if isinstance(k, torch.Tensor)]
-            if read:              # one weighted sum over every layer's counts (the weights are the scale's)
-                on_device.append((torch.stack([r for _, r, _ in read]).float() * read[0][2]).sum())
-            total = sum(k for k in counts if isinstance(k, (int, float))) + sum(m for m, _, _ in read)
+            if read:              # one weighted sum over every layer's counts (group sizes and rows are the scale's)
+                _, _, sizes_G, queries = read[0]
+                on_device.append((torch.stack([r for _, r, _, _ in read]).float() * sizes_G).sum() / queries)
+            total = sum(k for k in counts if isinstance(k, (int, float))) + sum(k[0] for k in read)
             if on_device:
                 total += torch.stack(on_device).sum().item()
             run.keys_read = total / len(counts)
@@ -394,7 +395,7 @@ class SparVARPolicy(Policy):
             idx_RHGK = key_map_P[entry["idx"][:R]]
             count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
             reads_RHG = torch.empty(R, idx_RHGK.shape[1], band_G2.shape[0], device=q_RHld.device, dtype=torch.int32)
-            st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G / (R * idx_RHGK.shape[1] * h * w))]
+            st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G, R * idx_RHGK.shape[1] * h * w)]
             return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
                                                      band_G2, entry["o_cache"], (h, w), entry["o_hw"], list_of_G,
                                                      reads_RHG, backend=backend)

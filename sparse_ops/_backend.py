@@ -125,6 +125,12 @@ def shared_memory(device: torch.device | str) -> int | None:
     return _shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def sm_count(device: torch.device | str) -> int:
+    """The GPU's streaming multiprocessors (1 off CUDA: the interpreter's launches), for grid sizing."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def fit_stages(stages: int, resident: int, per_stage: int, limit: int | None, least: int = 2) -> int | None:
     """The most software-pipeline stages, at most ``stages``, whose tiles fit in ``limit`` bytes of
     shared memory (less ``SHARED_MEMORY_SLACK``): ``resident`` bytes loaded once (a query tile) plus

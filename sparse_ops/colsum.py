@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import fit_stages, interpreting, shared_memory
+from ._backend import fit_stages, interpreting, shared_memory, sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -119,10 +119,6 @@ def _groups_per_program(G: int, programs_a_group: int, sms: int) -> int:
     return max(1, min(G, (G * programs_a_group) // (2 * sms)))
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, group: int,
                      lse_RHl: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton twin of ``ref.attention_colsum``: (R, H, G, Lk) float32 summed probabilities."""
@@ -153,7 +149,7 @@ def attention_colsum(q_RHld: torch.Tensor, k_RHLd: torch.Tensor, scale: float, g
             UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             num_warps=num_warps, num_stages=num_stages)
     tiles = triton.cdiv(min(group, l), block_m)                 # query tiles a group
-    groups = _groups_per_program(G, triton.cdiv(Lk, block_n) * R * H, _sm_count(dev))
+    groups = _groups_per_program(G, triton.cdiv(Lk, block_n) * R * H, sm_count(dev))
     _colsum_kernel[(triton.cdiv(Lk, block_n), triton.cdiv(G, groups), R * H)](
         q, k, lse, out, H, l, Lk, d, group, G, groups, tiles, scale_log2, *strides,
         UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

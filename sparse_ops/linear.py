@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc
-from ._backend import dependent_launch, fit_stages, interpreting, shared_memory
+from ._backend import dependent_launch, fit_stages, interpreting, shared_memory, sm_count
 
 # Under programmatic dependent launch (``_gdc``) a program asks L2 for its first PREFETCH_STEPS
 # reduction steps of weights before it waits for the previous kernel (2: the fastest of the counts
@@ -210,8 +210,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             y += bias
         return torch.nn.functional.gelu(y, approximate="tanh").view(*lead, N) if gelu else y.view(*lead, N)
     if config is None:
-        sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
-        config = choose_config(M, N, K, sms, elem=x.element_size(), limit=shared_memory(x.device))
+        config = choose_config(M, N, K, sm_count(x.device), elem=x.element_size(), limit=shared_memory(x.device))
     k_per_split, split = _k_split(K, config)
     if split == 1:
         _launch(x2, w, bias, y, y.stride(0), 0, config, k_per_split, 1, gelu, partial=False, pdl=pdl)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc
-from ._backend import dependent_launch, shared_memory
+from ._backend import dependent_launch, shared_memory, sm_count
 from .dense_fused import _add_gated_store
 from .gather_modulate import _launch_shape, _load_row, _norm_modulate_rows
 from .gemm_rows import empty_rows
@@ -89,8 +89,7 @@ def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, 
     if R == 0 or l == 0 or C == 0:
         return xo, y
     if config is None:
-        sms = 1 if h_RlK.device.type != "cuda" else torch.cuda.get_device_properties(h_RlK.device).multi_processor_count
-        config = choose_config(R * l, C, K, sms, min_split_k=MIN_SPLIT_K, elem=h_RlK.element_size(),
+        config = choose_config(R * l, C, K, sm_count(h_RlK.device), min_split_k=MIN_SPLIT_K, elem=h_RlK.element_size(),
                                limit=shared_memory(h_RlK.device))
     ws = partial_products(h_MK, w, config, pdl)
     mul_R1C, shift_R1C, gate_R1C = mul_R1C.expand(R, 1, C), shift_R1C.expand(R, 1, C), gate_R1C.expand(R, 1, C)

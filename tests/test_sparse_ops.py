@@ -527,13 +527,13 @@ def _attention_lse_case(R, H, l, Lk, d, dtype, device):
 
 
 def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, band=False, width_slack=3, add=None,
-                          mapped=None):
+                          sources=None):
     """Random per-group key masks (about ``keep`` of the keys, compacted by ``ref.key_lists``; the
     lists overlap the prefix and the bands, which must count once), a shared ``prefix``, and with
     ``band`` a random range per group. Group 0 of row 0 lists no key and, without a prefix or band,
     reads none; the last group is partial when ``group`` does not divide ``l``. ``add`` = (h, w,
     h', w'): the queries are an h × w map and get a random h' × w' map (one row more than R, as
-    CS4A's O_cache has after the guidance rows halve) resized bilinearly and added. ``mapped`` = G':
+    CS4A's O_cache has after the guidance rows halve) resized bilinearly and added. ``sources`` = G':
     there are G' lists, each group reading a random one (``list_of_G``); the kernel's and the torch
     path's counts of the listed keys read past the prefix and band are checked against a count made
     here."""
@@ -543,14 +543,14 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
     k = _rand((R, H, Lk, d), g, device, dtype=dtype)
     v = _rand((R, H, Lk, d), g, device, dtype=dtype)
     G = -(-l // group)
-    maps = {}
-    entries = torch.rand(R, H, G if mapped is None else mapped, Lk, generator=g) < keep
+    by_source = {}
+    entries = torch.rand(R, H, G if sources is None else sources, Lk, generator=g) < keep
     entries[0, 0, 0] = False
     listed = entries
-    if mapped is not None:                  # group → the list it reads
-        list_of_G = torch.randint(0, mapped, (G,), generator=g)
+    if sources is not None:                 # group → the list it reads
+        list_of_G = torch.randint(0, sources, (G,), generator=g)
         listed = entries[:, :, list_of_G]
-        maps = dict(list_of_G=list_of_G.to(device))
+        by_source = dict(list_of_G=list_of_G.to(device))
     band_G2 = None
     if band:
         lo = torch.randint(0, Lk, (G,), generator=g)
@@ -566,20 +566,19 @@ def _group_attention_case(R, H, l, Lk, d, group, keep, dtype, device, prefix=0, 
         planes = add_RHpd[:R].double().reshape(R * H, h2, w2, d).permute(0, 3, 1, 2)
         up = torch.nn.functional.interpolate(planes, size=(h, w), mode="bilinear", align_corners=False)
         up = up.reshape(R, H, d, l).transpose(-1, -2)
-    if maps:
-        extra = extra or (None, None, None)
+    if by_source:
         reads_got, reads_want = (torch.full((R, H, G), -1, device=device, dtype=torch.int32) for _ in range(2))
     got = group_attention.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra,
-                                                 **maps, **(dict(reads_RHG=reads_got) if maps else {}))
-    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra, **maps,
-                                      **(dict(reads_RHG=reads_want) if maps else {}))
+                                                 **by_source, **(dict(reads_RHG=reads_got) if by_source else {}))
+    want = ref.group_sparse_attention(q, k, v, idx, count, group, d ** -0.5, prefix, band_G2, *extra, **by_source,
+                                      **(dict(reads_RHG=reads_want) if by_source else {}))
     keys = listed.to(device).clone()
     covered = torch.zeros_like(keys)
     covered[..., :prefix] = True
     if band:
         pos = torch.arange(Lk, device=device)
         covered |= ((pos >= band_G2[:, :1]) & (pos <= band_G2[:, 1:]))[None, None]
-    if maps:                                # listed keys the prefix and band did not cover, counted here
+    if by_source:                           # listed keys the prefix and band did not cover, counted here
         reads = (keys & ~covered).sum(-1).to(torch.int32)
         assert reads.sum() > 0
         assert torch.equal(reads_want, reads), "torch path's read counts"
@@ -705,7 +704,7 @@ def _(device="cpu"):
 @case("group_sparse_attention-R2H2-l45-Lk90-d16-g16-prefix21-band-add-lists2-fp32")
 def _(device="cpu"):
     _group_attention_case(2, 2, 45, 90, 16, 16, 0.3, torch.float32, device, prefix=21, band=True, add=(5, 9, 3, 4),
-                          mapped=2)
+                          sources=2)
 
 
 _CSLA_HW = ((1, 1), (2, 2), (3, 3), (4, 6), (9, 13), (12, 17))
@@ -1386,7 +1385,7 @@ GPU_CASES = {
     # CS4A's last scale as the policy runs it: 22 groups read the decision scale's 9 lists, counted
     "group_sparse_attention-R2H4-l4096-Lk10521-d128-g192-prefix121-band-add-lists9-bf16":
         lambda device: _group_attention_case(2, 4, 4096, 10521, 128, 192, 0.2, torch.bfloat16, device, prefix=121,
-                                             band=True, add=(64, 64, 40, 40), mapped=9),
+                                             band=True, add=(64, 64, 40, 40), sources=9),
     # CSLA at Infinity-2B 1024²'s last scale (paper windows, 5 sink scales) and HART's (24 heads of 64)
     "window_attention-csla-infinity1024-last-R2H4-d128-bf16":
         lambda device: _window_attention_case(INFINITY_1024_HW, 12, 5, (7, 5, 3), (8, 8), 2, 4, 128, torch.bfloat16,
