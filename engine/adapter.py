@@ -210,13 +210,28 @@ class ModelAdapter:
     def sample(self, si: int, guided_logits: torch.Tensor, run: RunState) -> torch.Tensor:
         """Draw this scale's codes from the guided logits with ``run.generator``.
 
-        Optional, for whole-scale CUDA graphs (``supports_scale_graphs = True``):
-        ``sample_noise_shape(si, run)`` gives the shape of the one float32 ``exponential_`` tensor
-        sample draws (None when it cannot take it pre-drawn), and ``sample(si, guided, run,
-        noise_NV=…)`` uses that noise instead of drawing; ``accumulate`` must then change nothing
-        but :meth:`latent`, so that the engine can capture compute → guide → sample → residual →
-        accumulate as one graph."""
+        With whole-scale CUDA graphs (``supports_scale_graphs = True``) the scale's random draws come
+        from ``run.drawn_noise`` (see :meth:`scale_noise`) instead of the generator."""
         raise NotImplementedError
+
+    def scale_noise(self, si: int, run: RunState) -> Optional[tuple]:
+        """For whole-scale CUDA graphs (``supports_scale_graphs = True``): every random draw that
+        :meth:`sample`, :meth:`residual` and :meth:`accumulate` make at ``si``, in the order they make
+        them, as ``(kind, shape)`` pairs with ``kind`` "exponential" or "normal" (float32, from
+        ``run.generator`` on the model's device, as ``torch.empty(shape).exponential_(generator=…)``
+        or ``torch.randn(shape, generator=…)``); None when they cannot be drawn beforehand (e.g. a
+        list of generators). The engine draws them just before the scale into buffers it keeps and
+        hands them over in ``run.drawn_noise`` (a list in the same order; None on eager scales), so the
+        draws are the ones an eager scale makes and the scale — compute → guide → sample → residual →
+        accumulate — can replay from one graph. ``accumulate`` must then change nothing but
+        workspace buffers."""
+        return None
+
+    def scale_graph_constants(self, run: RunState) -> tuple:
+        """What a whole-scale graph bakes in besides ``run.settings``: the call's values that change
+        the scale's work after the compute (e.g. a temperature, a sampling variant). Graphs captured
+        under other values are dropped."""
+        return ()
 
     def residual(self, si: int, codes: torch.Tensor, run: RunState) -> torch.Tensor:
         """Per-token residual of the sampled codes, (B, h·w, c) (what ``post_residual`` may edit)."""

@@ -198,60 +198,73 @@ class GraphRunner:
         kv.set_host_state(before)                      # capture recorded work but ran none of it
         return entry
 
-    def draw_noise(self, noise_NV: torch.Tensor, generator, fresh: bool) -> None:
-        """``noise_NV.exponential_(generator=generator)`` on a side stream, ordered before the work the
-        caller issues next. The draw waits only for the main stream's work up to the start of the
-        previous whole-scale replay (the last reader of a scale's buffer is an earlier generation's
-        replay of that scale), so on the GPU it runs beside the previous scale instead of between
-        two graphs.
+    def draw_noise(self, draws: Sequence[tuple[str, torch.Tensor]], generator, fresh: bool) -> None:
+        """Each ``(kind, buffer)`` of ``draws`` filled in order from ``generator`` (``kind`` "exponential":
+        ``exponential_``; "normal": ``normal_``, which is what ``torch.randn`` draws), on a side stream,
+        ordered before the work the caller issues next. The draws wait only for the main stream's work
+        up to the start of the previous whole-scale replay (the last reader of a scale's buffers is an
+        earlier generation's replay of that scale), so on the GPU they run beside the previous scale
+        instead of between two graphs.
 
-        The first draw of a generation, and one into a ``fresh`` buffer (just allocated: the
+        The first draw of a generation, and draws into ``fresh`` buffers (just allocated: the
         allocator may have handed over memory that work still queued on the main stream uses),
         stay on the main stream: there is nothing earlier to overlap, and the wait across streams
-        made the first scale slower. The generator is called in the same order as before, so the
-        values are the same."""
+        made the first scale slower. The generator is called in the same order as the eager scale
+        calls it, so the values are the same."""
+        def fill():
+            for kind, buf in draws:
+                buf.exponential_(generator=generator) if kind == "exponential" else buf.normal_(generator=generator)
+
         main = torch.cuda.current_stream()
         if fresh or self.noise_fence is None:
-            noise_NV.exponential_(generator=generator)
+            fill()
         else:
             side = self.noise_stream
             side.wait_event(self.noise_fence)
             with torch.cuda.stream(side):
-                noise_NV.exponential_(generator=generator)
+                fill()
             main.wait_stream(side)
         self.noise_fence = main.record_event()          # the next draw may run beside what follows
 
     def whole_scale(self, si: int, plan, run: RunState, adapter, hooked: bool) -> Optional[tuple]:
         """Replay scale ``si`` whole — compute, guidance, sampling, residual and latent update — from
-        one graph, with the sampler's Exp(1) noise drawn just before into a static buffer by the same
-        ``exponential_`` call the sampler would make (so the same codes as the eager path; on a side
-        stream, :meth:`draw_noise`). Returns (guided logits, codes), or None (nothing drawn, nothing
-        run) when the adapter cannot take pre-drawn noise or the graph cannot be used now.
+        one graph, with the scale's random draws (the adapter's ``scale_noise``) made just before into
+        buffers kept per scale, by the calls the eager scale would make (so the same codes as the
+        eager path; on a side stream, :meth:`draw_noise`), and handed over in ``run.drawn_noise``.
+        Returns (guided logits, codes), or None (nothing drawn, nothing run) when the adapter cannot
+        take its draws made beforehand or the graph cannot be used now. The graph is keyed by the
+        draws too (an adapter's sampling variant draws differently).
 
         ``hooked``: the acting policies' hooks run inside the graph; the subset and the plan's tensors
         are read from static copies, and the graph is keyed by the subset size and the policies'
         settings too; the caller runs ``after_scale``.
 
-        The graph bakes in the sampling settings (guidance, top-k, top-p): graphs captured under
-        other settings are dropped, so a sweep over settings keeps one set of graphs in memory."""
-        shape = adapter.sample_noise_shape(si, run)
+        The graph bakes in the sampling settings (guidance, top-k, top-p) and the adapter's
+        ``scale_graph_constants``: graphs captured under other ones are dropped, so a sweep over
+        settings keeps one set of graphs in memory."""
+        spec = adapter.scale_noise(si, run)
+        if spec is None:
+            return None
+        spec = tuple((kind, tuple(shape)) for kind, shape in spec)
         n = plan.token_index.shape[1] if plan.token_index is not None else None
-        key = ("scale", si) if not hooked else ("scale", si, n, run.hooks.key)
-        if shape is None or not self.usable(key, run.workspace.kv):
+        key = ("scale", si, spec) if not hooked else ("scale", si, spec, n, run.hooks.key)
+        if not self.usable(key, run.workspace.kv):
             return None
         ws = self.ws
-        if ws.scale_graph_settings != run.settings:
+        baked = (run.settings, adapter.scale_graph_constants(run))
+        if ws.scale_graph_settings != baked:
             for k in [k for k in ws.graphs if k[0] == "scale"]:
                 del ws.graphs[k]
             for k in [k for k in ws.static_inputs if k[0][0] == "scale"]:
                 del ws.static_inputs[k]
-            ws.scale_graph_settings = run.settings
+            ws.scale_graph_settings = baked
             ws.scale_noise = {}
-        noise_NV = ws.scale_noise.get(si)
-        fresh = noise_NV is None or tuple(noise_NV.shape) != tuple(shape)
+        draws = ws.scale_noise.get((si, spec))
+        fresh = draws is None
         if fresh:
-            noise_NV = ws.scale_noise[si] = torch.empty(shape, dtype=torch.float32, device=run.device)
-        self.draw_noise(noise_NV, run.generator, fresh)
+            draws = ws.scale_noise[(si, spec)] = [(kind, torch.empty(shape, dtype=torch.float32, device=run.device))
+                                                  for kind, shape in spec]
+        self.draw_noise(draws, run.generator, fresh)
         if hooked:                                     # what the hooks read, from buffers the graph reads
             plan = dataclasses.replace(
                 plan, token_index=None if n is None else self.static_input(key, "token_index", plan.token_index),
@@ -262,12 +275,16 @@ class GraphRunner:
         def scale():
             logits = compute_scale(adapter, si, plan, run)
             guided = adapter.guide(si, logits, run)
-            codes = adapter.sample(si, guided, run, noise_NV=noise_NV)
+            codes = adapter.sample(si, guided, run)
             residual = stack.post_residual(si, adapter.residual(si, codes, run), run)
             adapter.accumulate(si, residual, run)
             return guided, codes
 
-        return self.run(key, scale, run, preserve=(adapter.latent(run),))
+        run.drawn_noise = [buf for _, buf in draws]
+        try:
+            return self.run(key, scale, run, preserve=(adapter.latent(run),))
+        finally:
+            run.drawn_noise = None
 
     def layer_stack(self, si: int, plan, run: RunState, layers_fn: Callable) -> Any:
         """Replay the layer stack of scale ``si`` (stage input → gather → layers → scatter) from a

@@ -162,6 +162,8 @@ class RunState:
     tokens_computed: Optional[float] = None        # set by a policy that counts its own work this scale
     keys_read: Optional[float] = None              # set by a policy that narrows attention (ScaleStats.keys_read)
     cuda_graphs: bool = False                       # the engine replays scales from CUDA graphs this run
+    # a whole-scale graph's random draws, made beforehand (ModelAdapter.scale_noise); None: draw them
+    drawn_noise: Optional[list] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

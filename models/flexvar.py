@@ -22,7 +22,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.kv_cache import KVCache
-from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
+from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
@@ -268,20 +268,14 @@ class FlexVARAdapter(VARAdapter):
         t = cfg if pn > run.model_state["max_pn"] else cfg * si / max(min(sch.num_scales - 1, 9), 1)
         return (1 + t) * cond - t * uncond
 
-    def sample_noise_shape(self, si: int, run: RunState):
-        """(B·h·w, V) of the schedule of this call (see VARAdapter.sample_noise_shape)."""
-        if not takes_drawn_noise(run.generator, self.device):
-            return None
-        h, w = run.schedule.hw[si]
-        return run.batch_size * h * w, self.transformer.config.vocab_size
-
-    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState, noise_NV=None) -> torch.Tensor:
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """Top-k / top-p draws; greedy (top-k 1, the noise still drawn) at sides the model was not
         trained on and above ``max_pn``, as the reference."""
         s, pn = run.settings, run.schedule.hw[si][0]
         greedy = pn > run.model_state["max_pn"] or pn not in TRAINED_SIDES
         return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator,
-                                      fused=self.ops.kind == "triton", noise_NV=noise_NV)
+                                      fused=self.ops.kind == "triton",
+                                      noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         """What the scale changes, (B, l, Cvae): the normalised code vectors minus the scale's input

@@ -36,7 +36,7 @@ from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.graphs import persistent_copy
 from ..engine.kv_cache import KVCache
 from ..engine.layers import LayerCall
-from ..engine.sampling import sample_codes_per_image
+from ..engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ..sparse_ops.ref import filter_top_k_top_p
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
@@ -74,8 +74,8 @@ class RMSNorm(nn.Module):
 def sinusoid(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
     """(N, dim) [cos, sin] embedding of (N,) (possibly fractional) steps, frequencies
     exp(−ln(max_period)·i/(dim/2)) (DiT / MAR)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half).to(t.device)
+    half = dim // 2                      # made on t's device: no copy from the host (a captured graph runs this)
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t[:, None].float() * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -313,9 +313,12 @@ class RespacedIDDPM:
         self.coef1 = b * np.sqrt(a_prev) / (1.0 - a)
         self.coef2 = (1.0 - a_prev) * np.sqrt(1.0 - b) / (1.0 - a)
 
-    def at(self, table: np.ndarray, i: int, device) -> torch.Tensor:
-        """Entry ``i`` of a float64 table, as the reference reads it (float64 → float32)."""
-        return torch.tensor(table[i], dtype=torch.float64, device=device).float()
+    @staticmethod
+    def at(table: np.ndarray, i: int) -> float:
+        """Entry ``i`` of a float64 table as the reference reads it (float64 → float32), a Python
+        number: it multiplies float32 tensors as the reference's float32 scalar tensor does, and it
+        needs no copy to the device (a captured graph runs the sampler)."""
+        return float(np.float32(table[i]))
 
 
 def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch.Tensor,
@@ -341,10 +344,10 @@ def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch
         else:
             out = net(x.to(dt), t_N, z_NC).float()
             eps, v = out[:, :C], out[:, C:]
-        x0 = (schedule.at(schedule.sqrt_recip, i, dev) * x - schedule.at(schedule.sqrt_recipm1, i, dev) * eps).clamp(-1, 1)
-        mean = schedule.at(schedule.coef1, i, dev) * x0 + schedule.at(schedule.coef2, i, dev) * x
+        x0 = (schedule.at(schedule.sqrt_recip, i) * x - schedule.at(schedule.sqrt_recipm1, i) * eps).clamp(-1, 1)
+        mean = schedule.at(schedule.coef1, i) * x0 + schedule.at(schedule.coef2, i) * x
         frac = (v + 1) / 2
-        log_var = frac * schedule.at(schedule.log_var_max, i, dev) + (1 - frac) * schedule.at(schedule.log_var_min, i, dev)
+        log_var = frac * schedule.at(schedule.log_var_max, i) + (1 - frac) * schedule.at(schedule.log_var_min, i)
         x = mean + (float(i != 0) * torch.exp(0.5 * log_var) * noise_steps[len(schedule.timesteps) - 1 - i].float()
                     * temperature)
     return x * VAE_SCALE
@@ -567,6 +570,7 @@ class HARTAdapter(ModelAdapter):
     ``top_k`` 0 samples with the reference's rule (600 below scale 7, then 300)."""
 
     family = "hart"
+    supports_scale_graphs = True
 
     def __init__(self, transformer: HARTTransformer, vqvae):
         cfg = transformer.config
@@ -795,16 +799,34 @@ class HARTAdapter(ModelAdapter):
         t = self.guidance(si, run)
         return (1 + t) * logits_RlV[:B] - t * logits_RlV[B:]
 
+    def scale_noise(self, si: int, run: RunState) -> Optional[tuple]:
+        """The codes' Exp(1) noise (B·l, V); with ``smooth``, the Gumbel mixture's (B·l, V) after it; at
+        the last scale, the diffusion head's start and one draw per step (B·l, Cvae) — when one
+        generator on the model's device draws them all and no diffusion noise was given."""
+        last = si == run.schedule.num_scales - 1
+        if not takes_drawn_noise(run.generator, self.device) or (last and run.model_state["diffusion_noise"] is not None):
+            return None
+        p, m = self.image_schedule.hw[si][0], self.transformer
+        N, V = run.batch_size * p * p, m.config.vocab_size
+        draws = (("exponential", (N, V)),) * (2 if run.model_state["smooth"] else 1)
+        if last:
+            draws += (("normal", (N, m.config.z_channels)),) * (1 + len(m.sampler.timesteps))
+        return draws
+
+    def scale_graph_constants(self, run: RunState) -> tuple:
+        return (run.model_state["smooth"],)
+
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
-        s = run.settings
+        s, drawn = run.settings, run.drawn_noise
         k = s.top_k or next(k for below, k in REFERENCE_TOP_K if below is None or si < below)
-        codes_Bl = sample_codes_per_image(guided_BlV, k, s.top_p, run.generator)
+        codes_Bl = sample_codes_per_image(guided_BlV, k, s.top_p, run.generator, noise_NV=drawn[0] if drawn else None)
         if run.model_state["smooth"]:                   # its Gumbel draws follow the codes', as in the reference
             B, l, V = guided_BlV.shape
             masked_BlV = filter_top_k_top_p(guided_BlV.reshape(B * l, V), k, s.top_p).view(B, l, V)
             gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
             rows = [masked_BlV] if len(gens) == 1 else list(masked_BlV.split(1))
-            exp_BlV = torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
+            exp_BlV = drawn[1].view(B, l, V) if drawn else \
+                torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
             tau = max(0.27 * (1 - 0.95 * self.ratio(si, run)), 0.005)
             weights_BlV = ((masked_BlV * (1 + self.ratio(si, run)) - exp_BlV.log()) / tau).softmax(-1)
             run.model_state["mixture_BlC"] = weights_BlV @ self.vqvae.quantize.embedding.weight.float()
@@ -824,6 +846,9 @@ class HARTAdapter(ModelAdapter):
         if given is not None:
             init, steps = given
             return init.to(self.device), [s[:n].to(self.device) for s in steps]
+        if run.drawn_noise:                             # drawn beforehand, after the codes' (scale_noise)
+            init, *steps = run.drawn_noise[-1 - len(self.transformer.sampler.timesteps):]
+            return init, steps
         gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
         per = n // len(gens)
 

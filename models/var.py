@@ -503,19 +503,18 @@ class VARAdapter(ModelAdapter):
         t = run.settings.guidance_scale * si / max(self.schedule.num_scales - 1, 1)
         return self.ops.cfg_guide(logits_RlV, B, t)
 
-    def sample_noise_shape(self, si: int, run: RunState) -> Optional[tuple[int, int]]:
-        """(B·h·w, V): the float32 Exp(1) noise :meth:`sample` draws at ``si``, when it can take it
-        drawn beforehand (one generator on the model's device); None otherwise."""
+    def scale_noise(self, si: int, run: RunState) -> Optional[tuple]:
+        """The (B·h·w, V) Exp(1) noise :meth:`sample` draws at ``si``, when it can take it drawn
+        beforehand (one generator on the model's device); None otherwise."""
         if not takes_drawn_noise(run.generator, self.device):
             return None
-        h, w = self.schedule.hw[si]
-        return run.batch_size * h * w, self.transformer.config.vocab_size
+        h, w = run.schedule.hw[si]
+        return (("exponential", (run.batch_size * h * w, self.transformer.config.vocab_size)),)
 
-    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState,
-               noise_NV: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings
         return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "triton",
-                                      noise_NV=noise_NV)
+                                      noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         # indexing, not F.embedding, whose index_select kernel for few indices is slower (the same

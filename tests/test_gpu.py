@@ -195,7 +195,7 @@ def test_whole_scale_graphs_give_the_eager_codes_and_follow_the_settings(policy)
         # each replay of its scale)
         want = list(range(S))
         assert whole == want
-        assert ws.scale_graph_settings.guidance_scale == cfg
+        assert ws.scale_graph_settings[0].guidance_scale == cfg          # (settings, the adapter's constants)
     pipe.release_memory()
 
 

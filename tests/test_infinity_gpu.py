@@ -126,8 +126,8 @@ def _codes(pipe, prompts, graphs, seed=3, **kw):
     lambda p: p.enable_scalekv(budget=0.3, min_tokens=50, drafters=(1,)),
 ], ids=["dense", "sparsevar-keep", "skip", "scalekv"])
 def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
-    """Dense scales replay whole from graphs, SparseVAR's subsets replay their layer stacks: the sampled
-    bits equal the eager run's bit for bit, at the capturing call and at a replaying one; with the
+    """Dense scales replay whole from graphs (compute, guidance, the bit draws, the latent), the
+    policies' scales with their hooks inside where their plans are static: the sampled bits equal the eager run's bit for bit, at the capturing call and at a replaying one; with the
     cross-attention as projections and in its absorbed form."""
     pipe = _tiny_bf16()
     pipe.adapter().absorb_cross_attention = absorb
@@ -139,6 +139,8 @@ def test_graphs_replay_eager_codes_exactly(kernels, setup, absorb):
     ws = pipe.adapter()._workspace
     n_graphs = len(ws.graphs)
     assert n_graphs > 0
+    if not len(pipe.policies):                                # dense: every scale whole, its bit draws inside
+        assert {k[1] for k in ws.graphs if k[0] == "scale"} == set(range(len(eager)))
     replayed = _codes(pipe, prompts, graphs=True)
     assert len(ws.graphs) == n_graphs                         # nothing captured again
     for a, b, c in zip(eager, captured, replayed):

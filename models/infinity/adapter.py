@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ...engine.adapter import ModelAdapter
 from ...engine.kv_cache import KVCache
-from ...engine.sampling import sample_codes_per_image
+from ...engine.sampling import sample_codes_per_image, takes_drawn_noise
 from ...engine.state import RunState
 from ...engine.workspace import Workspace
 from .._blocks import AbsorbedCrossMemory, CrossMemory, absorbs_cross_attention
@@ -196,7 +196,7 @@ class InfinityAdapter(ModelAdapter):
     """
 
     family = "infinity"
-    supports_scale_graphs = False    # its sample takes no pre-drawn noise: guidance and sampling stay eager
+    supports_scale_graphs = True
     sublayers = ("self_attn", "cross_attn", "ffn")
     choices = 2                                        # a bit per pair of logits
 
@@ -345,12 +345,24 @@ class InfinityAdapter(ModelAdapter):
         scaled = logits_RlV.mul(inv_tau)
         return cfg * scaled[:B] + (1 - cfg) * scaled[B:]
 
+    def scale_noise(self, si: int, run: RunState) -> Optional[tuple]:
+        """The (B·l·d, 2) Exp(1) noise of one draw per bit, when one generator on the model's device
+        draws it."""
+        if not takes_drawn_noise(run.generator, self.device):
+            return None
+        h, w = run.schedule.hw[si]
+        return (("exponential", (run.batch_size * h * w * self.transformer.config.token_dim, 2)),)
+
+    def scale_graph_constants(self, run: RunState) -> tuple:
+        return (run.model_state["temperature"],)
+
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         """One draw per bit: (B, l, 2d) logits → (B, l, d) int64 bits (top-k / top-p over each bit's
         two values; only top_k = 1 changes anything — greedy)."""
         B, l, V = guided_BlV.shape
         s = run.settings
-        bits_Bn = sample_codes_per_image(guided_BlV.reshape(B, l * V // 2, 2), s.top_k, s.top_p, run.generator)
+        bits_Bn = sample_codes_per_image(guided_BlV.reshape(B, l * V // 2, 2), s.top_k, s.top_p, run.generator,
+                                         noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
         return bits_Bn.view(B, l, V // 2)                                             # (B, l·d) → (B, l, d)
 
     def residual(self, si: int, bits_Bld: torch.Tensor, run: RunState) -> torch.Tensor:
