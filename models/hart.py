@@ -242,6 +242,8 @@ class _ResBlock(nn.Module):
 
 
 class _FinalLayer(nn.Module):
+    eps = 1e-6                                   # its LayerNorm's (no affine)
+
     def __init__(self, width: int, out: int):
         super().__init__()
         self.linear = nn.Linear(width, out)
@@ -249,7 +251,7 @@ class _FinalLayer(nn.Module):
 
     def forward(self, x, silu_y):
         shift, scale = self.adaLN_modulation[1](silu_y).chunk(2, dim=-1)
-        return self.linear(F.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift)
+        return self.linear(F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale) + shift)
 
 
 class DiffusionMLP(nn.Module):
@@ -265,12 +267,24 @@ class DiffusionMLP(nn.Module):
         self.res_blocks = nn.ModuleList(_ResBlock(width) for _ in range(depth))
         self.final_layer = _FinalLayer(width, 2 * z_channels)
 
-    def forward(self, x_NC: torch.Tensor, t_N: torch.Tensor, z_NC: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_NC: torch.Tensor, t_N: torch.Tensor, z_NC: torch.Tensor, fused=None) -> torch.Tensor:
+        """``fused``: a ``token_residual_norm_modulate`` (sparse_ops.kernels) that runs each block's
+        gated residual with the next block's LayerNorm and AdaLN in one step; None: the modules'
+        own steps (the reference's order of operations)."""
         x = self.input_proj(x_NC)
         silu_y = F.silu(self.time_embed(t_N) + self.cond_embed(z_NC))      # every block's AdaLN input
+        if fused is None:
+            for block in self.res_blocks:
+                x = block(x, silu_y)
+            return self.final_layer(x, silu_y)
+        h = gate = None
         for block in self.res_blocks:
-            x = block(x, silu_y)
-        return self.final_layer(x, silu_y)
+            shift, scale, next_gate = block.adaLN_modulation[1](silu_y).chunk(3, dim=-1)
+            x, y = fused(x, h, gate, scale, shift, block.in_ln.weight, block.in_ln.bias, block.in_ln.eps, x.dtype)
+            h, gate = block.mlp(y), next_gate
+        shift, scale = self.final_layer.adaLN_modulation[1](silu_y).chunk(2, dim=-1)
+        _, y = fused(x, h, gate, scale, shift, None, None, self.final_layer.eps, x.dtype)
+        return self.final_layer.linear(y)
 
 
 class _DiffLoss(nn.Module):
@@ -323,13 +337,13 @@ class RespacedIDDPM:
 
 def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch.Tensor,
                     z_uncond_NC: Optional[torch.Tensor], guidance: float, noise_init_NC: torch.Tensor,
-                    noise_steps: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+                    noise_steps: Sequence[torch.Tensor], temperature: float = 1.0, fused=None) -> torch.Tensor:
     """The continuous residual of N last-scale tokens (N, Cvae), already × 0.6 (hart.md §5).
 
     With ``z_uncond_NC`` (guidance), each step runs the net on [x; x] with [z_cond; z_uncond],
     guides ε = (1 + t)·ε_cond − t·ε_uncond and keeps the conditional half's variance value; without,
     the net runs on x with z_cond alone. ``noise_steps``: one (N, Cvae) draw per reverse step, in
-    loop order (the last is unused)."""
+    loop order (the last is unused). ``fused``: see :meth:`DiffusionMLP.forward`."""
     x = noise_init_NC.float()
     C = x.shape[1]
     dev = x.device
@@ -338,11 +352,11 @@ def sample_residual(net: DiffusionMLP, schedule: RespacedIDDPM, z_cond_NC: torch
     for i in reversed(range(len(schedule.timesteps))):
         t_N = torch.full((x.shape[0],), schedule.timesteps[i], device=dev, dtype=torch.int64)
         if z_uncond_NC is not None:
-            out = net(torch.cat((x, x)).to(dt), t_N.repeat(2), z_NC).float()
+            out = net(torch.cat((x, x)).to(dt), t_N.repeat(2), z_NC, fused).float()
             eps_c, eps_u = out[:, :C].chunk(2)
             eps, v = eps_c * (1 + guidance) - guidance * eps_u, out[:x.shape[0], C:]
         else:
-            out = net(x.to(dt), t_N, z_NC).float()
+            out = net(x.to(dt), t_N, z_NC, fused).float()
             eps, v = out[:, :C], out[:, C:]
         x0 = (schedule.at(schedule.sqrt_recip, i) * x - schedule.at(schedule.sqrt_recipm1, i) * eps).clamp(-1, 1)
         mean = schedule.at(schedule.coef1, i) * x0 + schedule.at(schedule.coef2, i) * x
@@ -875,7 +889,7 @@ class HARTAdapter(ModelAdapter):
         init, steps = self._diffusion_noise(run, B * l, Cv)
         z_uncond = z_RlC[B:].flatten(0, 1) if run.cfg_active else None
         r_NC = sample_residual(m.diffloss.net, m.sampler, z_RlC[:B].flatten(0, 1), z_uncond, self.guidance(si, run),
-                               init, steps)
+                               init, steps, fused=self.ops.token_residual_norm_modulate)
         tokens_BlC = residual_BlC + r_NC.view(B, l, Cv)
         ws.f_hat.add_(tokens_BlC.transpose(1, 2).reshape(B, Cv, p, p))
 

@@ -1,6 +1,6 @@
 """Triton: the dense path's per-layer elementwise steps, fused. Twins of ``ref.residual_norm_modulate``,
-``ref.qk_norm_store`` (VAR), ``ref.qk_norm_rope_store`` (Infinity) and ``ref.rope_half_store`` (HART),
-same signatures.
+``ref.token_residual_norm_modulate`` (HART's diffusion head), ``ref.qk_norm_store`` (VAR),
+``ref.qk_norm_rope_store`` (Infinity) and ``ref.rope_half_store`` (HART), same signatures.
 
 At small batches each elementwise kernel costs more in launch and ramp-up inside a CUDA graph than
 in work, so these kernels exist to remove launches: the gated residual, the next LayerNorm and the
@@ -90,6 +90,59 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
         x_RlC.stride(0), x_RlC.stride(1), b.stride(0), b.stride(1), g.stride(0), mul_R1C.stride(0),
         shift_R1C.stride(0), xo.stride(0), xo.stride(1), y.stride(0), y.stride(1),
         HAS_RES=has_res, RMS=rms, ROWS=rows, BLOCK_C=block_c, num_warps=warps, PDL=pdl, launch_pdl=pdl)
+    return xo, y
+
+
+@triton.jit
+def _token_residual_norm_mod_kernel(x_ptr, b_ptr, g_ptr, sc_ptr, sh_ptr, w_ptr, lb_ptr, xo_ptr, y_ptr, N, C, eps,
+                                    s_x, s_b, s_g, s_sc, s_sh, s_xo, s_y,
+                                    HAS_RES: tl.constexpr, AFFINE: tl.constexpr, ROWS: tl.constexpr,
+                                    BLOCK_C: tl.constexpr):
+    j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < C
+    m2 = (j < N)[:, None] & cm[None, :]
+    rows, cols = j[:, None], c[None, :]
+    if AFFINE:
+        w = _load_row(w_ptr, c, cm)
+        lb = _load_row(lb_ptr, c, cm)
+    else:
+        w = tl.full((BLOCK_C,), 1.0, tl.float32)
+        lb = tl.zeros((BLOCK_C,), tl.float32)
+    scale = tl.load(sc_ptr + rows * s_sc + cols, mask=m2, other=0.0).to(tl.float32)
+    shift = tl.load(sh_ptr + rows * s_sh + cols, mask=m2, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows * s_x + cols, mask=m2, other=0.0).to(tl.float32)
+    if HAS_RES:
+        g = tl.load(g_ptr + rows * s_g + cols, mask=m2, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + rows * s_b + cols, mask=m2, other=0.0).to(tl.float32)
+        x = x + b * g
+        tl.store(xo_ptr + rows * s_xo + cols, x.to(xo_ptr.dtype.element_ty), mask=m2)
+    y = _norm_modulate_rows(x, m2, C, eps, w, lb, False) * (1.0 + scale) + shift
+    tl.store(y_ptr + rows * s_y + cols, y.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+def token_residual_norm_modulate(x_NC: torch.Tensor, branch_NC: Optional[torch.Tensor], gate_NC: Optional[torch.Tensor],
+                                 scale_NC: torch.Tensor, shift_NC: torch.Tensor, weight_C: Optional[torch.Tensor],
+                                 bias_C: Optional[torch.Tensor], eps: float,
+                                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``ref.token_residual_norm_modulate``: the gated residual and the next
+    LayerNorm (affine optional) · (1 + scale) + shift with a modulation per token, in one pass; the
+    modulation may be column blocks of one product (any row stride)."""
+    N, C = x_NC.shape
+    has_res, affine = branch_NC is not None, weight_C is not None
+    tensors = (x_NC, scale_NC, shift_NC) + ((branch_NC, gate_NC) if has_res else ())
+    assert all(t.shape == (N, C) and t.stride(-1) == 1 for t in tensors), "(N, C) operands, contiguous in C"
+    y = torch.empty((N, C), dtype=out_dtype, device=x_NC.device)
+    xo = torch.empty_like(x_NC, memory_format=torch.contiguous_format) if has_res else x_NC
+    if N == 0:
+        return xo, y
+    block_c, rows, warps = _launch_shape(C)
+    b, g = (branch_NC, gate_NC) if has_res else (x_NC, x_NC)
+    w, lb = (weight_C.contiguous(), bias_C.contiguous()) if affine else (x_NC, x_NC)
+    _token_residual_norm_mod_kernel[(triton.cdiv(N, rows),)](
+        x_NC, b, g, scale_NC, shift_NC, w, lb, xo, y, N, C, float(eps),
+        x_NC.stride(0), b.stride(0), g.stride(0), scale_NC.stride(0), shift_NC.stride(0), xo.stride(0), y.stride(0),
+        HAS_RES=has_res, AFFINE=affine, ROWS=rows, BLOCK_C=block_c, num_warps=warps)
     return xo, y
 
 

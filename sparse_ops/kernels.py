@@ -113,7 +113,8 @@ class Kernels:
     ``sparse_ops.linear`` for products of at most ``SMALL_GEMM_ROWS`` rows; ``qk_norm_attend`` —
     VAR's q/k norm, cache write and unmasked attention in one launch, None under the other kinds;
     VAR's guidance (``cfg_guide``), scale input (``stage_embed``) and latent update
-    (``phi_accumulate``) and the cross-attention softmax in one launch each; torch.compile for the
+    (``phi_accumulate``), the cross-attention softmax and HART's diffusion-head AdaLN step
+    (``token_residual_norm_modulate``, None under the other kinds) in one launch each; torch.compile for the
     gated residual and HART's ``silu_mul``); ``"compile"``
     (each plain-torch step compiled by torch.compile at its first call, with dynamic token counts so
     every scale shares a kernel).
@@ -140,6 +141,8 @@ class Kernels:
         self._compiled: dict = {}         # a q/k step → its torch.compile wrapper ("compile" only)
         self.linear = dense_linear
         self.qk_norm_attend = None          # VAR's norm + cache write + attention in one launch ("triton" only)
+        # HART's diffusion head: gated residual + LayerNorm + per-token AdaLN in one launch ("triton" only)
+        self.token_residual_norm_modulate = None
         self.bias_softmax = ref.bias_softmax
         self.cfg_guide = ref.cfg_guide      # (1 + t)·cond − t·uncond in float32
         self.stage_embed = ref.stage_embed  # VAR's input map of a scale
@@ -160,6 +163,8 @@ class Kernels:
             self.qk_norm_rope_store = functools.partial(sparse_ops.qk_norm_rope_store, backend="triton")
             self.rope_half_store = functools.partial(sparse_ops.rope_half_store, backend="triton")
             self.qk_norm_attend = functools.partial(sparse_ops.qk_norm_attend, backend="triton")
+            self.token_residual_norm_modulate = functools.partial(sparse_ops.token_residual_norm_modulate,
+                                                                  backend="triton")
             self.linear = functools.partial(self._fused_linear, sparse_ops.linear)        # bound: reads the table
             self.bias_softmax = functools.partial(sparse_ops.bias_softmax, backend="triton")
             self.cfg_guide = functools.partial(sparse_ops.cfg_guide, backend="triton")

@@ -22,7 +22,8 @@ _TRITON_MODULES = {
     "restore_residual": "restore", "pivotal_tokens": "pivotal", "change_map": "select", "select_kept": "select",
     "anchor_match": "anchor", "attention_colsum": "colsum", "group_sparse_attention": "group_attention",
     "window_attention": "window_attention",
-    "residual_norm_modulate": "dense_fused", "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
+    "residual_norm_modulate": "dense_fused", "token_residual_norm_modulate": "dense_fused",
+    "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "rope_half_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
     "group_norm_silu": "group_norm", "stage_embed": "stage_embed", "phi_accumulate": "phi",
@@ -127,6 +128,16 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
     ``ref.residual_norm_modulate``)."""
     return implementation("residual_norm_modulate", backend, x_RlC.device)(x_RlC, branch_RlC, gate_R1C, mul_R1C,
                                                                            shift_R1C, eps, out_dtype, rms)
+
+
+def token_residual_norm_modulate(x_NC: torch.Tensor, branch_NC: Optional[torch.Tensor], gate_NC: Optional[torch.Tensor],
+                                 scale_NC: torch.Tensor, shift_NC: torch.Tensor, weight_C: Optional[torch.Tensor],
+                                 bias_C: Optional[torch.Tensor], eps: float, out_dtype: torch.dtype, *,
+                                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate·branch, (LN(·)·weight + bias)·(1 + scale) + shift) with a modulation per token, in
+    one pass (see ``ref.token_residual_norm_modulate``)."""
+    return implementation("token_residual_norm_modulate", backend, x_NC.device)(
+        x_NC, branch_NC, gate_NC, scale_NC, shift_NC, weight_C, bias_C, eps, out_dtype)
 
 
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],

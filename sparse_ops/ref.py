@@ -53,6 +53,23 @@ def residual_norm_modulate(x_RlC: torch.Tensor, branch_RlC: Optional[torch.Tenso
     return x_RlC, torch.addcmul(shift_R1C, y_RlC, mul_R1C).to(out_dtype)
 
 
+def token_residual_norm_modulate(x_NC: torch.Tensor, branch_NC: Optional[torch.Tensor], gate_NC: Optional[torch.Tensor],
+                                 scale_NC: torch.Tensor, shift_NC: torch.Tensor, weight_C: Optional[torch.Tensor],
+                                 bias_C: Optional[torch.Tensor], eps: float,
+                                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', y) with a modulation per token (MAR's diffusion MLP, HART's head): ``x' = x + gate ·
+    branch`` in x's dtype (``x' = x`` when ``branch`` is None) and ``y = (LN(x') · weight + bias) ·
+    (1 + scale) + shift`` in float32 (LayerNorm's affine optional: None, None for none) as
+    ``out_dtype``. ``gate``, ``scale`` and ``shift`` are (N, C) — column blocks of one modulation
+    product, with its row stride."""
+    if branch_NC is not None:
+        x_NC = torch.addcmul(x_NC, branch_NC, gate_NC).to(x_NC.dtype)
+    dt = torch.promote_types(x_NC.dtype, torch.float32)                                 # float64 oracle
+    w, b = (weight_C.to(dt), bias_C.to(dt)) if weight_C is not None else (None, None)
+    y = F.layer_norm(x_NC.to(dt), (x_NC.shape[-1],), w, b, eps)
+    return x_NC, torch.addcmul(shift_NC, y, 1 + scale_NC).to(out_dtype)
+
+
 def linear_residual_norm_modulate(h_RlK: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor],
                                   x_RlC: torch.Tensor, gate_R1C: torch.Tensor, mul_R1C: torch.Tensor,
                                   shift_R1C: torch.Tensor, eps: float,

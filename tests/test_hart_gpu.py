@@ -49,6 +49,32 @@ def test_hart_0_7b_real_size_random_weights_1024px(setup):
     pipe.release_memory()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_diffusion_head_tracks_the_plain_one(dtype):
+    """The diffusion MLP at the release size (width 1024, 6 blocks, random weights) with each block's
+    gated residual, LayerNorm and AdaLN in one Triton step: within twice the plain path's error
+    against the float64 net, in bf16 and float32."""
+    from sparsevar.models.hart import DiffusionMLP
+    from sparsevar.sparse_ops.kernels import Kernels
+    g = torch.Generator().manual_seed(0)
+    net = DiffusionMLP(32, 1536, 1024, 6)
+    with torch.no_grad():
+        for p in net.parameters():                  # nn's default init, bias and LayerNorm included
+            p.copy_(torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 else 0.3) + (1.0 if p.dim() == 1 and
+                                                                                           p.shape[0] == 1024 else 0.0))
+    x, z = torch.randn(4096, 32, generator=g), torch.randn(4096, 1536, generator=g)
+    t = torch.full((4096,), 499)
+    with torch.no_grad():
+        want = net.double()(x.double(), t, z.double())
+        net = net.to("cuda", dtype)
+        args = (x.to("cuda", dtype), t.cuda(), z.to("cuda", dtype))
+        plain = net(*args).double().cpu()
+        fused = net(*args, Kernels("triton").token_residual_norm_modulate).double().cpu()
+    e_plain, e_fused = (plain - want).abs().max().item(), (fused - want).abs().max().item()
+    assert e_fused <= 2 * e_plain + 1e-6 * want.abs().max().item(), (e_fused, e_plain)
+    assert not torch.equal(plain, fused)                # the fused step ran
+
+
 def _codes(pipe, prompts, graphs, seed=3):
     got = []
     out = pipe(prompts, generator=torch.Generator("cuda").manual_seed(seed), use_cuda_graphs=graphs, output_type="pt",

@@ -187,6 +187,35 @@ def _qk_rope_case(R, l, H, d, T, dtype, per_row, device):
     assert empty.shape == (R, H, 0, d)
 
 
+def _token_residual_case(N, C, dtype, device, affine=True):
+    """HART's diffusion-head step: gated residual + LayerNorm (with and without its affine) + AdaLN
+    per token, the modulation read as column blocks of one (N, 3C) product; with and without the
+    residual."""
+    from sparsevar.sparse_ops import dense_fused, ref
+    g = _gen(11)
+    x = _rand((N, C), g, device, dtype, scale=2.0, offset=0.3)
+    branch = _rand((N, C), g, device, dtype)
+    shift, scale, gate = _rand((N, 3 * C), g, device, dtype, scale=0.5).chunk(3, dim=-1)   # strided views
+    w, b = (_rand((C,), g, device, scale=0.2, offset=1.0), _rand((C,), g, device, scale=0.2)) if affine else (None, None)
+    d = [None if t is None else t.double() for t in (x, branch, gate, scale, shift, w, b)]
+    for res in (True, False):
+        args = (x, branch if res else None, gate if res else None, scale, shift, w, b, 1e-6, dtype)
+        got_x, got_y = dense_fused.token_residual_norm_modulate(*args)
+        want_x, want_y = ref.token_residual_norm_modulate(*args)
+        ox, oy = ref.token_residual_norm_modulate(d[0], d[1] if res else None, d[2] if res else None, *d[3:], 1e-6,
+                                                  torch.float64)
+        assert got_y.dtype == dtype and got_x.dtype == x.dtype
+        if res:
+            assert_close_to_oracle("token_residual_norm_modulate (x)", got_x, want_x, ox, one_step=True)
+        else:
+            assert got_x is x
+        # y normalises the float32 x' the kernel holds, the torch path its rounded copy: one step of x'
+        # in the normalised units at most (≈ eps · |x'| / std(x')), bounded by the oracle's scale
+        assert_close_to_oracle("token_residual_norm_modulate (y)", got_y, want_y, oy, one_step=True,
+                               extra_abs=8 * torch.finfo(dtype).eps * float(oy.abs().max())
+                               if res and dtype != torch.float32 else 0.0)
+
+
 def _rope_half_case(R, l, H, d, T, dtype, per_row, device):
     """HART's rotate-half RoPE with the cache write into slots [3, 3 + l) of layer 1; RoPE tables
     shared by the rows (1, l, d) or per row (R, l, d), as a subset of tokens has them."""
@@ -748,6 +777,21 @@ def _(device="cpu"):
 @case("residual_norm_modulate-R2-l13-C96-rms-bf16")
 def _(device="cpu"):
     _residual_norm_case(2, 13, 96, torch.bfloat16, device, rms=True)
+
+
+@case("token_residual_norm_modulate-N37-C96-bf16")
+def _(device="cpu"):
+    _token_residual_case(37, 96, torch.bfloat16, device)
+
+
+@case("token_residual_norm_modulate-N37-C96-fp32")
+def _(device="cpu"):
+    _token_residual_case(37, 96, torch.float32, device)
+
+
+@case("token_residual_norm_modulate-N19-C160-fp32-no-affine")
+def _(device="cpu"):
+    _token_residual_case(19, 160, torch.float32, device, affine=False)
 
 
 @case("rope_half_store-R2-l13-H3-d16-bf16-shared")
@@ -1406,6 +1450,8 @@ GPU_CASES = {
                                                                            False, device),
     "rope_half_store-R2-l777-H24-d64-bf16-per-row": lambda device: _rope_half_case(2, 777, 24, 64, 1200,
                                                                                   torch.bfloat16, True, device),
+    "token_residual_norm_modulate-N8192-C1024-bf16": lambda device: _token_residual_case(8192, 1024, torch.bfloat16,
+                                                                                        device),
     "residual_norm_modulate-R2-l4096-C1536-rms-bf16": lambda device: _residual_norm_case(2, 4096, 1536, torch.bfloat16,
                                                                                          device, rms=True),
     "linear_residual-R2-l9-K4096-C1536-rms-bf16": lambda device: _linear_residual_case(2, 9, 4096, 1536, False,
