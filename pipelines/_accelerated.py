@@ -1007,5 +1007,6 @@ class AcceleratedPipelineMixin:
         if output_type == "np":
             from diffusers.image_processor import VaeImageProcessor
             return VaeImageProcessor.pt_to_numpy(x.detach().clamp(0, 1))                 # (B, 3, H, W) → (B, H, W, 3)
-        u8_BHW3 = (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        return [PIL.Image.fromarray(a) for a in u8_BHW3]
+        # made contiguous on the device: a strided host array costs PIL a slow strided copy per picture
+        u8_BHW3 = (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return [PIL.Image.fromarray(a) for a in u8_BHW3.cpu().numpy()]                # (B, 3, H, W) → (B, H, W, 3)
