@@ -232,8 +232,9 @@ class GraphRunner:
         buffers kept per scale, by the calls the eager scale would make (so the same codes as the
         eager path; on a side stream, :meth:`draw_noise`), and handed over in ``run.drawn_noise``.
         Returns (guided logits, codes), or None (nothing drawn, nothing run) when the adapter cannot
-        take its draws made beforehand or the graph cannot be used now. The graph is keyed by the
-        draws too (an adapter's sampling variant draws differently).
+        take its draws made beforehand or the KV cache is not in the graph's state; where the graph
+        reads policy state that an eager scale made this time, the scale runs eagerly on the draws.
+        The graph is keyed by the draws too (an adapter's sampling variant draws differently).
 
         ``hooked``: the acting policies' hooks run inside the graph; the subset and the plan's tensors
         are read from static copies, and the graph is keyed by the subset size and the policies'
@@ -282,7 +283,10 @@ class GraphRunner:
 
         run.drawn_noise = [buf for _, buf in draws]
         try:
-            return self.run(key, scale, run, preserve=(adapter.latent(run),))
+            out = self.run(key, scale, run, preserve=(adapter.latent(run),))
+            # a graph that reads policy state an eager scale made this time cannot replay: the scale
+            # runs eagerly here, on the draws already made (drawing again would change the codes)
+            return out if out is not None else scale()
         finally:
             run.drawn_noise = None
 

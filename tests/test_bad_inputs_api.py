@@ -123,14 +123,12 @@ out["detached, weights kept"] = ws()
 demo.patcher.detach(unpatch_all=True)
 out["unloaded"] = ws()
 out["class"] = type(demo.patcher).__name__
-print(json.dumps(out))
+print("UNLOAD", json.dumps(out))
 """
 
 
-def test_comfyui_unloading_the_model_frees_its_workspace(run_with_comfyui, tmp_path):
-    r = run_with_comfyui(UNLOAD_SCRIPT, tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+def test_comfyui_unloading_the_model_frees_its_workspace(node_calls):
+    out = node_calls["UNLOAD"]
     assert out == {"after a call": True, "detached, weights kept": True, "unloaded": False,
                    "class": "WholeModelPatcher"}
 
@@ -173,14 +171,25 @@ try:
     out["preview"] = "no error"
 except Exception as e:
     out["preview"] = f"{type(e).__name__}: {e}"
-print(json.dumps(out))
+print("NODES", json.dumps(out))
 """
 
 
-def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(run_with_comfyui, tmp_path):
-    r = run_with_comfyui(NODE_SCRIPT, tmp_path)
+@pytest.fixture(scope="module")
+def node_calls(run_with_comfyui, tmp_path_factory):
+    """NODE_SCRIPT, then UNLOAD_SCRIPT, in one fresh interpreter (importing ComfyUI is most of their
+    time): {"NODES": its output, "UNLOAD": its output, "cwd": the empty folder they ran in}."""
+    cwd = tmp_path_factory.mktemp("comfyui-nodes")
+    r = run_with_comfyui(NODE_SCRIPT + UNLOAD_SCRIPT, cwd)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    got = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines()
+           if line.startswith(("NODES ", "UNLOAD "))}
+    assert set(got) == {"NODES", "UNLOAD"}, r.stdout[-3000:]
+    return {**got, "cwd": cwd}
+
+
+def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(node_calls):
+    out = node_calls["NODES"]
     for name, msg in out.items():
         assert msg.startswith("ValueError: ") and "\n" not in msg, (name, msg)
         assert "pipe." not in msg and "disable_" not in msg, (name, msg)   # no Python advice in a node
@@ -199,7 +208,7 @@ def test_node_widgets_get_one_line_that_names_the_node_and_the_widget(run_with_c
     assert "disconnect one of them" in out["both methods"]
     assert out["preview"].startswith("ValueError: Token Map Preview: these stats hold no token maps: connect a "
                                      "SparseVAR Settings node to the sampler's 'sparsevar' input")
-    assert sorted(p.name for p in tmp_path.iterdir()) == []           # nothing written where it ran
+    assert sorted(p.name for p in node_calls["cwd"].iterdir()) == []    # nothing written where they ran
 
 
 def test_save_pretrained_onto_a_file_names_it_and_leaves_the_file(tmp_path):
