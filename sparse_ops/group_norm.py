@@ -10,9 +10,10 @@ statistics, their combination per (image, group), and one normalising pass that 
 affine and SiLU and writes the result.
 
 Statistics are float32 and combined with Chan's parallel formula (block means and centred sums of
-squares), not as sums of squares, so a large mean does not cancel the variance. The Triton path
-needs a power-of-two group count and channels per group (the decoders' widths 128–512 in 32
-groups); the launcher falls back to the torch twin otherwise.
+squares), not as sums of squares, so a large mean does not cancel the variance. A program holds a
+tile of pixels × groups × channels per group, the last two padded to powers of two and masked
+(the BSQ-VAE's widths 128–512 in 32 groups need no padding; the VQVAE's 160–640 do); the launcher
+falls back to the torch twin past 2048 padded channels or 64 groups.
 
 Channels-first input (the VQVAE decoders of VAR, FlexVAR and HART, whose convolutions run NCHW)
 takes its own three kernels, for any group count: a group of an image is one contiguous range of
@@ -29,23 +30,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _gn_partial_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, HW, C, S,
-                       G: tl.constexpr, CPG: tl.constexpr, BLOCK_P: tl.constexpr):
+def _group_tile(x_ptr, b, p, HW, C, G: tl.constexpr, CPG: tl.constexpr, GP: tl.constexpr, CPGP: tl.constexpr):
+    """Pixels ``p`` of image ``b`` as a (BLOCK_P, GP, CPGP) float32 tile: group g's channel j at
+    [:, g, j], the padding (g ≥ G or j ≥ CPG, for counts that are not powers of two) and pixels past
+    HW zero; with the tile's offsets and mask."""
+    g = tl.arange(0, GP)
+    j = tl.arange(0, CPGP)
+    pm = p < HW
+    m3 = pm[:, None, None] & (g < G)[None, :, None] & (j < CPG)[None, None, :]
+    offs = b * HW * C + p.to(tl.int64)[:, None, None] * C + (g[:, None] * CPG + j[None, :])[None, :, :]
+    return tl.load(x_ptr + offs, mask=m3, other=0.0).to(tl.float32), offs, m3
+
+
+@triton.jit
+def _gn_partial_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, HW, C, S, G: tl.constexpr, CPG: tl.constexpr,
+                       GP: tl.constexpr, CPGP: tl.constexpr, BLOCK_P: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    c = tl.arange(0, G * CPG)
-    n_acc = tl.zeros((G,), dtype=tl.float32)
-    mean_acc = tl.zeros((G,), dtype=tl.float32)
-    m2_acc = tl.zeros((G,), dtype=tl.float32)
+    n_acc = tl.zeros((GP,), dtype=tl.float32)
+    mean_acc = tl.zeros((GP,), dtype=tl.float32)
+    m2_acc = tl.zeros((GP,), dtype=tl.float32)
     n_tiles = tl.cdiv(HW, BLOCK_P)
     for tile in range(s, n_tiles, S):                    # tiles s, s + S, … of image b
         p = tile * BLOCK_P + tl.arange(0, BLOCK_P)
-        pm = p < HW
-        x = tl.load(x_ptr + b * HW * C + p.to(tl.int64)[:, None] * C + c[None, :], mask=pm[:, None], other=0.0)
-        x3 = tl.reshape(x.to(tl.float32), (BLOCK_P, G, CPG))
-        n_t = tl.sum(pm.to(tl.float32), axis=0) * CPG
-        mean_t = tl.sum(tl.sum(x3, axis=2), axis=0) / n_t                          # (G,)
-        d3 = tl.where(tl.reshape(pm, (BLOCK_P, 1, 1)), x3 - mean_t[None, :, None], 0.0)
+        x3, _, m3 = _group_tile(x_ptr, b, p, HW, C, G, CPG, GP, CPGP)
+        n_t = tl.sum((p < HW).to(tl.float32), axis=0) * CPG
+        mean_t = tl.sum(tl.sum(x3, axis=2), axis=0) / n_t                          # (GP,)
+        d3 = tl.where(m3, x3 - mean_t[None, :, None], 0.0)
         m2_t = tl.sum(tl.sum(d3 * d3, axis=2), axis=0)
         # Chan: merge (n_acc, mean_acc, m2_acc) with this tile
         n_new = n_acc + n_t
@@ -53,8 +64,8 @@ def _gn_partial_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, HW, C, S,
         mean_acc = mean_acc + delta * (n_t / n_new)
         m2_acc = m2_acc + m2_t + delta * delta * (n_acc * n_t / n_new)
         n_acc = n_new
-    g = tl.arange(0, G)
-    out = (b * S + s) * G + g
+    g = tl.arange(0, GP)
+    out = (b * S + s) * GP + g
     tl.store(mean_ptr + out, mean_acc)
     tl.store(m2_ptr + out, m2_acc)
     tl.store(cnt_ptr + out, n_acc)
@@ -80,24 +91,23 @@ def _gn_finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, stat_ptr, S, eps, G: tl.const
 
 
 @triton.jit
-def _gn_apply_kernel(x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, HW, C,
-                     G: tl.constexpr, CPG: tl.constexpr, BLOCK_P: tl.constexpr, SILU: tl.constexpr):
+def _gn_apply_kernel(x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, HW, C, G: tl.constexpr, CPG: tl.constexpr,
+                     GP: tl.constexpr, CPGP: tl.constexpr, BLOCK_P: tl.constexpr, SILU: tl.constexpr):
     pb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    pm = p < HW
-    c = tl.arange(0, G * CPG)
-    offs = b * HW * C + p.to(tl.int64)[:, None] * C + c[None, :]
-    x = tl.load(x_ptr + offs, mask=pm[:, None], other=0.0).to(tl.float32)
-    g = tl.arange(0, G)
-    mean = tl.load(stat_ptr + (b * 2) * G + g)
-    rstd = tl.load(stat_ptr + (b * 2 + 1) * G + g)
-    x3 = tl.reshape(x, (BLOCK_P, G, CPG))
-    y = tl.reshape((x3 - mean[None, :, None]) * rstd[None, :, None], (BLOCK_P, G * CPG))
-    y = y * tl.load(w_ptr + c).to(tl.float32)[None, :] + tl.load(b_ptr + c).to(tl.float32)[None, :]
+    x3, offs, m3 = _group_tile(x_ptr, b, p, HW, C, G, CPG, GP, CPGP)
+    g = tl.arange(0, GP)
+    mean = tl.load(stat_ptr + (b * 2) * GP + g)
+    rstd = tl.load(stat_ptr + (b * 2 + 1) * GP + g)
+    c2 = g[:, None] * CPG + tl.arange(0, CPGP)[None, :]                          # (GP, CPGP) channel index
+    cm2 = (g < G)[:, None] & (tl.arange(0, CPGP) < CPG)[None, :]
+    w2 = tl.load(w_ptr + c2, mask=cm2, other=0.0).to(tl.float32)
+    b2 = tl.load(b_ptr + c2, mask=cm2, other=0.0).to(tl.float32)
+    y = (x3 - mean[None, :, None]) * rstd[None, :, None] * w2[None, :, :] + b2[None, :, :]
     if SILU:
         y = y / (1.0 + tl.exp(-y))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=pm[:, None])
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m3)
 
 
 @triton.jit
@@ -162,14 +172,16 @@ def _gn_apply_nchw_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, HW, BLOCK: tl.co
     tl.store(out_ptr + bc * HW + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _channels_last_ok(x_BCHW: torch.Tensor, groups: int) -> bool:
     B, C, H, W = x_BCHW.shape
-    return (x_BCHW.is_contiguous(memory_format=torch.channels_last) and C % groups == 0
-            and _pow2(groups) and _pow2(C // groups) and C <= 1024 and groups <= 64)
+    return (x_BCHW.is_contiguous(memory_format=torch.channels_last) and groups >= 1 and C % groups == 0
+            and _padded(groups, C // groups) <= 2048 and groups <= 64)
+
+
+def _padded(groups: int, cpg: int) -> int:
+    """Channels a channels-last program holds: groups and channels per group each padded to a power
+    of two."""
+    return triton.next_power_of_2(groups) * triton.next_power_of_2(cpg)
 
 
 def _channels_first_ok(x_BCHW: torch.Tensor, groups: int) -> bool:
@@ -177,9 +189,9 @@ def _channels_first_ok(x_BCHW: torch.Tensor, groups: int) -> bool:
 
 
 def supported(x_BCHW: torch.Tensor, groups: int) -> bool:
-    """Whether the kernels take this input: channels-last memory with power-of-two groups and
-    channels per group and at most 1024 channels, or contiguous channels-first memory with any
-    groups that divide the channels."""
+    """Whether the kernels take this input: channels-last memory with at most 64 groups and at most
+    2048 channels once groups and channels per group are padded to powers of two, or contiguous
+    channels-first memory; groups that divide the channels."""
     return _channels_last_ok(x_BCHW, groups) or _channels_first_ok(x_BCHW, groups)
 
 
@@ -214,19 +226,20 @@ def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.
         return ref.group_norm_silu(x_BCHW, weight_C, bias_C, groups, eps, silu)
     B, C, H, W = x_BCHW.shape
     HW, CPG = H * W, C // groups
+    GP, CPGP = triton.next_power_of_2(groups), triton.next_power_of_2(CPG)      # padded (masked) in the tiles
     out = torch.empty_like(x_BCHW)                                                  # channels-last as x
     if not (B and HW):
         return out
-    BLOCK_P = max(1, min(128, 8192 // C))
+    BLOCK_P = max(1, min(128, 8192 // (GP * CPGP)))
     n_tiles = triton.cdiv(HW, BLOCK_P)
     S = min(n_tiles, 256)                                   # partial-statistics programs per image
     dev = x_BCHW.device
-    part = torch.empty(3, B, S, groups, device=dev, dtype=torch.float32)           # mean, M2, count
-    stat = torch.empty(B, 2, groups, device=dev, dtype=torch.float32)              # mean, rstd
-    _gn_partial_kernel[(S, B)](x_BCHW, part[0], part[1], part[2], HW, C, S, G=groups, CPG=CPG,
+    part = torch.empty(3, B, S, GP, device=dev, dtype=torch.float32)               # mean, M2, count
+    stat = torch.empty(B, 2, GP, device=dev, dtype=torch.float32)                  # mean, rstd
+    _gn_partial_kernel[(S, B)](x_BCHW, part[0], part[1], part[2], HW, C, S, G=groups, CPG=CPG, GP=GP, CPGP=CPGP,
                                BLOCK_P=BLOCK_P, num_warps=4)
-    _gn_finalize_kernel[(B,)](part[0], part[1], part[2], stat, S, eps, G=groups,
+    _gn_finalize_kernel[(B,)](part[0], part[1], part[2], stat, S, eps, G=GP,
                               BLOCK_S=triton.next_power_of_2(S), num_warps=4)
-    _gn_apply_kernel[(n_tiles, B)](x_BCHW, weight_C, bias_C, stat, out, HW, C, G=groups, CPG=CPG,
+    _gn_apply_kernel[(n_tiles, B)](x_BCHW, weight_C, bias_C, stat, out, HW, C, G=groups, CPG=CPG, GP=GP, CPGP=CPGP,
                                    BLOCK_P=BLOCK_P, SILU=silu, num_warps=4)
     return out

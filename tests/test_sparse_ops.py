@@ -1035,6 +1035,16 @@ def _(device="cpu"):
     _group_norm_case(1, 32, 13, 3, 32, torch.bfloat16, False, device, offset=50.0)
 
 
+@case("group_norm_silu-B2-C40-5x7-G8-fp32-padded")
+def _(device="cpu"):       # 5 channels per group, padded to 8 in the tiles (the VQVAE's 160 in 32 groups)
+    _group_norm_case(2, 40, 5, 7, 8, torch.float32, True, device)
+
+
+@case("group_norm_silu-B1-C60-9x5-G6-bf16-padded-offset")
+def _(device="cpu"):       # 6 groups (padded to 8) of 10 channels (padded to 16)
+    _group_norm_case(1, 60, 9, 5, 6, torch.bfloat16, True, device, offset=3.0)
+
+
 @case("group_norm_silu-nchw-B2-C64-5x7-G8-fp32")
 def _(device="cpu"):
     _group_norm_case(2, 64, 5, 7, 8, torch.float32, True, device, channels_last=False)
@@ -1495,6 +1505,8 @@ GPU_CASES = {
     # the BSQ-VAE decoder's norms at 1024²: the top level (128 channels at 1024×1024) and the bottom (512 at 64×64)
     "group_norm_silu-B1-C128-1024x1024-G32-bf16": lambda device: _group_norm_case(1, 128, 1024, 1024, 32,
                                                                                   torch.bfloat16, True, device),
+    "group_norm_silu-B1-C160-1024x1024-G32-bf16-padded": lambda device: _group_norm_case(1, 160, 1024, 1024, 32,
+                                                                                        torch.bfloat16, True, device),
     "group_norm_silu-B2-C512-64x64-G32-bf16": lambda device: _group_norm_case(2, 512, 64, 64, 32, torch.bfloat16,
                                                                               True, device, offset=3.0),
     # VAR's latent update on its 32-channel 16 × 16 latent at batch 1 and 8; an odd map with a strided input
