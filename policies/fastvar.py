@@ -3,8 +3,8 @@
 At the last scales every self-attention / cross-attention / FFN sub-layer of the pruned layers runs
 only on its "pivotal" tokens — those farthest from the per-row spatial mean of the residual
 stream (a cheap high-frequency proxy), chosen afresh before each sub-layer and per batch row. The
-other tokens receive the same sub-layer's gated output cached at the last unpruned scale,
-area-upsampled. Pruned tokens add no K/V to that layer's cache. A ratio of 1.0 skips the scale.
+other tokens receive the same sub-layer's gated output cached at the last unpruned scale (in the
+blocks' dtype), area-upsampled. Pruned tokens add no K/V to that layer's cache. A ratio of 1.0 skips the scale.
 
 Scales are keyed by their index counted from the end, so a schedule works at every resolution and
 aspect ratio (the official code keys on map widths and silently does nothing on non-square maps).
@@ -149,7 +149,9 @@ class FastVARPolicy(Policy):
         R, L, C = x_RLC.shape
         if si == st["cache_si"]:                       # remember every gated branch output
             out_RLC = sub.residual(x_RLC)
-            st["cache"] = {**st["cache"], key: (out_RLC, run.schedule.hw[si])}   # a new dict: see ScalePlan.writes
+            # kept in the blocks' dtype (bf16 on a GPU: half the memory of the float32 residual, for
+            # values that leave a bf16 product); a new dict: see ScalePlan.writes
+            st["cache"] = {**st["cache"], key: (out_RLC.to(run.dtype), run.schedule.hw[si])}
             return x_RLC + out_RLC
         r = self._ratio(si, run)
         if r is None or r == 0.0:

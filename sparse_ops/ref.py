@@ -314,13 +314,14 @@ def restore_residual(x_RLC: torch.Tensor, idx_Rn: torch.Tensor, branch_RnC: torc
                      slot_RL: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FastVAR's restore: ``x + (kept ? gate · branch[slot] : area_upsample(cache))`` over all L
     tokens, in float32. ``branch_RnC`` is the sub-layer's output for tokens ``idx_Rn``; the cache
-    (gated branch output of the same sub-layer at the cache scale, (≥R, hc·wc, C)) is upsampled
+    (gated branch output of the same sub-layer at the cache scale, (≥R, hc·wc, C), any float dtype) is upsampled
     from ``cache_hw`` to ``hw`` with area interpolation. ``slot_RL``: ``slot_map(idx_Rn, L)`` when
     the caller already has it (``pivotal_tokens(..., slots=True)``), so the Triton twin need not
     build it; the result is defined by ``idx_Rn`` alone."""
     R, L, C = x_RLC.shape
     (hc, wc), (h, w) = cache_hw, hw
-    cached_RChw = cache_RlC[:R].transpose(1, 2).reshape(R, C, hc, wc)                # (R, hw, C) → (R, C, h, w)
+    cache_RlC = cache_RlC[:R].to(torch.promote_types(cache_RlC.dtype, torch.float32))   # a bf16 cache: float32
+    cached_RChw = cache_RlC.transpose(1, 2).reshape(R, C, hc, wc)                     # (R, hw, C) → (R, C, h, w)
     update_RLC = F.interpolate(cached_RChw, size=(h, w), mode="area").reshape(R, C, L).transpose(1, 2)  # → (R, L, C)
     fresh_RnC = branch_RnC.float() * gate_R1C
     update_RLC = update_RLC.scatter(1, idx_Rn.long().unsqueeze(-1).expand(R, idx_Rn.shape[1], C), fresh_RnC)

@@ -339,6 +339,24 @@ def test_fastvar_ratio_one_skips_the_final_scales(pipe):
     assert [s.skipped for s in out.stats[0].scales][-2:] == [False, True] and len(codes) == 9
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fastvar_keeps_its_cache_in_the_blocks_dtype(var_official_files, monkeypatch, dtype):
+    """The cache scale's gated branch outputs are kept in the blocks' dtype — bf16 blocks: bf16, half
+    the memory of the float32 residual stream — and the pruned scales restore from them."""
+    from sparsevar.sparse_ops import ops as sparse_ops
+    p = VARPipeline.from_single_file(var_official_files["var"], var_official_files["vae"], dtype=dtype)
+    p.set_progress_bar_config(disable=True)
+    seen, real = [], sparse_ops.restore_residual
+
+    def spy(x, idx, branch, gate, cache, *args, **kwargs):
+        seen.append(cache.dtype)
+        return real(x, idx, branch, gate, cache, *args, **kwargs)
+    monkeypatch.setattr(sparse_ops, "restore_residual", spy)
+    out, _ = _run(p.enable_fastvar())
+    assert seen and set(seen) == {dtype}
+    assert torch.isfinite(out.images).all()
+
+
 def test_skip_last_decodes_the_latent_of_the_scales_run(pipe):
     latents = []
     pipe([3], generator=torch.Generator().manual_seed(0), output_type="latent",

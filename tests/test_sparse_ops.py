@@ -396,7 +396,7 @@ def _gather_norm_case(shape, C, out_dtype, device):
     assert torch.equal(gm.scatter_rows(xb, idx, y), ref.scatter_rows(xb, idx, y))
 
 
-def _restore_case(shape, cache_hw, C, device):
+def _restore_case(shape, cache_hw, C, device, cache_dtype=torch.float32):
     ref, _, rs, *_ = _ops()
     B, h, w = shape
     R, L = 2 * B, h * w
@@ -406,7 +406,7 @@ def _restore_case(shape, cache_hw, C, device):
     idx = _subset(R, L, n, g, device)
     branch = _rand((R, n, C), g, device, dtype=torch.bfloat16)
     gate = _rand((R, 1, C), g, device, scale=0.5)
-    cache = _rand((R + 2, cache_hw[0] * cache_hw[1], C), g, device)   # the cache may hold more rows (CFG dropped)
+    cache = _rand((R + 2, cache_hw[0] * cache_hw[1], C), g, device, cache_dtype)   # may hold more rows (CFG dropped)
     got = rs.restore_residual(x, idx, branch, gate, cache, cache_hw, (h, w))
     want = ref.restore_residual(x, idx, branch, gate, cache, cache_hw, (h, w))
     oracle = ref.restore_residual(x.double(), idx, branch.double(), gate.double(), cache.double(), cache_hw, (h, w))
@@ -658,6 +658,11 @@ def _(device="cpu"):
 @case("restore_residual-1x13x13-from-10x10-C96")
 def _(device="cpu"):
     _restore_case(SHAPES["1x13x13"], (10, 10), 96, device)
+
+
+@case("restore_residual-1x9x9-from-6x6-C48-bf16-cache")
+def _(device="cpu"):       # FastVAR keeps its cache in the blocks' dtype
+    _restore_case((1, 9, 9), (6, 6), 48, device, cache_dtype=torch.bfloat16)
 
 
 @case("restore_residual-3x11x19-from-5x7-C64")
