@@ -833,17 +833,22 @@ class HARTAdapter(ModelAdapter):
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s, drawn = run.settings, run.drawn_noise
         k = s.top_k or next(k for below, k in REFERENCE_TOP_K if below is None or si < below)
-        codes_Bl = sample_codes_per_image(guided_BlV, k, s.top_p, run.generator, noise_NV=drawn[0] if drawn else None)
-        if run.model_state["smooth"]:                   # its Gumbel draws follow the codes', as in the reference
-            B, l, V = guided_BlV.shape
-            masked_BlV = filter_top_k_top_p(guided_BlV.reshape(B * l, V), k, s.top_p).view(B, l, V)
-            gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
-            rows = [masked_BlV] if len(gens) == 1 else list(masked_BlV.split(1))
-            exp_BlV = drawn[1].view(B, l, V) if drawn else \
-                torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
-            tau = max(0.27 * (1 - 0.95 * self.ratio(si, run)), 0.005)
-            weights_BlV = ((masked_BlV * (1 + self.ratio(si, run)) - exp_BlV.log()) / tau).softmax(-1)
-            run.model_state["mixture_BlC"] = weights_BlV @ self.vqvae.quantize.embedding.weight.float()
+        noise_NV = drawn[0] if drawn else None
+        if not run.model_state["smooth"]:
+            return sample_codes_per_image(guided_BlV, k, s.top_p, run.generator, noise_NV=noise_NV)
+        # smooth: one filtering serves the codes and the mixture (the codes' draw from the filtered
+        # logits filters nothing more: the same codes); its Gumbel draws follow the codes', as in the
+        # reference
+        B, l, V = guided_BlV.shape
+        masked_BlV = filter_top_k_top_p(guided_BlV.reshape(B * l, V), k, s.top_p).view(B, l, V)
+        codes_Bl = sample_codes_per_image(masked_BlV, 0, 0.0, run.generator, noise_NV=noise_NV)
+        gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
+        rows = [masked_BlV] if len(gens) == 1 else list(masked_BlV.split(1))
+        exp_BlV = drawn[1].view(B, l, V) if drawn else \
+            torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
+        tau = max(0.27 * (1 - 0.95 * self.ratio(si, run)), 0.005)
+        weights_BlV = ((masked_BlV * (1 + self.ratio(si, run)) - exp_BlV.log()) / tau).softmax(-1)
+        run.model_state["mixture_BlC"] = weights_BlV @ self.vqvae.quantize.embedding.weight.float()
         return codes_Bl
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
