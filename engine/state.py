@@ -166,6 +166,11 @@ class RunState:
     drawn_noise: Optional[list] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
+    def drawn(self, k: int) -> Optional[torch.Tensor]:
+        """Draw ``k`` of this scale's random draws when the engine made them beforehand
+        (``drawn_noise``), else None: the adapter draws it itself."""
+        return self.drawn_noise[k] if self.drawn_noise else None
+
     @property
     def shape_cache(self) -> dict:
         """Constants a policy derives from shapes alone (e.g. an anchor grid), kept with the workspace

@@ -274,8 +274,7 @@ class FlexVARAdapter(VARAdapter):
         s, pn = run.settings, run.schedule.hw[si][0]
         greedy = pn > run.model_state["max_pn"] or pn not in TRAINED_SIDES
         return sample_codes_per_image(guided_BlV, 1 if greedy else s.top_k, s.top_p, run.generator,
-                                      fused=self.ops.kind == "triton",
-                                      noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
+                                      fused=self.ops.kind == "triton", noise_NV=run.drawn(0))
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         """What the scale changes, (B, l, Cvae): the normalised code vectors minus the scale's input

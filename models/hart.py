@@ -831,9 +831,9 @@ class HARTAdapter(ModelAdapter):
         return (run.model_state["smooth"],)
 
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
-        s, drawn = run.settings, run.drawn_noise
+        s = run.settings
         k = s.top_k or next(k for below, k in REFERENCE_TOP_K if below is None or si < below)
-        noise_NV = drawn[0] if drawn else None
+        noise_NV = run.drawn(0)
         if not run.model_state["smooth"]:
             return sample_codes_per_image(guided_BlV, k, s.top_p, run.generator, noise_NV=noise_NV)
         # smooth: one filtering serves the codes and the mixture (the codes' draw from the filtered
@@ -844,7 +844,7 @@ class HARTAdapter(ModelAdapter):
         codes_Bl = sample_codes_per_image(masked_BlV, 0, 0.0, run.generator, noise_NV=noise_NV)
         gens = run.generator if isinstance(run.generator, (list, tuple)) else [run.generator]
         rows = [masked_BlV] if len(gens) == 1 else list(masked_BlV.split(1))
-        exp_BlV = drawn[1].view(B, l, V) if drawn else \
+        exp_BlV = run.drawn(1).view(B, l, V) if run.drawn_noise else \
             torch.cat([torch.empty_like(r).exponential_(generator=g) for r, g in zip(rows, gens)])
         tau = max(0.27 * (1 - 0.95 * self.ratio(si, run)), 0.005)
         weights_BlV = ((masked_BlV * (1 + self.ratio(si, run)) - exp_BlV.log()) / tau).softmax(-1)

@@ -514,7 +514,7 @@ class VARAdapter(ModelAdapter):
     def sample(self, si: int, guided_BlV: torch.Tensor, run: RunState) -> torch.Tensor:
         s = run.settings
         return sample_codes_per_image(guided_BlV, s.top_k, s.top_p, run.generator, fused=self.ops.kind == "triton",
-                                      noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
+                                      noise_NV=run.drawn(0))
 
     def residual(self, si: int, codes_Bl: torch.Tensor, run: RunState) -> torch.Tensor:
         # indexing, not F.embedding, whose index_select kernel for few indices is slower (the same

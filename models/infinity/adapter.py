@@ -362,7 +362,7 @@ class InfinityAdapter(ModelAdapter):
         B, l, V = guided_BlV.shape
         s = run.settings
         bits_Bn = sample_codes_per_image(guided_BlV.reshape(B, l * V // 2, 2), s.top_k, s.top_p, run.generator,
-                                         noise_NV=run.drawn_noise[0] if run.drawn_noise else None)
+                                         noise_NV=run.drawn(0))
         return bits_Bn.view(B, l, V // 2)                                             # (B, l·d) → (B, l, d)
 
     def residual(self, si: int, bits_Bld: torch.Tensor, run: RunState) -> torch.Tensor:
