@@ -18,23 +18,80 @@ MAX_LOG_TEMPERATURE = math.log(100.0)    # cosine attention: q's learned tempera
 FUSED_GROUP_NORM_MIN_VALUES = 1 << 18
 
 
-def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True) -> torch.Tensor:
-    """``norm(x)``, then SiLU when ``silu``: the VAE decoders' GroupNorm + SiLU. A GroupNorm on a
-    CUDA input that autograd does not track takes the fused kernel of ``sparse_ops.group_norm_silu``
-    (float32 statistics, the result in x's dtype and memory layout) when the input is channels-last,
-    or channels-first with at least ``FUSED_GROUP_NORM_MIN_VALUES`` values per (image, group);
-    anything else, and any other norm, runs PyTorch's."""
-    if isinstance(norm, nn.GroupNorm) and norm.affine and x_BChw.is_cuda and x_BChw.dim() == 4:
-        B, C, H, W = x_BChw.shape
-        grad = torch.is_grad_enabled() and (x_BChw.requires_grad or norm.weight.requires_grad)
-        large = C // norm.num_groups * H * W >= FUSED_GROUP_NORM_MIN_VALUES
-        if not grad and (large or x_BChw.is_contiguous(memory_format=torch.channels_last)):
-            from ..sparse_ops import ops as sparse_ops
+def _fused_norm(norm: nn.Module, x_BChw: torch.Tensor) -> bool:
+    """Whether :func:`norm_silu` takes the fused kernel for this norm and input."""
+    if not (isinstance(norm, nn.GroupNorm) and norm.affine and x_BChw.is_cuda and x_BChw.dim() == 4):
+        return False
+    if torch.is_grad_enabled() and (x_BChw.requires_grad or norm.weight.requires_grad):
+        return False
+    B, C, H, W = x_BChw.shape
+    return C // norm.num_groups * H * W >= FUSED_GROUP_NORM_MIN_VALUES \
+        or x_BChw.is_contiguous(memory_format=torch.channels_last)
 
-            return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu)
+
+def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True,
+              x_bias_C: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``norm(x + x_bias)``, then SiLU when ``silu``: the VAE decoders' GroupNorm + SiLU (``x_bias_C``:
+    the per-channel bias of the convolution that made x, run without it). A GroupNorm on a CUDA input
+    that autograd does not track takes the fused kernel of ``sparse_ops.group_norm_silu`` (float32
+    statistics, the result in x's dtype and memory layout, the bias added as it reads) when the input
+    is channels-last, or channels-first with at least ``FUSED_GROUP_NORM_MIN_VALUES`` values per
+    (image, group); anything else, and any other norm, runs PyTorch's."""
+    if _fused_norm(norm, x_BChw):
+        from ..sparse_ops import ops as sparse_ops
+
+        return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu, x_bias_C)
+    if x_bias_C is not None:
+        x_BChw = x_BChw + x_bias_C.view(1, -1, 1, 1)
     y = norm(x_BChw)
     return F.silu(y) if silu else y
 
+
+def _conv_without_bias(conv: nn.Conv2d, x_BChw: torch.Tensor) -> torch.Tensor:
+    return conv._conv_forward(x_BChw, conv.weight, None)
+
+
+def resnet_block(x_BChw: torch.Tensor, norm1: nn.Module, conv1: nn.Conv2d, norm2: nn.Module, conv2: nn.Conv2d,
+                 shortcut: Optional[nn.Conv2d] = None, fold: Optional[bool] = None) -> torch.Tensor:
+    """The VAE decoders' residual block: norm1 → SiLU → conv1 → norm2 → SiLU → conv2, plus x (through
+    the 1×1 ``shortcut`` where the width changes).
+
+    Folded, the three convolutions run without their biases: conv1's is added by norm2 as it reads
+    (:func:`norm_silu`), conv2's and the shortcut's by the residual add
+    (``sparse_ops.residual_bias_add``), which saves two passes over the activation per block. ``fold``
+    None folds on the decoders' fast path (channels-last input on the fused norms: the half-precision
+    decodes on CUDA); elsewhere (channels-first, CPU, autograd, other norms) the modules run as they
+    are. ``fold=True`` folds anywhere (the same sum, in another order)."""
+    if fold is None:
+        fold = _fused_norm(norm1, x_BChw) and not x_BChw.is_contiguous() \
+            and x_BChw.is_contiguous(memory_format=torch.channels_last)
+    fold = fold and isinstance(norm2, nn.GroupNorm) and conv1.bias is not None and conv2.bias is not None \
+        and (shortcut is None or shortcut.bias is not None)
+    if not fold:
+        h_BChw = conv2(norm_silu(norm2, conv1(norm_silu(norm1, x_BChw))))
+        return (x_BChw if shortcut is None else shortcut(x_BChw)) + h_BChw
+    from ..sparse_ops import ops as sparse_ops
+
+    h_BChw = _conv_without_bias(conv1, norm_silu(norm1, x_BChw))
+    h_BChw = _conv_without_bias(conv2, norm_silu(norm2, h_BChw, x_bias_C=conv1.bias))          # conv1's bias
+    if shortcut is None:
+        return sparse_ops.residual_bias_add(x_BChw, h_BChw, conv2.bias)
+    return sparse_ops.residual_bias_add(_conv_without_bias(shortcut, x_BChw), h_BChw, conv2.bias + shortcut.bias)
+
+
+# below this many output channels cuDNN's channels-last half-precision convolution runs a slow
+# generic kernel (benchmarks/results, Session 38)
+_FEW_OUTPUT_CHANNELS = 8
+
+
+def output_conv(conv: nn.Conv2d, x_BChw: torch.Tensor) -> torch.Tensor:
+    """A decoder's last convolution (to the 3 image channels): channels-last input is made
+    channels-first first when the convolution has few output channels, where cuDNN has no fast
+    channels-last kernel."""
+    if conv.out_channels < _FEW_OUTPUT_CHANNELS and x_BChw.is_cuda and not x_BChw.is_contiguous() \
+            and x_BChw.is_contiguous(memory_format=torch.channels_last):
+        x_BChw = x_BChw.contiguous()
+    return conv(x_BChw)
 
 
 def _walk_parameters(module: nn.Module, out: list) -> list:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from ._blocks import norm_silu
+from ._blocks import norm_silu, output_conv, resnet_block
 
 
 def code_value(d: int) -> float:
@@ -103,10 +103,8 @@ class _ResnetBlock(nn.Module):
             self.nin_shortcut = _Conv(cin, cout, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(self.norm1(x, silu=True))
-        h = self.conv2(self.norm2(h, silu=True))
-        skip = self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x
-        return skip + h
+        return resnet_block(x, self.norm1.norm, self.conv1.conv, self.norm2.norm, self.conv2.conv,
+                            self.nin_shortcut.conv if hasattr(self, "nin_shortcut") else None)
 
 
 class _Downsample(nn.Module):
@@ -207,7 +205,7 @@ class _Decoder(nn.Module):
                 h = blk(h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return self.conv_out(self.norm_out(h, silu=True))
+        return output_conv(self.conv_out.conv, self.norm_out(h, silu=True))
 
 
 class BSQVAE(ModelMixin, ConfigMixin):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from ._blocks import norm_silu
+from ._blocks import norm_silu, output_conv, resnet_block
 
 __all__ = ["MultiScaleVQVAE", "phi_index_table"]
 
@@ -149,9 +149,8 @@ class ResnetBlock(nn.Module):
             self.nin_shortcut = nn.Identity()
 
     def forward(self, x_BChw: torch.Tensor) -> torch.Tensor:
-        h_BChw = self.conv1(norm_silu(self.norm1, x_BChw))
-        h_BChw = self.conv2(norm_silu(self.norm2, h_BChw))
-        return self.nin_shortcut(x_BChw) + h_BChw
+        shortcut = None if isinstance(self.nin_shortcut, nn.Identity) else self.nin_shortcut
+        return resnet_block(x_BChw, self.norm1, self.conv1, self.norm2, self.conv2, shortcut)
 
 
 class AttnBlock(nn.Module):
@@ -177,6 +176,8 @@ class AttnBlock(nn.Module):
         attn_BLL = F.softmax(attn_BLL, dim=2)
         out_BCL = torch.bmm(v_BCL, attn_BLL.permute(0, 2, 1))  # out[c, query] = sum_key v[c, key] * a[query, key]
         out_BChw = out_BCL.reshape(B, C, h, w)  # (B, C, h*w) -> (B, C, h, w)
+        if x_BChw.is_contiguous(memory_format=torch.channels_last) and not x_BChw.is_contiguous():
+            out_BChw = out_BChw.contiguous(memory_format=torch.channels_last)   # a channels-last decoder stays so
         return x_BChw + self.proj_out(out_BChw)
 
 
@@ -308,7 +309,7 @@ class Decoder(nn.Module):
             h_BChw = level.run_blocks(h_BChw)
             if i_level != 0:
                 h_BChw = level.upsample(h_BChw)
-        return self.conv_out(norm_silu(self.norm_out, h_BChw))
+        return output_conv(self.conv_out, norm_silu(self.norm_out, h_BChw))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -749,11 +750,18 @@ class MultiScaleVQVAE(ModelMixin, ConfigMixin):
 
     # -------------------------------------------------------------------------------- decode
     def fhat_to_img(self, f_hat_BChw: torch.Tensor) -> torch.Tensor:
-        """``decoder(post_quant_conv(f_hat))`` clamped to [-1, 1] (new tensor; input untouched)."""
+        """``decoder(post_quant_conv(f_hat))`` clamped to [-1, 1] (new tensor; input untouched), in the
+        weights' dtype. A bf16 / fp16 decoder on CUDA runs channels-last (the memory layout cuDNN's
+        half-precision convolutions work in; channels-first they transpose around every call) with the
+        fused GroupNorm + SiLU kernels and the convolutions' biases folded into them; the result is
+        channels-first."""
         if f_hat_BChw.ndim != 4 or f_hat_BChw.shape[1] != self.z_channels:
             raise ValueError(f"f_hat_BChw must be B x {self.z_channels} x h x w, got {tuple(f_hat_BChw.shape)}")
-        z_BChw = self.post_quant_conv(f_hat_BChw.to(self.post_quant_conv.weight.dtype))
-        return self.decoder(z_BChw).clamp(-1.0, 1.0)
+        wdtype = self.post_quant_conv.weight.dtype
+        z_BChw = self.post_quant_conv(f_hat_BChw.to(wdtype))
+        if z_BChw.is_cuda and wdtype in (torch.bfloat16, torch.float16):
+            z_BChw = z_BChw.contiguous(memory_format=torch.channels_last)
+        return self.decoder(z_BChw).clamp(-1.0, 1.0).contiguous()
 
     def idx_to_img(self, idx_list: Sequence[torch.Tensor], schedule: Schedule | None = None) -> torch.Tensor:
         """Codes of all scales -> image in [-1, 1] (B, 3, 16h, 16w for the official model)."""

@@ -26,7 +26,7 @@ _TRITON_MODULES = {
     "linear_residual_norm_modulate": "linear_residual", "qk_norm_store": "dense_fused",
     "qk_norm_rope_store": "dense_fused", "rope_half_store": "dense_fused", "qk_norm_attend": "cache_attention", "linear": "linear",
     "sample_top_k_top_p": "sample", "bias_softmax": "softmax", "cfg_guide": "guidance",
-    "group_norm_silu": "group_norm", "stage_embed": "stage_embed", "phi_accumulate": "phi",
+    "group_norm_silu": "group_norm", "residual_bias_add": "bias_add", "stage_embed": "stage_embed", "phi_accumulate": "phi",
 }
 
 
@@ -210,11 +210,19 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
-                    silu: bool = True, *, backend: str = "auto") -> torch.Tensor:
-    """GroupNorm + affine (+ SiLU) in x's dtype; on the Triton path channels-last input keeps its
-    layout and contiguous channels-first input takes the channels-first kernels (see
-    ``ref.group_norm_silu``)."""
-    return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu)
+                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None, *,
+                    backend: str = "auto") -> torch.Tensor:
+    """GroupNorm + affine (+ SiLU) of x (+ ``x_bias_C`` per channel) in x's dtype; on the Triton path
+    channels-last input keeps its layout and contiguous channels-first input takes the
+    channels-first kernels (see ``ref.group_norm_silu``)."""
+    return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu,
+                                                                     x_bias_C)
+
+
+def residual_bias_add(x_BCHW: torch.Tensor, h_BCHW: torch.Tensor, bias_C: torch.Tensor, *,
+                      backend: str = "auto") -> torch.Tensor:
+    """``x + h + bias`` per channel in h's dtype and layout (see ``ref.residual_bias_add``)."""
+    return implementation("residual_bias_add", backend, h_BCHW.device)(x_BCHW, h_BCHW, bias_C)
 
 
 def phi_accumulate(h_BChw: torch.Tensor, weight_CC33: torch.Tensor, bias_C: torch.Tensor, ratio: float,

@@ -266,13 +266,31 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
-                    silu: bool = True) -> torch.Tensor:
+                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GroupNorm (statistics and normalisation in float32) with its affine, then SiLU when ``silu``;
-    returned in x's dtype."""
-    y = F.group_norm(x_BCHW.float(), groups, weight_C.float(), bias_C.float(), eps)
+    returned in x's dtype. ``x_bias_C``: a per-channel bias added to x first (in float32), e.g. the
+    bias of the convolution that made x."""
+    x = x_BCHW.float()
+    if x_bias_C is not None:
+        x = x + x_bias_C.float().view(1, -1, 1, 1)
+    y = F.group_norm(x, groups, weight_C.float(), bias_C.float(), eps)
     if silu:
         y = F.silu(y)
     return y.to(x_BCHW.dtype)
+
+
+def residual_bias_add(x_BCHW: torch.Tensor, h_BCHW: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:
+    """``x + h + bias`` per channel, added in float32 and returned in h's dtype and memory layout:
+    a residual connection whose branch is a convolution run without its bias."""
+    y = x_BCHW.float() + h_BCHW.float() + bias_C.float().view(1, -1, 1, 1)
+    return y.to(h_BCHW.dtype).contiguous(memory_format=_layout(h_BCHW))
+
+
+def _layout(x_BCHW: torch.Tensor) -> torch.memory_format:
+    """channels_last where x is stored so (and is not also plain contiguous), else contiguous."""
+    if x_BCHW.is_contiguous(memory_format=torch.channels_last) and not x_BCHW.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 def gather_rows(x_RLC: torch.Tensor, idx_Rn: torch.Tensor) -> torch.Tensor:

@@ -333,3 +333,29 @@ def test_fused_linear_pads_rows_from_the_gpus_table():
             ref64 = torch.nn.functional.gelu(ref64, approximate="tanh")
         err, err_plain = (got.double() - ref64).abs().max().item(), (plain.double() - ref64).abs().max().item()
         assert err <= 2 * err_plain + torch.finfo(torch.bfloat16).eps * ref64.abs().max().item(), (key, err, err_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_vqvae_decode_runs_channels_last_and_errs_like_channels_first(dtype):
+    """HART's tokenizer width (160 channels, 5 per group) at 256²: the half-precision decode runs
+    channels-last on the fused norms with the convolutions' biases folded into them, and its error
+    against the float64 decode is at most twice that of the same weights run channels-first (the
+    modules as they are: each convolution adds its bias, the norms unfused or channels-first)."""
+    from sparsevar.models.vqvae import MultiScaleVQVAE
+    torch.manual_seed(0)
+    vq = MultiScaleVQVAE(vocab_size=4096, z_channels=32, ch=160, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2,
+                         patch_nums=(1, 2, 4, 8, 16)).eval().cuda()
+    with torch.no_grad():
+        for name, p in vq.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)                            # the folding moves the biases: make them count
+        f_hat = torch.randn(1, 32, 16, 16, device="cuda")
+        oracle = vq.double().fhat_to_img(f_hat.double())
+        vq.to(dtype)
+        fast = vq.fhat_to_img(f_hat)
+        z = vq.post_quant_conv(f_hat.to(dtype))                              # the same decode, channels-first
+        plain = vq.decoder(z.contiguous()).clamp(-1, 1)
+    assert fast.shape == oracle.shape == (1, 3, 256, 256) and fast.is_contiguous()
+    e_fast, e_plain = (fast.double() - oracle).abs().max().item(), (plain.double() - oracle).abs().max().item()
+    assert e_plain > 0 and e_fast <= 2 * e_plain + 1e-3, (e_fast, e_plain)
+    assert oracle.std() > 0.05                                               # a picture, not a constant

@@ -351,24 +351,49 @@ def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
         assert (got.view(R, l, G, T).float().masked_select(dead.to(device)[:, None, None, :]) == 0).all()
 
 
-def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0, channels_last=True):
+def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0, channels_last=True, x_bias=False,
+                     partial_programs=None):
     """GroupNorm + affine (+ SiLU) on channels-last (or contiguous channels-first) input against the
     torch twin, float64 oracle; ``offset`` shifts the input's mean far from 0 (the statistics must
-    not cancel)."""
+    not cancel); ``x_bias``: a per-channel bias added to the input first; ``partial_programs``: fewer
+    statistics programs than tiles, so each merges several (Chan's formula across tiles)."""
     from sparsevar.sparse_ops import group_norm, ref
     g = _gen(17)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     x = _rand((B, C, H, W), g, device, dtype, scale=2.0, offset=offset).contiguous(memory_format=layout)
     w = _rand((C,), g, device, scale=0.5, offset=1.0)
     b = _rand((C,), g, device, scale=0.5)
+    xb = _rand((C,), g, device, dtype, scale=1.0, offset=0.5) if x_bias else None
     assert group_norm.supported(x, G)
-    got = group_norm.group_norm_silu(x, w, b, G, 1e-6, silu)
-    want = ref.group_norm_silu(x, w, b, G, 1e-6, silu)
-    oracle = torch.nn.functional.group_norm(x.double(), G, w.double(), b.double(), 1e-6)
+    kept = group_norm.PARTIAL_PROGRAMS
+    try:
+        if partial_programs is not None:
+            group_norm.PARTIAL_PROGRAMS = partial_programs
+        got = group_norm.group_norm_silu(x, w, b, G, 1e-6, silu, xb)
+    finally:
+        group_norm.PARTIAL_PROGRAMS = kept
+    want = ref.group_norm_silu(x, w, b, G, 1e-6, silu, xb)
+    xd = x.double() if xb is None else x.double() + xb.double().view(1, -1, 1, 1)
+    oracle = torch.nn.functional.group_norm(xd, G, w.double(), b.double(), 1e-6)
     if silu:
         oracle = torch.nn.functional.silu(oracle)
     assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
     assert_close_to_oracle(f"group_norm_silu {B}x{C}x{H}x{W} G{G} {layout}", got, want, oracle, one_step=True)
+
+
+def _residual_bias_case(B, C, H, W, dtype, channels_last, device):
+    """``x + h + bias`` per channel against the torch twin, float64 oracle, in h's layout."""
+    from sparsevar.sparse_ops import bias_add, ref
+    g = _gen(19)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = _rand((B, C, H, W), g, device, dtype, scale=2.0).contiguous(memory_format=layout)
+    h = _rand((B, C, H, W), g, device, dtype).contiguous(memory_format=layout)
+    bias = _rand((C,), g, device, dtype, offset=1.0)
+    got = bias_add.residual_bias_add(x, h, bias)
+    want = ref.residual_bias_add(x, h, bias)
+    oracle = x.double() + h.double() + bias.double().view(1, -1, 1, 1)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
+    assert_close_to_oracle(f"residual_bias_add {B}x{C}x{H}x{W} {layout}", got, want, oracle, one_step=True)
 
 
 def _gather_norm_case(shape, C, out_dtype, device):
@@ -1040,14 +1065,44 @@ def _(device="cpu"):
     _group_norm_case(1, 32, 13, 3, 32, torch.bfloat16, False, device, offset=50.0)
 
 
-@case("group_norm_silu-B2-C40-5x7-G8-fp32-padded")
-def _(device="cpu"):       # 5 channels per group, padded to 8 in the tiles (the VQVAE's 160 in 32 groups)
+@case("group_norm_silu-B2-C40-5x7-G8-fp32-masked")
+def _(device="cpu"):       # 40 channels: one block of 64, 24 lanes masked (5 channels per group, as the VQVAE's 160)
     _group_norm_case(2, 40, 5, 7, 8, torch.float32, True, device)
 
 
-@case("group_norm_silu-B1-C60-9x5-G6-bf16-padded-offset")
-def _(device="cpu"):       # 6 groups (padded to 8) of 10 channels (padded to 16)
+@case("group_norm_silu-B1-C60-9x5-G6-bf16-masked-offset")
+def _(device="cpu"):       # 6 groups of 10 channels in one masked block of 64
     _group_norm_case(1, 60, 9, 5, 6, torch.bfloat16, True, device, offset=3.0)
+
+
+@case("group_norm_silu-B2-C96-7x9-G32-fp32-xbias")
+def _(device="cpu"):       # three blocks of 32 channels, 3 channels per group; the input's bias added as it is read
+    _group_norm_case(2, 96, 7, 9, 32, torch.float32, True, device, x_bias=True)
+
+
+@case("group_norm_silu-B1-C40-6x5-G8-bf16-xbias-offset-nosilu")
+def _(device="cpu"):
+    _group_norm_case(1, 40, 6, 5, 8, torch.bfloat16, False, device, offset=20.0, x_bias=True)
+
+
+@case("group_norm_silu-B1-C512-20x32-G1-fp32-merges")
+def _(device="cpu"):       # one group of 512 channels, 20 tiles in 12 programs: Chan's merge across tiles and in
+    _group_norm_case(1, 512, 20, 32, 1, torch.float32, True, device, offset=5.0, partial_programs=48)   # chunks
+
+
+@case("group_norm_silu-nchw-B2-C48-9x7-G8-fp32-xbias")
+def _(device="cpu"):
+    _group_norm_case(2, 48, 9, 7, 8, torch.float32, True, device, channels_last=False, x_bias=True)
+
+
+@case("residual_bias_add-B2-C40-5x7-fp32-channels-last")
+def _(device="cpu"):
+    _residual_bias_case(2, 40, 5, 7, torch.float32, True, device)
+
+
+@case("residual_bias_add-B1-C24-9x11-bf16-nchw")
+def _(device="cpu"):
+    _residual_bias_case(1, 24, 9, 11, torch.bfloat16, False, device)
 
 
 @case("group_norm_silu-nchw-B2-C64-5x7-G8-fp32")
@@ -1510,8 +1565,12 @@ GPU_CASES = {
     # the BSQ-VAE decoder's norms at 1024²: the top level (128 channels at 1024×1024) and the bottom (512 at 64×64)
     "group_norm_silu-B1-C128-1024x1024-G32-bf16": lambda device: _group_norm_case(1, 128, 1024, 1024, 32,
                                                                                   torch.bfloat16, True, device),
-    "group_norm_silu-B1-C160-1024x1024-G32-bf16-padded": lambda device: _group_norm_case(1, 160, 1024, 1024, 32,
-                                                                                        torch.bfloat16, True, device),
+    "group_norm_silu-B1-C160-1024x1024-G32-bf16-xbias": lambda device: _group_norm_case(
+        1, 160, 1024, 1024, 32, torch.bfloat16, True, device, x_bias=True),
+    "group_norm_silu-B1-C640-64x64-G32-bf16-xbias": lambda device: _group_norm_case(
+        1, 640, 64, 64, 32, torch.bfloat16, True, device, offset=2.0, x_bias=True),
+    "residual_bias_add-B1-C160-1024x1024-bf16": lambda device: _residual_bias_case(1, 160, 1024, 1024, torch.bfloat16,
+                                                                                    True, device),
     "group_norm_silu-B2-C512-64x64-G32-bf16": lambda device: _group_norm_case(2, 512, 64, 64, 32, torch.bfloat16,
                                                                               True, device, offset=3.0),
     # VAR's latent update on its 32-channel 16 × 16 latent at batch 1 and 8; an odd map with a strided input

@@ -332,3 +332,27 @@ def test_decode_side_options_keep_the_keys_and_are_validated():
         MultiScaleVQVAE(**kw, decoder_norm="layer")
     with pytest.raises(ValueError, match="decoder_padding='reflect'.*'zeros', 'replicate'"):
         MultiScaleVQVAE(**kw, decoder_padding="reflect")
+
+
+@pytest.mark.parametrize("cin,cout", [(32, 32), (32, 64)])
+def test_a_residual_block_with_its_biases_folded_gives_the_block(cin, cout):
+    """The decoders' fast path runs the convolutions without their biases: conv1's is added by the
+    next norm as it reads, conv2's and the 1×1 shortcut's by the residual add. Forced on the CPU (the
+    ops' torch twins) it gives the module's own result, with every bias and norm affine non-zero."""
+    from sparsevar.models._blocks import resnet_block
+    from sparsevar.models.vqvae import ResnetBlock
+    torch.manual_seed(0)
+    blk = ResnetBlock(cin, cout).eval()
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.normal_(0, 0.3)
+        x = torch.randn(2, cin, 9, 7) * 2 + 1
+        plain = blk(x)
+        shortcut = None if cin == cout else blk.nin_shortcut
+        folded = resnet_block(x, blk.norm1, blk.conv1, blk.norm2, blk.conv2, shortcut, fold=True)
+        no_biases = resnet_block(x, blk.norm1, blk.conv1, blk.norm2, blk.conv2, shortcut, fold=False)
+    assert torch.equal(no_biases, plain)                                   # fold=False is the module itself
+    assert blk.conv1.bias.abs().min() > 0 and (plain - folded).abs().max() <= 1e-5 * plain.abs().max()
+    with torch.no_grad():                                                   # the biases matter: dropping one shows
+        blk.conv2.bias.zero_()
+        assert (blk(x) - plain).abs().max() > 1e-2
