@@ -261,6 +261,14 @@ class ModelAdapter:
         """Images (B, 3, H, W) float32 in [0, 1] from the accumulated latent."""
         raise NotImplementedError
 
+    def decode_key(self, run: RunState) -> Optional[tuple]:
+        """What a captured :meth:`decode` depends on besides this workspace's buffers (the decoder's
+        weights' addresses and dtype), so that the engine may replay it from a CUDA graph — one launch
+        where an eager decoder makes hundreds, which leaves the GPU waiting on the host at the small
+        maps; or None where it must run eagerly (its shapes or buffers change between calls, or it
+        frees and takes back memory as it goes). Default: None."""
+        return None
+
     def end(self, run: RunState, keep_workspace: bool) -> None:
         """Release per-run state; drop the workspace too unless asked to keep it."""
         run.workspace = None

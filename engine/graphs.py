@@ -139,6 +139,24 @@ class GraphRunner:
                                                         run.policy_state, (), {}, ())
         entry.graph.replay()
 
+    def decode(self, adapter, run: RunState) -> torch.Tensor:
+        """The adapter's :meth:`~.adapter.ModelAdapter.decode`, replayed from a graph keyed by its
+        ``decode_key`` (captured at the first call of a key; one decode graph per workspace, a new key
+        replaces it; eager where the key is None). The images are a copy: the graph's output buffer is
+        written again by the next replay."""
+        key = adapter.decode_key(run)
+        if key is None:
+            return adapter.decode(run)
+        key = ("decode", *key)
+        entry = self.ws.graphs.get(key)
+        if entry is None:
+            for old in [k for k in self.ws.graphs if k[0] == "decode"]:
+                del self.ws.graphs[old]                # the decoder moved or changed dtype: its memory back to the pool
+            entry = self.ws.graphs[key] = self._capture(lambda: adapter.decode(run), run.workspace.kv,
+                                                        run.policy_state, (), {}, ())
+        entry.graph.replay()
+        return entry.out.clone()
+
     # ---- capture and replay -------------------------------------------------------------------
     def usable(self, key, kv) -> bool:
         """Whether :meth:`run` replays (or captures) ``key`` now: the KV cache is unmasked and, for a

@@ -205,7 +205,7 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
                 before_decode()
             t = _ScaleTimer(run.device)
             t.start(0)
-            images = adapter.decode(run)
+            images = graphs.decode(adapter, run) if graphs is not None else adapter.decode(run)
             t.stop(0)
             run.stats.decode_ms = t.ms()[0]
         ok = True

@@ -30,21 +30,24 @@ def _fused_norm(norm: nn.Module, x_BChw: torch.Tensor) -> bool:
 
 
 def norm_silu(norm: nn.Module, x_BChw: torch.Tensor, silu: bool = True,
-              x_bias_C: Optional[torch.Tensor] = None) -> torch.Tensor:
+              x_bias_C: Optional[torch.Tensor] = None, channels_first_out: bool = False) -> torch.Tensor:
     """``norm(x + x_bias)``, then SiLU when ``silu``: the VAE decoders' GroupNorm + SiLU (``x_bias_C``:
     the per-channel bias of the convolution that made x, run without it). A GroupNorm on a CUDA input
     that autograd does not track takes the fused kernel of ``sparse_ops.group_norm_silu`` (float32
     statistics, the result in x's dtype and memory layout, the bias added as it reads) when the input
     is channels-last, or channels-first with at least ``FUSED_GROUP_NORM_MIN_VALUES`` values per
-    (image, group); anything else, and any other norm, runs PyTorch's."""
+    (image, group); anything else, and any other norm, runs PyTorch's. ``channels_first_out``: the
+    result contiguous channels-first whatever x's layout."""
     if _fused_norm(norm, x_BChw):
         from ..sparse_ops import ops as sparse_ops
 
-        return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu, x_bias_C)
+        return sparse_ops.group_norm_silu(x_BChw, norm.weight, norm.bias, norm.num_groups, norm.eps, silu, x_bias_C,
+                                          channels_first_out)
     if x_bias_C is not None:
         x_BChw = x_BChw + x_bias_C.view(1, -1, 1, 1)
     y = norm(x_BChw)
-    return F.silu(y) if silu else y
+    y = F.silu(y) if silu else y
+    return y.contiguous() if channels_first_out else y
 
 
 def _conv_without_bias(conv: nn.Conv2d, x_BChw: torch.Tensor) -> torch.Tensor:
@@ -84,14 +87,13 @@ def resnet_block(x_BChw: torch.Tensor, norm1: nn.Module, conv1: nn.Conv2d, norm2
 _FEW_OUTPUT_CHANNELS = 8
 
 
-def output_conv(conv: nn.Conv2d, x_BChw: torch.Tensor) -> torch.Tensor:
-    """A decoder's last convolution (to the 3 image channels): channels-last input is made
-    channels-first first when the convolution has few output channels, where cuDNN has no fast
-    channels-last kernel."""
-    if conv.out_channels < _FEW_OUTPUT_CHANNELS and x_BChw.is_cuda and not x_BChw.is_contiguous() \
-            and x_BChw.is_contiguous(memory_format=torch.channels_last):
-        x_BChw = x_BChw.contiguous()
-    return conv(x_BChw)
+def rgb_output(norm: nn.Module, conv: nn.Conv2d, x_BChw: torch.Tensor) -> torch.Tensor:
+    """A decoder's last step, norm → SiLU → convolution to the image channels. A channels-last input
+    is normalised into a channels-first result when the convolution has few output channels: cuDNN
+    has no fast channels-last kernel for them, and the norm writes either layout at the same cost."""
+    few = conv.out_channels < _FEW_OUTPUT_CHANNELS and x_BChw.is_cuda and not x_BChw.is_contiguous() \
+        and x_BChw.is_contiguous(memory_format=torch.channels_last)
+    return conv(norm_silu(norm, x_BChw, channels_first_out=few))
 
 
 def _walk_parameters(module: nn.Module, out: list) -> list:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from ._blocks import norm_silu, output_conv, resnet_block
+from ._blocks import norm_silu, resnet_block, rgb_output
 
 
 def code_value(d: int) -> float:
@@ -205,7 +205,7 @@ class _Decoder(nn.Module):
                 h = blk(h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return output_conv(self.conv_out.conv, self.norm_out(h, silu=True))
+        return rgb_output(self.norm_out.norm, self.conv_out.conv, h)
 
 
 class BSQVAE(ModelMixin, ConfigMixin):

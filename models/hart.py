@@ -914,6 +914,9 @@ class HARTAdapter(ModelAdapter):
     def decode(self, run: RunState) -> torch.Tensor:
         return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5
 
+    def decode_key(self, run: RunState) -> tuple:
+        return weight_ptrs(self.vqvae), self.vqvae.post_quant_conv.weight.dtype
+
 
 def hart_loop_flops(cfg, batch: int = 1, cfg_rows: int = 2, tokens_per_scale: Optional[Sequence[float]] = None,
                     rows_per_scale: Optional[Sequence[int]] = None,

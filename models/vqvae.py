@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from ._blocks import norm_silu, output_conv, resnet_block
+from ._blocks import norm_silu, resnet_block, rgb_output
 
 __all__ = ["MultiScaleVQVAE", "phi_index_table"]
 
@@ -309,7 +309,7 @@ class Decoder(nn.Module):
             h_BChw = level.run_blocks(h_BChw)
             if i_level != 0:
                 h_BChw = level.upsample(h_BChw)
-        return output_conv(self.conv_out, norm_silu(self.norm_out, h_BChw))
+        return rgb_output(self.norm_out, self.conv_out, h_BChw)
 
 
 # ------------------------------------------------------------------------------------------------

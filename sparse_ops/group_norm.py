@@ -26,6 +26,9 @@ above.
 ``x_bias_C`` (both layouts): the per-channel bias of the convolution that made x, which the norm
 adds as it reads (its statistics are those of x + bias; the bias ends up in the shift). The decoders
 run their convolutions before a norm without a bias, which saves a pass over the activation.
+``channels_first_out``: channels-last input normalised into a contiguous channels-first result (the
+decoders' last norm, whose convolution to 3 channels runs channels-first): PyTorch's copy between
+the two layouts takes several times a pass over the activation.
 """
 from __future__ import annotations
 
@@ -115,7 +118,7 @@ def _gn_finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, w_ptr, b_ptr, xb_ptr, scale_p
 
 @triton.jit
 def _gn_apply_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, HW, C,
-                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr):
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, OUT_NCHW: tl.constexpr):
     pb = tl.program_id(0)
     cb = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -129,6 +132,8 @@ def _gn_apply_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, HW, C,
         + tl.load(shift_ptr + b * C + c, mask=cm, other=0.0)[None, :]
     if SILU:
         y = y / (1.0 + tl.exp(-y))
+    if OUT_NCHW:                                         # channels-first output: each channel's pixels in a run
+        offs = b * HW * C + c.to(tl.int64)[None, :] * HW + p[:, None]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m2d)
 
 
@@ -247,15 +252,16 @@ def _group_norm_silu_nchw(x_BCHW, weight_C, bias_C, groups: int, eps: float, sil
 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
-                    silu: bool = True, x_bias_C=None) -> torch.Tensor:
+                    silu: bool = True, x_bias_C=None, channels_first_out: bool = False) -> torch.Tensor:
     if not _channels_last_ok(x_BCHW, groups):
         if _channels_first_ok(x_BCHW, groups):
             return _group_norm_silu_nchw(x_BCHW, weight_C, bias_C, groups, eps, silu, x_bias_C)
         from . import ref
-        return ref.group_norm_silu(x_BCHW, weight_C, bias_C, groups, eps, silu, x_bias_C)
+        return ref.group_norm_silu(x_BCHW, weight_C, bias_C, groups, eps, silu, x_bias_C, channels_first_out)
     B, C, H, W = x_BCHW.shape
     HW, CPG = H * W, C // groups
-    out = torch.empty_like(x_BCHW)                                                  # channels-last as x
+    out = torch.empty(B, C, H, W, device=x_BCHW.device, dtype=x_BCHW.dtype) if channels_first_out \
+        else torch.empty_like(x_BCHW)                                              # channels-last as x
     if not (B and HW):
         return out
     BLOCK_C = _channel_block(C)
@@ -274,5 +280,5 @@ def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.
                                        BLOCK_S=max(1, min(64, triton.next_power_of_2(S), 4096 // triton.next_power_of_2(CPG))),
                                        BLOCK_C=triton.next_power_of_2(CPG), num_warps=4)
     _gn_apply_kernel[(n_tiles, n_cb, B)](x_BCHW, affine[0], affine[1], out, HW, C, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
-                                         SILU=silu, num_warps=4)
+                                         SILU=silu, OUT_NCHW=channels_first_out, num_warps=4)
     return out

@@ -210,13 +210,13 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
-                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None, *,
-                    backend: str = "auto") -> torch.Tensor:
+                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None, channels_first_out: bool = False,
+                    *, backend: str = "auto") -> torch.Tensor:
     """GroupNorm + affine (+ SiLU) of x (+ ``x_bias_C`` per channel) in x's dtype; on the Triton path
-    channels-last input keeps its layout and contiguous channels-first input takes the
-    channels-first kernels (see ``ref.group_norm_silu``)."""
+    channels-last input keeps its layout (unless ``channels_first_out``) and contiguous
+    channels-first input takes the channels-first kernels (see ``ref.group_norm_silu``)."""
     return implementation("group_norm_silu", backend, x_BCHW.device)(x_BCHW, weight_C, bias_C, groups, eps, silu,
-                                                                     x_bias_C)
+                                                                     x_bias_C, channels_first_out)
 
 
 def residual_bias_add(x_BCHW: torch.Tensor, h_BCHW: torch.Tensor, bias_C: torch.Tensor, *,

@@ -266,17 +266,19 @@ def bias_softmax(logits_RlN: torch.Tensor, bias_R1N: torch.Tensor, groups: int, 
 
 
 def group_norm_silu(x_BCHW: torch.Tensor, weight_C: torch.Tensor, bias_C: torch.Tensor, groups: int, eps: float,
-                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    silu: bool = True, x_bias_C: Optional[torch.Tensor] = None,
+                    channels_first_out: bool = False) -> torch.Tensor:
     """GroupNorm (statistics and normalisation in float32) with its affine, then SiLU when ``silu``;
-    returned in x's dtype. ``x_bias_C``: a per-channel bias added to x first (in float32), e.g. the
-    bias of the convolution that made x."""
+    returned in x's dtype (contiguous channels-first with ``channels_first_out``). ``x_bias_C``: a
+    per-channel bias added to x first (in float32), e.g. the bias of the convolution that made x."""
     x = x_BCHW.float()
     if x_bias_C is not None:
         x = x + x_bias_C.float().view(1, -1, 1, 1)
     y = F.group_norm(x, groups, weight_C.float(), bias_C.float(), eps)
     if silu:
         y = F.silu(y)
-    return y.to(x_BCHW.dtype)
+    y = y.to(x_BCHW.dtype)
+    return y.contiguous() if channels_first_out else y
 
 
 def residual_bias_add(x_BCHW: torch.Tensor, h_BCHW: torch.Tensor, bias_C: torch.Tensor) -> torch.Tensor:

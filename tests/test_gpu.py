@@ -232,6 +232,29 @@ def test_graphs_are_recaptured_after_the_weights_move():
     torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 
+def test_the_decode_replays_from_one_graph_and_hands_out_copies():
+    """With graphs the VQVAE decode replays from a graph captured at the first call (the same
+    pictures as eager); each call's images are a copy the next call does not overwrite; a decoder
+    moved to another dtype is captured again, and the workspace keeps one decode graph."""
+    pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    _, eager = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    _, first = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
+    kept = first.clone()
+    _, second = _codes(pipe, [1, 2], 4, use_cuda_graphs=True)
+    torch.testing.assert_close(first, eager, atol=0, rtol=0)
+    assert torch.equal(first, kept) and not torch.equal(second, first)
+    ws = pipe.adapter()._workspace
+    assert [k[0] for k in ws.graphs].count("decode") == 1
+    pipe.vqvae.to(torch.bfloat16)
+    _, eager_bf16 = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    _, graphed_bf16 = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
+    torch.testing.assert_close(graphed_bf16, eager_bf16, atol=0, rtol=0)
+    decode_keys = [k for k in ws.graphs if k[0] == "decode"]
+    assert len(decode_keys) == 1 and decode_keys[0][-1] == torch.bfloat16
+    pipe.release_memory()
+
+
 def test_ffn_gelu_epilogue_matches_the_two_step_path_in_bfloat16():
     """On CUDA the FFN applies bias + tanh-GELU inside cuBLASLt's matrix product; it must equal
     fc1 → GELU(tanh) → fc2 within bf16 rounding (the fused path rounds the activation once, the

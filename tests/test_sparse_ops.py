@@ -352,11 +352,12 @@ def _bias_softmax_case(R, l, G, T, out_dtype, device, masked=True):
 
 
 def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0, channels_last=True, x_bias=False,
-                     partial_programs=None):
+                     partial_programs=None, channels_first_out=False):
     """GroupNorm + affine (+ SiLU) on channels-last (or contiguous channels-first) input against the
     torch twin, float64 oracle; ``offset`` shifts the input's mean far from 0 (the statistics must
     not cancel); ``x_bias``: a per-channel bias added to the input first; ``partial_programs``: fewer
-    statistics programs than tiles, so each merges several (Chan's formula across tiles)."""
+    statistics programs than tiles, so each merges several (Chan's formula across tiles);
+    ``channels_first_out``: the result written contiguous channels-first."""
     from sparsevar.sparse_ops import group_norm, ref
     g = _gen(17)
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -369,15 +370,17 @@ def _group_norm_case(B, C, H, W, G, dtype, silu, device, offset=0.0, channels_la
     try:
         if partial_programs is not None:
             group_norm.PARTIAL_PROGRAMS = partial_programs
-        got = group_norm.group_norm_silu(x, w, b, G, 1e-6, silu, xb)
+        got = group_norm.group_norm_silu(x, w, b, G, 1e-6, silu, xb, channels_first_out)
     finally:
         group_norm.PARTIAL_PROGRAMS = kept
-    want = ref.group_norm_silu(x, w, b, G, 1e-6, silu, xb)
+    want = ref.group_norm_silu(x, w, b, G, 1e-6, silu, xb, channels_first_out)
     xd = x.double() if xb is None else x.double() + xb.double().view(1, -1, 1, 1)
     oracle = torch.nn.functional.group_norm(xd, G, w.double(), b.double(), 1e-6)
     if silu:
         oracle = torch.nn.functional.silu(oracle)
-    assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
+    out_layout = torch.contiguous_format if channels_first_out else layout
+    assert got.dtype == dtype and got.is_contiguous(memory_format=out_layout)
+    assert want.is_contiguous(memory_format=out_layout)
     assert_close_to_oracle(f"group_norm_silu {B}x{C}x{H}x{W} G{G} {layout}", got, want, oracle, one_step=True)
 
 
@@ -1085,6 +1088,11 @@ def _(device="cpu"):
     _group_norm_case(1, 40, 6, 5, 8, torch.bfloat16, False, device, offset=20.0, x_bias=True)
 
 
+@case("group_norm_silu-B2-C40-6x7-G8-bf16-xbias-channels-first-out")
+def _(device="cpu"):       # channels-last in, channels-first out (a decoder's last norm)
+    _group_norm_case(2, 40, 6, 7, 8, torch.bfloat16, True, device, x_bias=True, channels_first_out=True)
+
+
 @case("group_norm_silu-B1-C512-20x32-G1-fp32-merges")
 def _(device="cpu"):       # one group of 512 channels, 20 tiles in 12 programs: Chan's merge across tiles and in
     _group_norm_case(1, 512, 20, 32, 1, torch.float32, True, device, offset=5.0, partial_programs=48)   # chunks
@@ -1567,6 +1575,8 @@ GPU_CASES = {
                                                                                   torch.bfloat16, True, device),
     "group_norm_silu-B1-C160-1024x1024-G32-bf16-xbias": lambda device: _group_norm_case(
         1, 160, 1024, 1024, 32, torch.bfloat16, True, device, x_bias=True),
+    "group_norm_silu-B1-C160-1024x1024-G32-bf16-channels-first-out": lambda device: _group_norm_case(
+        1, 160, 1024, 1024, 32, torch.bfloat16, True, device, channels_first_out=True),
     "group_norm_silu-B1-C640-64x64-G32-bf16-xbias": lambda device: _group_norm_case(
         1, 640, 64, 64, 32, torch.bfloat16, True, device, offset=2.0, x_bias=True),
     "residual_bias_add-B1-C160-1024x1024-bf16": lambda device: _residual_bias_case(1, 160, 1024, 1024, torch.bfloat16,
