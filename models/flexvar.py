@@ -26,6 +26,7 @@ from ..engine.sampling import sample_codes_per_image
 from ..engine.schedule import ScaleSchedule
 from ..engine.state import RunState
 from ..engine.workspace import Workspace
+from ._blocks import weight_ptrs
 from .var import VAR_SCHEDULES, VARAdapter, VARBlock, VARTransformer
 
 TRAINED_SIDES = frozenset((1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 23, 24, 32))   # sampled with top-k; others greedy
@@ -226,9 +227,10 @@ class FlexVARAdapter(VARAdapter):
         if tuple(h for h, _ in sch.hw) != tuple(cond.patch_nums):
             raise ValueError(f"the run's schedule {sch} is not the conditioning's {cond.patch_nums}")
         # captured graphs hold the weights' addresses: a model moved away and back has new storage
-        # (weights changed in place have a new version: the workspace holds what depends on them alone)
+        # (weights changed in place have a new version: the workspace holds what depends on them alone);
+        # the scales' graphs read the tokenizer's codebook too
         weights, versioned = m.weights_key()
-        ws = self.workspace((B, sch.hw, self.device, self.dtype, weights, run.kv_slots),
+        ws = self.workspace((B, sch.hw, self.device, self.dtype, weights, weight_ptrs(self.vqvae), run.kv_slots),
                             lambda: _FlexVARWorkspace(m, B, sch, self.device, self.dtype, run.kv_slots))
         if not versioned:
             ws.fill_weight_constants(m, sch)

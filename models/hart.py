@@ -621,9 +621,10 @@ class HARTAdapter(ModelAdapter):
         T = m.config.context_token
         if tuple(cond.context_BTD.shape[:2]) != (B, T):
             raise ValueError(f"context of shape {tuple(cond.context_BTD.shape)}: need ({B}, {T}, D) for {B} images")
-        # captured graphs hold the weights' addresses: a model moved away and back has new storage
+        # captured graphs hold the weights' addresses: a model moved away and back has new storage (the
+        # scales' graphs read the tokenizer's codebook and φ too)
         tail = self.kv_tail_used(self.schedule, 2 * B, run.kv_slots)
-        key = (B, dev, self.dtype, weight_ptrs(m), run.kv_slots, tail)
+        key = (B, dev, self.dtype, weight_ptrs(m), weight_ptrs(self.vqvae), run.kv_slots, tail)
         ws = self.workspace(key, lambda: _HARTWorkspace(m, B, self.schedule, dev, self.dtype, run.kv_slots, tail))
         run.cfg_active = float(run.settings.guidance_scale) != 0.0
         ctx = cond.context_BTD.to(dev, torch.float32)

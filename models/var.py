@@ -418,9 +418,10 @@ class VARAdapter(ModelAdapter):
         # captured graphs hold the weights' addresses: a model moved away and back (ComfyUI offloading,
         # a dtype round trip) has new storage, so its old workspace and graphs must go; the workspace
         # also holds what depends on the weights alone (positions, qkv biases, q/k multipliers),
-        # so weights changed in place (a new version) make a new one too
+        # so weights changed in place (a new version) make a new one too. The scales' graphs read the
+        # VQVAE's codebook and φ too: a VQVAE moved on its own makes a new workspace as well
         weights, versioned = m.weights_key()
-        ws = self.workspace((B, self.device, self.dtype, weights, run.kv_slots),
+        ws = self.workspace((B, self.device, self.dtype, weights, weight_ptrs(self.vqvae), run.kv_slots),
                             lambda: _VARWorkspace(m, self.vqvae.config.z_channels, B, self.device, self.dtype,
                                                   run.kv_slots))
         if not versioned:

@@ -234,24 +234,28 @@ def test_graphs_are_recaptured_after_the_weights_move():
 
 def test_the_decode_replays_from_one_graph_and_hands_out_copies():
     """With graphs the VQVAE decode replays from a graph captured at the first call (the same
-    pictures as eager); each call's images are a copy the next call does not overwrite; a decoder
-    moved to another dtype is captured again, and the workspace keeps one decode graph."""
+    pictures as eager); each call's images are a copy of the graph's output buffer, which the next
+    replay overwrites; a VQVAE moved to another dtype on its own gets a new workspace (the scales'
+    graphs read its codebook and φ: before, they replayed the old storage) with its own decode graph."""
     pipe = VARPipeline.from_random("var-tiny", device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    _, eager = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    _, eager3 = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    _, eager4 = _codes(pipe, [1, 2], 4, use_cuda_graphs=False)
     _, first = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
-    kept = first.clone()
     _, second = _codes(pipe, [1, 2], 4, use_cuda_graphs=True)
-    torch.testing.assert_close(first, eager, atol=0, rtol=0)
-    assert torch.equal(first, kept) and not torch.equal(second, first)
+    torch.testing.assert_close(first, eager3, atol=0, rtol=0)             # not overwritten by the second call
+    torch.testing.assert_close(second, eager4, atol=0, rtol=0)
     ws = pipe.adapter()._workspace
-    assert [k[0] for k in ws.graphs].count("decode") == 1
-    pipe.vqvae.to(torch.bfloat16)
-    _, eager_bf16 = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
-    _, graphed_bf16 = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
-    torch.testing.assert_close(graphed_bf16, eager_bf16, atol=0, rtol=0)
-    decode_keys = [k for k in ws.graphs if k[0] == "decode"]
-    assert len(decode_keys) == 1 and decode_keys[0][-1] == torch.bfloat16
+    decode = [e for k, e in ws.graphs.items() if k[0] == "decode"]
+    assert len(decode) == 1
+    assert decode[0].out.data_ptr() not in (first.data_ptr(), second.data_ptr())
+    pipe.vqvae.to(torch.float16)
+    _, eager_half = _codes(pipe, [1, 2], 3, use_cuda_graphs=False)
+    _, graphed_half = _codes(pipe, [1, 2], 3, use_cuda_graphs=True)
+    torch.testing.assert_close(graphed_half, eager_half, atol=0, rtol=0)
+    moved = pipe.adapter()._workspace            # the scales' graphs read the VQVAE too: a new workspace
+    decode_keys = [k for k in moved.graphs if k[0] == "decode"]
+    assert moved is not ws and len(decode_keys) == 1 and decode_keys[0][-1] == torch.float16, decode_keys
     pipe.release_memory()
 
 
