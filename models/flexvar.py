@@ -331,5 +331,10 @@ class FlexVARAdapter(VARAdapter):
         img = self.vqvae.decoder(self.vqvae.post_quant_conv(q.to(self.vqvae.post_quant_conv.weight.dtype))).float()
         return (img.clamp(-1, 1) + 1) * 0.5
 
+    def decode_key(self, run: RunState) -> None:
+        """None: the decode reads the last computed scale's codes, whose buffer and size change with
+        the skipped scales, so it runs eagerly (VAR's key would replay one scale's buffer for all)."""
+        return None
+
 
 __all__ = ["FlexVARTransformer", "FlexVARAdapter", "FlexVARConditioning", "FLEXVAR_PRESETS", "POS_GRID"]

@@ -79,6 +79,13 @@ def _gn_partial_kernel(x_ptr, xb_ptr, mean_ptr, m2_ptr, cnt_ptr, HW, C, S,
 
 
 @triton.jit
+def _stat_rows(s0, b, S, C, c, cm, BLOCK_S: tl.constexpr):
+    """Offsets and mask of partial-statistics rows s0 … s0 + BLOCK_S − 1 of image b, channels c."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    return (b * S + s)[:, None] * C + c[None, :], (s < S)[:, None] & cm[None, :]
+
+
+@triton.jit
 def _gn_finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, w_ptr, b_ptr, xb_ptr, scale_ptr, shift_ptr, S, C, G, CPG, eps,
                         HAS_XB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """Group g of image b from its channels' per-tile statistics (two passes: the mean, then the
@@ -91,18 +98,14 @@ def _gn_finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, w_ptr, b_ptr, xb_ptr, scale_p
     n = 0.0
     tot = 0.0
     for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        m2d = (s < S)[:, None] & cm[None, :]
-        offs = (b * S + s)[:, None] * C + c[None, :]
+        offs, m2d = _stat_rows(s0, b, S, C, c, cm, BLOCK_S)
         n_i = tl.load(cnt_ptr + offs, mask=m2d, other=0.0)
         n += tl.sum(tl.sum(n_i, axis=1), axis=0)
         tot += tl.sum(tl.sum(n_i * tl.load(mean_ptr + offs, mask=m2d, other=0.0), axis=1), axis=0)
     mean = tot / n
     m2 = 0.0
     for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        m2d = (s < S)[:, None] & cm[None, :]
-        offs = (b * S + s)[:, None] * C + c[None, :]
+        offs, m2d = _stat_rows(s0, b, S, C, c, cm, BLOCK_S)
         n_i = tl.load(cnt_ptr + offs, mask=m2d, other=0.0)
         d = tl.load(mean_ptr + offs, mask=m2d, other=0.0) - mean
         m2 += tl.sum(tl.sum(tl.load(m2_ptr + offs, mask=m2d, other=0.0) + n_i * d * d, axis=1), axis=0)

@@ -45,6 +45,28 @@ def test_graphs_replay_eager_codes_exactly(setup):
     assert len(g13) == len(e13) >= 12 and all(torch.equal(a, b) for a, b in zip(e13, g13))
 
 
+def test_pictures_follow_the_skipped_scales_from_call_to_call_with_graphs():
+    """The decode reads the last computed scale's codes, which move with the skipped scales: with
+    graphs, calls that alternate between no skip and skipping the last scale each give the eager
+    picture of their own setting (the decode is not replayed from one call's buffer)."""
+    pipe = FlexVARPipeline.from_random("flexvar-tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+
+    def setting(skip):
+        pipe.disable_scale_skip()
+        if skip:
+            pipe.enable_scale_skip(skip_last=skip)
+
+    want = {}
+    for skip in (0, 1):
+        setting(skip)
+        want[skip] = _codes(pipe, False)[1]
+    assert not torch.equal(want[0], want[1])
+    for skip in (0, 1, 0, 1):
+        setting(skip)
+        torch.testing.assert_close(_codes(pipe, True)[1], want[skip], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("height", [256, 512])
 @pytest.mark.parametrize("setup", ["dense", "sparsevar", "fastvar", "sparvar", "skip"])
 def test_flexvar_d24_real_size_random_weights(setup, height):
