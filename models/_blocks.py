@@ -114,6 +114,21 @@ def weight_ptrs(module: nn.Module) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in _walk_parameters(module, []))
 
 
+# decodes of up to this many output pixels (batch × height × width: one 1024² picture) replay from a
+# CUDA graph; a graph keeps its activations' memory in the workspace's pool between calls, and larger
+# decodes keep the GPU busy without one
+DECODE_GRAPH_PIXELS = 1 << 20
+
+
+def decode_graph_key(decoder: nn.Module, batch: int, height: int, width: int) -> Optional[tuple]:
+    """A ``ModelAdapter.decode_key`` for a decoder that reads only workspace buffers: its weights'
+    addresses and dtype, or None (decode eagerly) past ``DECODE_GRAPH_PIXELS`` output pixels."""
+    if batch * height * width > DECODE_GRAPH_PIXELS:
+        return None
+    ptrs = weight_ptrs(decoder)
+    return ptrs, next(decoder.parameters()).dtype
+
+
 def weights_key(module: nn.Module) -> tuple[tuple, bool]:
     """(key, versioned): what identifies ``module``'s current weights — each parameter's storage
     address and in-place version, so a model moved away and back or weights loaded in place give a

@@ -31,7 +31,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from ..engine.adapter import ModelAdapter
-from ._blocks import trunc_normal_init_, weight_ptrs, weights_key
+from ._blocks import decode_graph_key, trunc_normal_init_, weight_ptrs, weights_key
 from ..engine.contract import SubLayer, SubLayerContext
 from ..engine.graphs import persistent_copy
 from ..engine.kv_cache import KVCache
@@ -915,8 +915,10 @@ class HARTAdapter(ModelAdapter):
     def decode(self, run: RunState) -> torch.Tensor:
         return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5
 
-    def decode_key(self, run: RunState) -> tuple:
-        return weight_ptrs(self.vqvae), self.vqvae.post_quant_conv.weight.dtype
+    def decode_key(self, run: RunState) -> Optional[tuple]:
+        B, _, h, w = run.workspace.f_hat.shape
+        f = self.vqvae.downsample_factor
+        return decode_graph_key(self.vqvae, B, h * f, w * f)
 
 
 def hart_loop_flops(cfg, batch: int = 1, cfg_rows: int = 2, tokens_per_scale: Optional[Sequence[float]] = None,

@@ -38,8 +38,8 @@ from ..engine.workspace import Workspace
 from ..sparse_ops.attention import dense_attention, use_fused_cache_attention
 from ..sparse_ops.gemm_rows import empty_rows
 from ..sparse_ops.kernels import TORCH_KERNELS, Kernels
-from ._blocks import (CosineSelfAttentionWeights, TanhGeluFFN, layer_norm_no_affine, trunc_normal_init_, weight_ptrs,
-                      weights_key)
+from ._blocks import (CosineSelfAttentionWeights, TanhGeluFFN, decode_graph_key, layer_norm_no_affine,
+                      trunc_normal_init_, weight_ptrs, weights_key)
 from .vqvae import bicubic_operator
 
 # Patch schedules of the official training arguments (--pn); image side = 16 × last entry.
@@ -551,6 +551,8 @@ class VARAdapter(ModelAdapter):
         img = self.vqvae.fhat_to_img(f_hat.to(self.vqvae.quantize.embedding.weight.dtype)).float()
         return (img + 1) * 0.5                                                         # [-1, 1] → [0, 1]
 
-    def decode_key(self, run: RunState) -> tuple:
-        return weight_ptrs(self.vqvae), self.vqvae.quantize.embedding.weight.dtype
+    def decode_key(self, run: RunState) -> Optional[tuple]:
+        B, _, h, w = run.workspace.f_hat_BChw.shape
+        f = self.vqvae.downsample_factor
+        return decode_graph_key(self.vqvae, B, h * f, w * f)
 
