@@ -1172,7 +1172,7 @@ def cmd_bench(args) -> int:
         _check_writable(out, "--out")
         rows = run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
                          dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
-                         vae_dtype=args.vae_dtype)
+                         vae_dtype=args.vae_dtype, output_type=args.output_type, encode_once=args.encode_once)
         if not rows:
             raise CLIError("no setting could run (the lines above say why); nothing was written")
         return 0
@@ -1449,6 +1449,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "with fused norms)")
     b.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a functional run; its numbers mean "
                                                      "nothing)")
+    b.add_argument("--output-type", default="pt", choices=("pt", "pil"),
+                   help="what the timed calls return: 'pt' tensors or 'pil' pictures (the pipelines' default)")
+    b.add_argument("--encode-once", action="store_true",
+                   help="Infinity and HART: encode the prompt once before the timed calls, so that end to end "
+                        "leaves the text encoder out, as the official timings do (its time is its own column)")
     b.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
     b.set_defaults(func=cmd_bench)
     m = bsub.add_parser("memory", help="peak GPU memory and time per memory setting (offload, ScaleKV) on a "

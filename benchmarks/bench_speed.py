@@ -196,18 +196,50 @@ def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_s
         floors.append(floor_of(st))
 
 
+def _prompt(pipe, prompt: str, encode_once: bool) -> dict:
+    """The text arguments of a text-to-image call: the prompt itself (encoded in every call), or with
+    ``encode_once`` its features, encoded here once (the official samplers' timings leave the text
+    encoder out); ``num_images_per_prompt`` then makes the batch."""
+    if not encode_once:
+        return {}
+    return {"prompt_features": pipe.encode_prompt([prompt])}
+
+
+def _text_call(pipe, prompt: str, features: dict, batch: int, **kw):
+    if features:
+        return pipe(**features, num_images_per_prompt=batch, **kw)
+    return pipe([prompt] * batch, **kw)
+
+
+def text_encoder_ms(pipe, prompt: str, batch: int, runs: int, device: str) -> float:
+    """Median wall time of encoding ``batch`` prompts with the pipeline's text encoder."""
+    times = []
+    for _ in range(runs + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pipe.encode_prompt([prompt] * batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[1:])
+
+
 def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int],
-           vae_dtype: torch.dtype = torch.float32):
+           vae_dtype: torch.dtype = torch.float32, output_type: str = "pt", encode_once: bool = False):
     """(pipeline, resolution, call(generator, kwargs, batch) → (output, flop-speed-up fn), floor fn).
-    ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule)."""
+    ``resolution`` applies to Infinity models; a VAR model has one (its patch schedule). The calls
+    return ``output_type``; with ``encode_once`` a text-to-image model's prompt is encoded once,
+    before the timed calls."""
     if name.startswith("hart"):
         from ..pipelines.hart_pipeline import HARTPipeline
 
         pipe = HARTPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
         prompt = "w3 w4 w5 w6"
+        features = _prompt(pipe, prompt, encode_once)
 
         def call(gen, kw, batch):
-            out = pipe([prompt] * batch, generator=gen, output_type="pt", **kw)
+            out = _text_call(pipe, prompt, features, batch, generator=gen, output_type=output_type, **kw)
             return out, pipe.flop_speedup
 
         cfg = pipe.transformer.config
@@ -226,7 +258,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
                               patch_nums=pn)
 
         def call(gen, kw, batch):
-            out = pipe(torch.arange(batch) % c.num_classes, patch_nums=pn, generator=gen, output_type="pt",
+            out = pipe(torch.arange(batch) % c.num_classes, patch_nums=pn, generator=gen, output_type=output_type,
                        **kw)
             return out, lambda st: pipe.flop_speedup(st, pn)
 
@@ -238,9 +270,11 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
         pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
         res = resolution or 1024
         prompt = "w3 w4 w5 w6"
+        features = _prompt(pipe, prompt, encode_once)
 
         def call(gen, kw, batch):
-            out = pipe([prompt] * batch, height=res, width=res, generator=gen, output_type="pt", **kw)
+            out = _text_call(pipe, prompt, features, batch, height=res, width=res, generator=gen,
+                             output_type=output_type, **kw)
             return out, lambda st: pipe.flop_speedup(st, height=res, width=res)
 
         hw = resolve_resolution(res, res).hw
@@ -254,7 +288,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
 
     def call(gen, kw, batch):
         labels = torch.arange(batch) % cfg.num_classes     # a tensor: its count is checked before its entries
-        out = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type="pt", **kw)
+        out = pipe(labels, guidance_scale=4.0, top_k=900, top_p=0.95, generator=gen, output_type=output_type, **kw)
         return out, pipe.flop_speedup
 
     return pipe, 16 * cfg.patch_nums[-1], call, lambda batch, wbytes, gpu, stats=None: var_floor_ms(
@@ -264,7 +298,15 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
 def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, warmup: int = 3,
               methods: Sequence[str] = ("dense", "dense-graphs", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print,
-              resolution: Optional[int] = None, vae_dtype: str = "float32") -> list[dict]:
+              resolution: Optional[int] = None, vae_dtype: str = "float32", output_type: str = "pt",
+              encode_once: bool = False) -> list[dict]:
+    """Time every (model, batch, method) and write one CSV row each. ``output_type``: what the calls
+    return ("pt", or "pil": the pictures as the default output hands them over); ``encode_once``: a
+    text-to-image model's prompt is encoded before the timed calls, whose end-to-end time then leaves
+    the text encoder out (its own time is the ``text_encoder_ms`` column). ``rest_ms_median``: the
+    median over the runs of end to end − loop − decode, what a call spends outside the two."""
+    if output_type not in ("pt", "pil"):
+        raise ValueError(f"output_type={output_type!r}: choose 'pt' or 'pil'")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda': bench speed measures GPU generation and no CUDA device is available "
                          "here (pass --device cpu for a functional run without meaningful numbers)")
@@ -286,8 +328,10 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         triton_version = ""
     rows = []
     for name in models:
-        pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution, getattr(torch, vae_dtype))
+        pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution, getattr(torch, vae_dtype),
+                                                 output_type, encode_once)
         pipe.set_progress_bar_config(disable=True)
+        text_model = hasattr(pipe, "encode_prompt")
         dense_ms: dict[int, float] = {}
         for batch in batches:
             wbytes = torch.finfo(torch_dtype).bits // 8
@@ -315,6 +359,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                     log(f"{name} b{batch} {method}: FAILED: {type(e).__name__}: {e}")
                     continue
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                rest = [e - lo - d for e, lo, d in zip(e2e_ms, loop_ms, decode_ms)]
+                encoder = round(text_encoder_ms(pipe, "w3 w4 w5 w6", batch, runs, device), 3) if text_model else ""
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
                 tok_mean = [statistics.fmean(col) for col in zip(*tokens)]
                 pol_med = [statistics.median(col) for col in zip(*policy)]
@@ -334,6 +380,9 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            ms_min=round(min(loop_ms), 3), floor_ms=round(floor, 3),
                            e2e_ms_median=round(statistics.median(e2e_ms), 3),
                            decode_ms_median=round(statistics.median(decode_ms), 3),
+                           rest_ms_median=round(statistics.median(rest), 3), output_type=output_type,
+                           prompt=("encoded once" if encode_once else "encoded in each call") if text_model else "",
+                           text_encoder_ms=encoder,
                            e2e_ms_per_image=round(statistics.median(e2e_ms) / batch, 3),
                            images_per_s=round(1e3 * batch / statistics.median(e2e_ms), 3),
                            speedup_vs_dense=round(speedup, 3), ideal_speedup=round(ideal, 3),
@@ -347,7 +396,8 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 log(f"{name:>9} {res}px b{batch:<2} {method:<18} loop {row['ms_median']:8.2f} ms "
                     f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x FLOPs, {roof_ideal:4.2f}x roofline) "
                     f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
-                    f"decode {row['decode_ms_median']:.1f} ms ({row['e2e_ms_per_image']:.1f} ms / "
+                    f"decode {row['decode_ms_median']:.1f} ms rest {row['rest_ms_median']:.1f} ms "
+                    f"({row['e2e_ms_per_image']:.1f} ms / "
                     f"{row['images_per_s']:.1f} images per s) peak {row['peak_mem_gb']:.2f} GB")
         del pipe
         if device == "cuda":

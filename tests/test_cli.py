@@ -221,6 +221,25 @@ def test_bench_speed_runs_every_family_on_cpu(tmp_path, capsys):
     assert float(skip["ideal_speedup"]) > 1.0
 
 
+def test_bench_speed_reports_the_rest_of_a_call_for_pil_output_and_a_prompt_encoded_once(tmp_path):
+    """`--output-type pil --encode-once` (functional on the CPU): the rows say so, a text model's
+    prompt is encoded before the timed calls and its encoder timed apart, and the rest of a call
+    (end to end − loop − decode) is reported per row."""
+    out = tmp_path / "speed.csv"
+    assert main(["bench", "speed", "--models", "var-tiny", "hart-tiny", "--device", "cpu", "--runs", "1",
+                 "--warmup", "0", "--methods", "dense", "--dtype", "float32", "--output-type", "pil",
+                 "--encode-once", "--out", str(out)]) == 0
+    import csv
+    rows = {r["model"]: r for r in csv.DictReader(out.open())}
+    for r in rows.values():
+        assert r["output_type"] == "pil"
+        e2e, loop, decode, rest = (float(r[k]) for k in ("e2e_ms_median", "ms_median", "decode_ms_median",
+                                                          "rest_ms_median"))
+        assert rest == pytest.approx(e2e - loop - decode, abs=1e-2) and rest > 0
+    assert rows["hart-tiny"]["prompt"] == "encoded once" and float(rows["hart-tiny"]["text_encoder_ms"]) > 0
+    assert rows["var-tiny"]["prompt"] == "" and rows["var-tiny"]["text_encoder_ms"] == ""
+
+
 def test_roofline_floor_counts_the_tokens_a_method_computed():
     """The roofline ideal of `bench speed`: the dense generation's own stats give the dense floor;
     pruning compute-bound scales lowers it, pruning a weight-bound scale only by the K/V its
