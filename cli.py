@@ -1172,7 +1172,8 @@ def cmd_bench(args) -> int:
         _check_writable(out, "--out")
         rows = run_speed(args.models, args.batch, runs=args.runs, warmup=args.warmup, methods=methods,
                          dtype=args.dtype, out=out, device=args.device, resolution=args.resolution,
-                         vae_dtype=args.vae_dtype, output_type=args.output_type, encode_once=args.encode_once)
+                         vae_dtype=args.vae_dtype, output_type=args.output_type, encode_once=args.encode_once,
+                         profile_out=out.with_name(f"{out.stem}_profile.txt") if args.profile else None)
         if not rows:
             raise CLIError("no setting could run (the lines above say why); nothing was written")
         return 0
@@ -1454,6 +1455,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--encode-once", action="store_true",
                    help="Infinity and HART: encode the prompt once before the timed calls, so that end to end "
                         "leaves the text encoder out, as the official timings do (its time is its own column)")
+    b.add_argument("--profile", action="store_true",
+                   help="after each setting, profile one more call: its phases (check, prompt, set-up, scales, "
+                        "decode, conversion) with host and GPU time, and where the GPU waited, into "
+                        "<out>_profile.txt beside the CSV")
     b.add_argument("--out", type=Path, default=None, help="CSV path (default benchmarks/results/speed_<GPU>.csv)")
     b.set_defaults(func=cmd_bench)
     m = bsub.add_parser("memory", help="peak GPU memory and time per memory setting (offload, ScaleKV) on a "

@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._results import write_csv
+from ._profile import profile_call
+from ._results import atomic_write, write_csv
 
 
 # H100 SXM ceilings used for the floor (kernels.md §6): dense bf16 tensor-core peak and HBM copy rate.
@@ -299,12 +300,14 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
               methods: Sequence[str] = ("dense", "dense-graphs", "dense-eager"), dtype: str = "bfloat16",
               out: Optional[Path] = None, device: str = "cuda", log=print,
               resolution: Optional[int] = None, vae_dtype: str = "float32", output_type: str = "pt",
-              encode_once: bool = False) -> list[dict]:
+              encode_once: bool = False, profile_out: Optional[Path] = None) -> list[dict]:
     """Time every (model, batch, method) and write one CSV row each. ``output_type``: what the calls
     return ("pt", or "pil": the pictures as the default output hands them over); ``encode_once``: a
     text-to-image model's prompt is encoded before the timed calls, whose end-to-end time then leaves
     the text encoder out (its own time is the ``text_encoder_ms`` column). ``rest_ms_median``: the
-    median over the runs of end to end − loop − decode, what a call spends outside the two."""
+    median over the runs of end to end − loop − decode, what a call spends outside the two.
+    ``profile_out``: after each setting's timed runs, one more call under ``torch.profiler``, its
+    phases and the GPU's waits written to this text file (``benchmarks/_profile.py``)."""
     if output_type not in ("pt", "pil"):
         raise ValueError(f"output_type={output_type!r}: choose 'pt' or 'pil'")
     if device == "cuda" and not torch.cuda.is_available():
@@ -326,7 +329,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
         triton_version = triton.__version__
     except ImportError:
         triton_version = ""
-    rows = []
+    rows, profiles = [], []
     for name in models:
         pipe, res, call_model, floor_fn = _model(name, device, torch_dtype, resolution, getattr(torch, vae_dtype),
                                                  output_type, encode_once)
@@ -393,6 +396,10 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                            peak_mem_gb=round(peak, 3), runs=runs, gpu=gpu, torch=torch.__version__,
                            triton=triton_version)
                 rows.append(row)
+                if profile_out is not None:
+                    gen = torch.Generator(device).manual_seed(0)
+                    profiles.append(f"== {name} {res}px batch {batch} {method} ({settings}; output {output_type})\n"
+                                    + profile_call(lambda: call_model(gen, kw, batch), device))
                 log(f"{name:>9} {res}px b{batch:<2} {method:<18} loop {row['ms_median']:8.2f} ms "
                     f"speed-up {speedup:5.2f}x (ideal {ideal:4.2f}x FLOPs, {roof_ideal:4.2f}x roofline) "
                     f"(min {row['ms_min']:.2f}, floor {row['floor_ms']:.2f}) e2e {row['e2e_ms_median']:.1f} ms "
@@ -404,4 +411,11 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
             torch.cuda.empty_cache()
     if out is not None:
         write_csv(rows, out, log)
+    if profile_out is not None and profiles:
+        head = f"# bench speed profiles: {gpu}, torch {torch.__version__}, triton {triton_version or 'none'}\n"
+        text = head + "\n\n".join(profiles) + "\n"
+        profile_out = Path(profile_out)
+        profile_out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(profile_out, lambda p: p.write_text(text))
+        log(f"wrote {profile_out}")
     return rows

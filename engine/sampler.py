@@ -7,11 +7,13 @@ plan, the CUDA-graph replay (engine/graphs.py) and the callback; everything fami
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.profiler import record_function
 
 from .adapter import ModelAdapter
 from .contract import PolicyStack
@@ -26,6 +28,20 @@ from .state import GenerationStats, GeneratorArg, RunState, SamplingSettings, Sc
 # called after each computed scale with (si, {"codes", "logits", "latent"}); it may return {"latent": edited}:
 # the adapter's replace_latent writes it and remakes the next scale's input from it
 ScaleCallback = Callable[[int, dict], Optional[dict]]
+
+
+def phase(name: str) -> Callable:
+    """Decorator: every call of the function is a ``name`` range in a ``torch.profiler`` trace (a
+    fresh ``record_function`` per call; a few microseconds). A call's phases: ``sparsevar.check_inputs``,
+    ``sparsevar.encode_prompt``, ``sparsevar.begin``, ``sparsevar.prepare``, ``sparsevar.scales``,
+    ``sparsevar.decode``, ``sparsevar.postprocess``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def marked(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return marked
+    return wrap
 
 
 @dataclass
@@ -127,73 +143,77 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         run.kv_slots = policies.kv_slots(run.info)
         if stream is not None:
             stream.forget()                            # the weights' CPU copies may have changed since
-        adapter.begin(run, conditioning)
-        policies.begin(run)
+        with record_function("sparsevar.begin"):
+            adapter.begin(run, conditioning)
+            policies.begin(run)
         timer = _ScaleTimer(run.device)
         graphs = GraphRunner(run.workspace, adapter.graph_streams) if use_graphs else None
-        if graphs is not None:
-            graphs.prepare(adapter, run)
-        else:
-            adapter.prepare(run)
-        schedule = run.schedule
-        skipping = False
-        hook_timer = _ScaleTimer(run.device)            # the policies' own work, for the stats
-        timing = len(policies) > 0
-        for si in range(schedule.num_scales):
-            h, w = schedule.hw[si]
-            run.si = si
-            if not skipping:
-                timer.start(si)                        # the scale's time includes the policies' plan
-                plan = _timed(hook_timer, ("plan", si), timing, policies.plan_scale, si, run)
-                if plan.skip:
-                    timer.cancel(si)
-                    hook_timer.cancel(("plan", si))
+        with record_function("sparsevar.prepare"):
+            if graphs is not None:
+                graphs.prepare(adapter, run)
+            else:
+                adapter.prepare(run)
+        with record_function("sparsevar.scales"):          # the scale loop, until its last scale is done
+            schedule = run.schedule
+            skipping = False
+            hook_timer = _ScaleTimer(run.device)            # the policies' own work, for the stats
+            timing = len(policies) > 0
+            for si in range(schedule.num_scales):
+                h, w = schedule.hw[si]
+                run.si = si
+                if not skipping:
+                    timer.start(si)                        # the scale's time includes the policies' plan
+                    plan = _timed(hook_timer, ("plan", si), timing, policies.plan_scale, si, run)
+                    if plan.skip:
+                        timer.cancel(si)
+                        hook_timer.cancel(("plan", si))
+                        skipping = True
+                if skipping:
+                    run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True,
+                                                       rows=2 if run.cfg_active else 1))
+                    continue
+                run.plan = plan
+                run.tokens_computed = run.keys_read = None
+                if plan.cond_only and run.cfg_active:
+                    adapter.drop_uncond(run)
+                    run.cfg_active = False
+                graphed = use_graphs and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens)
+                out = graphs.scale(si, plan, run, adapter, whole_scales) if graphed else None
+                if out is not None and len(out) == 2:      # replayed whole: only after_scale is left
+                    guided, codes = out
+                else:
+                    logits = compute_scale(adapter, si, plan, run) if out is None else out[0]
+                    guided = adapter.guide(si, logits, run)
+                    codes = adapter.sample(si, guided, run)
+                    residual = _timed(hook_timer, ("post", si), timing, policies.post_residual, si,
+                                      adapter.residual(si, codes, run), run)
+                    adapter.accumulate(si, residual, run)
+                _timed(hook_timer, ("after", si), timing, policies.after_scale, si, guided, run)
+                timer.stop(si)
+                if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
+                    n = run.tokens_computed
+                elif plan.token_index is None:
+                    n = h * w
+                elif plan.token_valid is not None:            # padded batch: count each image's own tokens
+                    n = float(plan.token_valid.sum()) / batch_size
+                else:
+                    n = int(plan.token_index.shape[-1])
+                run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1,
+                                                   keys_read=run.keys_read))
+                if callback is not None:
+                    latent = adapter.latent(run)
+                    ret = callback(si, {"codes": codes, "logits": guided, "latent": latent})
+                    if isinstance(ret, dict) and ret.get("latent") is not None:     # an edit: later scales build on it
+                        new = ret["latent"]
+                        if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(latent.shape):
+                            raise ValueError(f"the callback returned a latent of shape "
+                                             f"{tuple(getattr(new, 'shape', ()))}; it must keep the latent's shape "
+                                             f"{tuple(latent.shape)}")
+                        adapter.replace_latent(si, new.to(latent.device, latent.dtype), run)
+                if stop is not None and stop():
                     skipping = True
-            if skipping:
-                run.stats.scales.append(ScaleStats(si, h, w, h * w, 0, skipped=True, rows=2 if run.cfg_active else 1))
-                continue
-            run.plan = plan
-            run.tokens_computed = run.keys_read = None
-            if plan.cond_only and run.cfg_active:
-                adapter.drop_uncond(run)
-                run.cfg_active = False
-            graphed = use_graphs and run.cfg_active and (graph_max_tokens is None or h * w <= graph_max_tokens)
-            out = graphs.scale(si, plan, run, adapter, whole_scales) if graphed else None
-            if out is not None and len(out) == 2:      # replayed whole: only after_scale is left
-                guided, codes = out
-            else:
-                logits = compute_scale(adapter, si, plan, run) if out is None else out[0]
-                guided = adapter.guide(si, logits, run)
-                codes = adapter.sample(si, guided, run)
-                residual = _timed(hook_timer, ("post", si), timing, policies.post_residual, si,
-                                  adapter.residual(si, codes, run), run)
-                adapter.accumulate(si, residual, run)
-            _timed(hook_timer, ("after", si), timing, policies.after_scale, si, guided, run)
-            timer.stop(si)
-            if run.tokens_computed is not None:          # a policy counted (e.g. per-layer pruning)
-                n = run.tokens_computed
-            elif plan.token_index is None:
-                n = h * w
-            elif plan.token_valid is not None:            # padded batch: count each image's own tokens
-                n = float(plan.token_valid.sum()) / batch_size
-            else:
-                n = int(plan.token_index.shape[-1])
-            run.stats.scales.append(ScaleStats(si, h, w, h * w, n, rows=2 if run.cfg_active else 1,
-                                               keys_read=run.keys_read))
-            if callback is not None:
-                latent = adapter.latent(run)
-                ret = callback(si, {"codes": codes, "logits": guided, "latent": latent})
-                if isinstance(ret, dict) and ret.get("latent") is not None:     # an edit: later scales build on it
-                    new = ret["latent"]
-                    if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(latent.shape):
-                        raise ValueError(f"the callback returned a latent of shape "
-                                         f"{tuple(getattr(new, 'shape', ()))}; it must keep the latent's shape "
-                                         f"{tuple(latent.shape)}")
-                    adapter.replace_latent(si, new.to(latent.device, latent.dtype), run)
-            if stop is not None and stop():
-                skipping = True
-        scale_ms = timer.ms()                          # one host sync for every scale's time
-        hook_ms = hook_timer.ms() if hook_timer.marks else {}
+            scale_ms = timer.ms()                          # one host sync for every scale's time
+            hook_ms = hook_timer.ms() if hook_timer.marks else {}
         for s in run.stats.scales:
             if not s.skipped:
                 s.ms = scale_ms[s.si]
@@ -201,13 +221,14 @@ def generate(adapter: ModelAdapter, conditioning: Any, batch_size: int, *,
         images = None
         run.policy_state.clear()                       # the policies' maps and caches: free before decoding
         if decode:
-            if before_decode is not None:
-                before_decode()
-            t = _ScaleTimer(run.device)
-            t.start(0)
-            images = graphs.decode(adapter, run) if graphs is not None else adapter.decode(run)
-            t.stop(0)
-            run.stats.decode_ms = t.ms()[0]
+            with record_function("sparsevar.decode"):
+                if before_decode is not None:
+                    before_decode()
+                t = _ScaleTimer(run.device)
+                t.start(0)
+                images = graphs.decode(adapter, run) if graphs is not None else adapter.decode(run)
+                t.stop(0)
+                run.stats.decode_ms = t.ms()[0]
         ok = True
         return GenerationResult(images=images, latent=adapter.latent(run).clone(), stats=run.stats)
     finally:

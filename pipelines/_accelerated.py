@@ -17,7 +17,7 @@ import PIL.Image
 import torch
 
 from ..engine.contract import Policy, PolicyStack
-from ..engine.sampler import generate
+from ..engine.sampler import generate, phase
 from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
@@ -851,6 +851,7 @@ class AcceleratedPipelineMixin:
         return self.remove_policy(ScaleSkipPolicy.name)
 
     # ---- call -------------------------------------------------------------------------------------
+    @phase("sparsevar.check_inputs")
     def _check_call(self, n: int, noun: str, needed: Callable[[int], dict], guidance_scale, top_k, top_p,
                     num_images_per_prompt, output_type, generator, callback_on_step_end,
                     callback_on_step_end_tensor_inputs, policies, size: str = "", hw: tuple = (None, None),
@@ -996,6 +997,7 @@ class AcceleratedPipelineMixin:
             self._layer_stream.release()
 
     @staticmethod
+    @phase("sparsevar.postprocess")
     def _postprocess(x: torch.Tensor, output_type: str):
         """Decoded images (B, 3, H, W) in [0, 1] as ``output_type``: "pt" (and "latent") as they are,
         "np" (B, H, W, 3) float32 through diffusers' ``VaeImageProcessor.pt_to_numpy``, "pil" with

@@ -20,6 +20,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.contract import Policy
+from ..engine.sampler import phase
 from ..engine.state import GenerationStats
 from ..models.hart import HART_PRESETS, HARTAdapter, HARTConditioning, HARTTransformer, hart_loop_flops
 from ..models.hart_text import encode_hart_prompts, load_qwen2, random_qwen2
@@ -144,6 +145,7 @@ class HARTPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
 
     # ---- text ---------------------------------------------------------------------------------------
     @torch.no_grad()
+    @phase("sparsevar.encode_prompt")
     def encode_prompt(self, prompt: Union[str, Sequence[str]]):
         """(context (B, T, D), mask (B, T), position ids (B, T)) of the prompts, as the reference
         encodes them (system prompt in front, padded to the transformer's text slots)."""

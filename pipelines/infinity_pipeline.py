@@ -22,6 +22,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..engine.contract import Policy
+from ..engine.sampler import phase
 from ..engine.state import GenerationStats
 from ..models.bsq_vae import BSQVAE
 from ..models.infinity import (DEFAULT_RESOLUTION, INFINITY_PRESETS, PN_SCALES, InfinityAdapter, InfinityConditioning,
@@ -214,6 +215,7 @@ class InfinityPipeline(AcceleratedPipelineMixin, DiffusionPipeline):
         return self.transformer.config.token_dim == 4 * self.vae.config.codebook_dim
 
     @torch.no_grad()
+    @phase("sparsevar.encode_prompt")
     def encode_prompt(self, prompt: Union[str, Sequence[str]]) -> TextFeatures:
         """Packed T5 features of the prompts (official tokenisation: EOS, truncation at 512 tokens)."""
         self._load_component("text_encoder")

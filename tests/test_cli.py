@@ -222,13 +222,14 @@ def test_bench_speed_runs_every_family_on_cpu(tmp_path, capsys):
 
 
 def test_bench_speed_reports_the_rest_of_a_call_for_pil_output_and_a_prompt_encoded_once(tmp_path):
-    """`--output-type pil --encode-once` (functional on the CPU): the rows say so, a text model's
-    prompt is encoded before the timed calls and its encoder timed apart, and the rest of a call
-    (end to end − loop − decode) is reported per row."""
+    """`--output-type pil --encode-once --profile` (functional on the CPU): the rows say so, a text
+    model's prompt is encoded before the timed calls and its encoder timed apart, the rest of a call
+    (end to end − loop − decode) is reported per row, and one profiled call per setting lists the
+    call's phases."""
     out = tmp_path / "speed.csv"
     assert main(["bench", "speed", "--models", "var-tiny", "hart-tiny", "--device", "cpu", "--runs", "1",
                  "--warmup", "0", "--methods", "dense", "--dtype", "float32", "--output-type", "pil",
-                 "--encode-once", "--out", str(out)]) == 0
+                 "--encode-once", "--profile", "--out", str(out)]) == 0
     import csv
     rows = {r["model"]: r for r in csv.DictReader(out.open())}
     for r in rows.values():
@@ -238,6 +239,16 @@ def test_bench_speed_reports_the_rest_of_a_call_for_pil_output_and_a_prompt_enco
         assert rest == pytest.approx(e2e - loop - decode, abs=1e-2) and rest > 0
     assert rows["hart-tiny"]["prompt"] == "encoded once" and float(rows["hart-tiny"]["text_encoder_ms"]) > 0
     assert rows["var-tiny"]["prompt"] == "" and rows["var-tiny"]["text_encoder_ms"] == ""
+    # --profile: one more call per setting, its phases in order with their host times
+    profiles = (tmp_path / "speed_profile.txt").read_text().split("== ")[1:]
+    assert [p.split()[0] for p in profiles] == ["var-tiny", "hart-tiny"]
+    for p in profiles:
+        phases = [line.split()[0] for line in p.splitlines() if line.startswith("  sparsevar.")]
+        assert phases == ["sparsevar.check_inputs", "sparsevar.begin", "sparsevar.prepare", "sparsevar.scales",
+                          "sparsevar.decode", "sparsevar.postprocess"], p       # the prompt encoded beforehand
+        call_ms = float(p.splitlines()[1].split()[1])
+        host = [float(line.split("host")[1].split()[0]) for line in p.splitlines() if line.startswith("  sparsevar.")]
+        assert all(h >= 0 for h in host) and 0 < sum(host) <= call_ms
 
 
 def test_roofline_floor_counts_the_tokens_a_method_computed():
