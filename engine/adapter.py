@@ -262,8 +262,9 @@ class ModelAdapter:
         raise NotImplementedError
 
     def decode_key(self, run: RunState) -> Optional[tuple]:
-        """What a captured :meth:`decode` depends on besides this workspace's buffers (the decoder's
-        weights' addresses and dtype), so that the engine may replay it from a CUDA graph — one launch
+        """What a captured :meth:`decode` depends on besides this workspace (whose key must hold the
+        decoder's weights: a graph reads their addresses), so that the engine may replay it from a
+        CUDA graph — one launch
         where an eager decoder makes hundreds, which leaves the GPU waiting on the host at the small
         maps; or None where it must run eagerly (its shapes or buffers change between calls, or it
         frees and takes back memory as it goes). Default: None."""

@@ -151,7 +151,7 @@ class GraphRunner:
         entry = self.ws.graphs.get(key)
         if entry is None:
             for old in [k for k in self.ws.graphs if k[0] == "decode"]:
-                del self.ws.graphs[old]                # the decoder moved or changed dtype: its memory back to the pool
+                del self.ws.graphs[old]                # another key (e.g. a size past the limit): back to the pool
             entry = self.ws.graphs[key] = self._capture(lambda: adapter.decode(run), run.workspace.kv,
                                                         run.policy_state, (), {}, ())
         entry.graph.replay()

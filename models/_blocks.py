@@ -120,13 +120,11 @@ def weight_ptrs(module: nn.Module) -> tuple[int, ...]:
 DECODE_GRAPH_PIXELS = 1 << 20
 
 
-def decode_graph_key(decoder: nn.Module, batch: int, height: int, width: int) -> Optional[tuple]:
-    """A ``ModelAdapter.decode_key`` for a decoder that reads only workspace buffers: its weights'
-    addresses and dtype, or None (decode eagerly) past ``DECODE_GRAPH_PIXELS`` output pixels."""
-    if batch * height * width > DECODE_GRAPH_PIXELS:
-        return None
-    ptrs = weight_ptrs(decoder)
-    return ptrs, next(decoder.parameters()).dtype
+def decode_graph_key(batch: int, height: int, width: int) -> Optional[tuple]:
+    """A ``ModelAdapter.decode_key`` for a decoder that reads only workspace buffers and whose weights
+    the workspace's own key holds (a moved decoder makes a new workspace): ``()``, or None (decode
+    eagerly) past ``DECODE_GRAPH_PIXELS`` output pixels."""
+    return None if batch * height * width > DECODE_GRAPH_PIXELS else ()
 
 
 def weights_key(module: nn.Module) -> tuple[tuple, bool]:

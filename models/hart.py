@@ -918,7 +918,7 @@ class HARTAdapter(ModelAdapter):
     def decode_key(self, run: RunState) -> Optional[tuple]:
         B, _, h, w = run.workspace.f_hat.shape
         f = self.vqvae.downsample_factor
-        return decode_graph_key(self.vqvae, B, h * f, w * f)
+        return decode_graph_key(B, h * f, w * f)      # the workspace key holds the VQVAE's weights
 
 
 def hart_loop_flops(cfg, batch: int = 1, cfg_rows: int = 2, tokens_per_scale: Optional[Sequence[float]] = None,

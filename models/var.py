@@ -554,5 +554,5 @@ class VARAdapter(ModelAdapter):
     def decode_key(self, run: RunState) -> Optional[tuple]:
         B, _, h, w = run.workspace.f_hat_BChw.shape
         f = self.vqvae.downsample_factor
-        return decode_graph_key(self.vqvae, B, h * f, w * f)
+        return decode_graph_key(B, h * f, w * f)      # the workspace key holds the VQVAE's weights
 
