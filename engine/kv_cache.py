@@ -69,6 +69,9 @@ class KVCache:
         self.rows = rows
         self.transient = transient
         self.tail_owner: Optional[int] = None      # the layer whose contents the shared tail holds
+        # (first slot, slots) of the last scale in every layer's own buffer (for_schedule sets it where
+        # the layers hold it: no tail, one capacity)
+        self.last_scale: Optional[tuple[int, int]] = None
         if transient:
             self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT = views[-3:]
             self.tail_pos_RT.fill_(-1)
@@ -90,8 +93,26 @@ class KVCache:
             return cls(num_layers, rows, heads, head_dim, capacity, dtype, device,
                        transient=max(0, need - capacity), capacities=caps)
         L, last = sum(token_counts), token_counts[-1]
-        return cls(num_layers, rows, heads, head_dim, L - last if tail else L, dtype, device,
-                   transient=last if tail else 0)
+        cache = cls(num_layers, rows, heads, head_dim, L - last if tail else L, dtype, device,
+                    transient=last if tail else 0)
+        if not tail:
+            cache.last_scale = (L - last, last)
+        return cache
+
+    def idle_slots(self, layer: int, count: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``count`` slots of ``layer``'s last scale as (rows, heads, count, head_dim) K and V
+        views, or None where the layers' buffers hold no last scale (a transient tail, per-layer
+        capacities) or it has fewer than ``count`` slots.
+
+        Nothing reads or writes these slots before ``layer`` writes the last scale: every write of an
+        earlier scale ends where that scale ends (a pruned scale writes fewer slots, never more), and
+        attention reads written slots only. A policy may keep there, for the length of a generation,
+        state that an earlier layer reads for the last time at the last scale (SparVAR's O_cache),
+        instead of allocating it beside the cache."""
+        if self.last_scale is None or count > self.last_scale[1]:
+            return None
+        a = self.last_scale[0]
+        return self._k[layer][:, :, a:a + count], self._v[layer][:, :, a:a + count]
 
     # the buffers of the layers of the largest capacity (every layer's, unless capacities differ)
     @property

@@ -369,12 +369,14 @@ class SparVARPolicy(Policy):
             colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, lse_RHl, backend=backend)
             K = max(1, min(Lk, int(round(c.top_keys * Lk))))
             idx_RHGK = colsum_RHGL.topk(K, dim=-1).indices.sort(dim=-1).values.to(torch.int32)   # ascending
+            o_cache, idx_kept = self._kept_in_cache(ctx.layer, q_RHld, idx_RHGK, run)
+            idx_RHGK = idx_kept.copy_(idx_RHGK) if idx_kept is not None else idx_RHGK
             count_RHG = self._full_count(idx_RHGK.shape[:3], K, run, idx_RHGK.device)
             o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
                                                          backend=backend)
             # what the unselected keys contributed, (R, H, hS·wS, d) in q's dtype: later scales' sparse pass
-            # adds its bilinear resize
-            o_cache = (o_dense - o_sparse).to(q_RHld.dtype)     # bf16/fp16 subtract in float32, round once
+            # adds its bilinear resize. bf16/fp16: subtracted in float32, rounded once
+            o_cache = o_cache.copy_(o_dense - o_sparse) if o_cache is not None else (o_dense - o_sparse).to(q_RHld.dtype)
             st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, o_hw=run.schedule.hw[si], idx=idx_RHGK, si=si,
                                                         width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
@@ -410,6 +412,28 @@ class SparVARPolicy(Policy):
         # the sparse pass + upsample(O_cache) (bilinear, in the kernel's epilogue)
         return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, 0, None,
                                                  entry["o_cache"], (h, w), entry["o_hw"], backend=backend)
+
+    @staticmethod
+    def _kept_in_cache(layer: int, q_RHld: torch.Tensor, idx_RHGK: torch.Tensor, run):
+        """Buffers for a CS4A layer's O_cache (R, H, l, d) and key lists (R, H, G, K) int32 in the next
+        layer's last-scale V and K slots (``KVCache.idle_slots``): the next layer writes them only
+        at the last scale, after this layer's last read, so the decision scale's state costs no
+        memory beside the cache. (None, None) where the cache has no such room (a transient tail,
+        per-layer capacities, the last layer, another head layout or dtype); the caller allocates."""
+        R, H, l, d = q_RHld.shape
+        kv = run.workspace.kv if run.workspace is not None else None
+        slots = kv.idle_slots(layer + 1, l) if kv is not None and layer + 1 < kv.num_layers else None
+        if slots is None:
+            return None, None
+        k_RHld, v_RHld = (t[:R] for t in slots)
+        G, K = idx_RHGK.shape[2:]
+        if v_RHld.shape != q_RHld.shape or v_RHld.dtype != q_RHld.dtype or (l * d * v_RHld.element_size()) % 4 \
+                or G * K * 4 > l * d * k_RHld.element_size():
+            return None, None
+        # each (image, head) plane of the slots is one contiguous run of l·d elements: seen as int32
+        # words, its first G·K hold the lists
+        idx_RHGK_kept = k_RHld.flatten(2).view(torch.int32)[..., :G * K].unflatten(-1, (G, K))
+        return v_RHld, idx_RHGK_kept
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""

@@ -437,6 +437,31 @@ def test_kv_cache_tail_with_layers_out_of_step_and_cond_only_rows():
     assert torch.equal(kv.view(0)[0], k0)                            # layer 0 still reads its own buffer
 
 
+def test_kv_cache_idle_slots_are_the_last_scale_of_a_layer_and_untouched_until_that_layer_writes_it():
+    """``idle_slots``: views of the first slots of a layer's last scale, which earlier scales (pruned
+    or not) never write; None where a tail holds the last scale, where layers have their own
+    capacities, or past the last scale's size."""
+    kv = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu")
+    assert kv.last_scale == (5, 9)
+    k_idle, v_idle = kv.idle_slots(2, 6)
+    assert k_idle.shape == v_idle.shape == (2, 1, 6, 2)
+    assert k_idle.data_ptr() == kv.k_NRHTd[2, :, :, 5:].data_ptr() and v_idle.data_ptr() == kv.v_NRHTd[2, :, :, 5:].data_ptr()
+    k_idle.fill_(7.0)
+    v_idle.fill_(-7.0)
+    for layer in range(3):                                    # the first two scales, one layer pruned
+        n = 5 if layer != 1 else 3
+        kv.append(layer, torch.zeros(2, 1, n, 2), torch.zeros(2, 1, n, 2))
+    assert (k_idle == 7.0).all() and (v_idle == -7.0).all()
+    kv.append(2, torch.ones(2, 1, 9, 2), torch.ones(2, 1, 9, 2))   # layer 2's last scale overwrites them
+    assert (k_idle == 1.0).all()
+    assert kv.idle_slots(0, 10) is None
+    tailed = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu", tail=True)
+    assert tailed.last_scale is None and tailed.idle_slots(2, 1) is None
+    compressed = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu",
+                                      slots=[[1, 5, 14], [1, 3, 12], [1, 5, 14]])
+    assert compressed.idle_slots(2, 1) is None
+
+
 def test_kv_cache_append_and_keep_rows():
     kv = KVCache(num_layers=2, rows=4, heads=2, head_dim=3, capacity=10, dtype=torch.float32, device="cpu")
     k1, v1 = torch.randn(4, 2, 3, 3), torch.randn(4, 2, 3, 3)

@@ -83,7 +83,8 @@ def test_cuda_memory_after_batches_of_every_size_stays_that_of_the_largest():
         torch.cuda.synchronize()
         return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
-    run(1)                                       # the streams' cuBLAS workspaces, kept by torch for its handles
+    run(1)                                       # the streams' cuBLAS workspaces, kept by torch for its handles:
+    run(1, graphs=False)                         # the capture stream's (graphs) and the main stream's (eager)
     pipe.release_memory()
     base = in_use()
     run(6)

@@ -254,6 +254,37 @@ def test_relative_index_lists_read_the_keys_of_the_mask_path(pipe):
         assert len(got) == len(want) == 3 and got == pytest.approx(want, rel=1e-6)
 
 
+def test_cs4a_state_in_the_next_layers_last_scale_slots_gives_the_pictures_of_state_beside_the_cache(pipe):
+    """The decision scale's O_cache and key lists of CS4A layer i live in layer i + 1's last-scale
+    V and K slots of the KV cache (no memory beside it), which layer i + 1 writes only after layer
+    i's last read: the pictures are those of state allocated on its own, bit for bit, in a batch."""
+    from sparsevar.policies.sparvar import SparVARPolicy
+
+    held = []
+
+    class Held(SparVARPolicy):
+        def _cs4a(self, ctx, q, k, v, run, st):
+            out = super()._cs4a(ctx, q, k, v, run, st)
+            entry = run.policy_state[self.name]["cs4a"][ctx.layer]
+            storage = run.workspace.kv.k_NRHTd.untyped_storage().data_ptr()
+            held.append((ctx.layer, all(entry[n].untyped_storage().data_ptr() == storage for n in ("o_cache", "idx"))))
+            return out
+
+    class Beside(SparVARPolicy):
+        @staticmethod
+        def _kept_in_cache(layer, q_RHld, idx_RHGK, run):
+            return None, None
+
+    cfg = SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)
+    pipe.add_policy(Held(cfg))
+    inside = _run(pipe, [1, 4, 7])
+    pipe.disable_sparvar()
+    pipe.add_policy(Beside(cfg))
+    beside = _run(pipe, [1, 4, 7])
+    assert held and all(ok for layer, ok in held), held
+    torch.testing.assert_close(inside.images, beside.images, rtol=0, atol=0)
+
+
 def test_decision_scale_follows_the_last_computed_scale_and_cond_only_composes(pipe):
     S = len(pipe.transformer.config.patch_nums)
     pipe.enable_scale_skip(skip_last=2)
