@@ -63,7 +63,8 @@ class KVCache:
                 self._k[i], self._v[i], self._pos[i] = k[j], v[j], pos[j]
         self._valid: Optional[list] = None          # per layer (rows, slots) bool, once a padded write happened
         self._valid_groups: list = []
-        self._undo: Optional[list] = None            # what compactions overwrote, while recording (keep_undo)
+        self._undo: Optional[list] = None            # (slots, their contents) overwritten while recording (keep_undo)
+        self._undo_lent: set = set()                 # layers whose lent slots were kept while recording
         self.capacity = capacity
         self.lengths = [0] * num_layers   # host ints: fill length per layer
         self.rows = rows
@@ -72,6 +73,9 @@ class KVCache:
         # (first slot, slots) of the last scale in every layer's own buffer (for_schedule sets it where
         # the layers hold it: no tail, one capacity)
         self.last_scale: Optional[tuple[int, int]] = None
+        # layer -> (k, v) views of its last-scale slots lent (lend): for the cache's life, since a
+        # generation that replays the lending scale from a graph does not lend again
+        self._lent: dict = {}
         if transient:
             self.tail_k_RHTd, self.tail_v_RHTd, self.tail_pos_RT = views[-3:]
             self.tail_pos_RT.fill_(-1)
@@ -99,20 +103,23 @@ class KVCache:
             cache.last_scale = (L - last, last)
         return cache
 
-    def idle_slots(self, layer: int, count: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def lend(self, layer: int, count: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``count`` slots of ``layer``'s last scale as (rows, heads, count, head_dim) K and V
-        views, or None where the layers' buffers hold no last scale (a transient tail, per-layer
-        capacities) or it has fewer than ``count`` slots.
+        views, lent for the cache's life; None where the layers' buffers hold no last
+        scale (a transient tail, per-layer capacities) or it has fewer than ``count`` slots.
 
         Nothing reads or writes these slots before ``layer`` writes the last scale: every write of an
         earlier scale ends where that scale ends (a pruned scale writes fewer slots, never more), and
-        attention reads written slots only. A policy may keep there, for the length of a generation,
-        state that an earlier layer reads for the last time at the last scale (SparVAR's O_cache),
-        instead of allocating it beside the cache."""
+        attention reads written slots only. A policy may keep there state that an earlier layer
+        reads for the last time at the last scale (SparVAR's O_cache), instead of allocating it
+        beside the cache. A CUDA-graph capture's warm-up run of the last scale overwrites them
+        before the captured run reads them: while :meth:`keep_undo` records, the first write into
+        lent slots copies them to the host, and :meth:`undo` puts them back."""
         if self.last_scale is None or count > self.last_scale[1]:
             return None
         a = self.last_scale[0]
-        return self._k[layer][:, :, a:a + count], self._v[layer][:, :, a:a + count]
+        self._lent[layer] = (self._k[layer][:, :, a:a + count], self._v[layer][:, :, a:a + count])
+        return self._lent[layer]
 
     # the buffers of the layers of the largest capacity (every layer's, unless capacities differ)
     @property
@@ -197,6 +204,11 @@ class KVCache:
         start = self.lengths[layer]
         end = start + n
         R = self.rows
+        if self._undo is not None and layer in self._lent and layer not in self._undo_lent \
+                and end > self.last_scale[0]:
+            # a capture's warm-up writes lent slots (lend): keep them on the host until undo()
+            self._undo_lent.add(layer)
+            self._undo.extend((t, t.to("cpu", copy=True)) for t in self._lent[layer])
         if self._in_tail(layer, end):
             if self.tail_owner != layer:
                 self._take_tail(layer, start)
@@ -243,8 +255,7 @@ class KVCache:
         src_k, src_v, _, _ = self._buffers(layer, end)             # its own buffer, or the tail it is in
         k_RHTd, v_RHTd, pos_RT = self._k[layer], self._v[layer], self._pos[layer]
         if self._undo is not None:
-            self._undo.append((k_RHTd[:R, :, :n], v_RHTd[:R, :, :n], pos_RT[:R, :n],
-                               k_RHTd[:R, :, :n].clone(), v_RHTd[:R, :, :n].clone(), pos_RT[:R, :n].clone()))
+            self._undo.extend((t, t.clone()) for t in (k_RHTd[:R, :, :n], v_RHTd[:R, :, :n], pos_RT[:R, :n]))
         take_RHnd = idx_RHn[..., None].expand(-1, -1, -1, k_RHTd.shape[-1])
         # gather reads every kept slot into a new tensor before the front slots are overwritten
         k_RHTd[:R, :, :n] = src_k[:R, :, :end].gather(2, take_RHnd)
@@ -255,18 +266,17 @@ class KVCache:
         self.lengths[layer] = n
 
     def keep_undo(self) -> None:
-        """From now on, keep what each :meth:`compact` overwrites, so that :meth:`undo` can put it
-        back: a CUDA-graph capture runs a scale once before capturing it (engine/graphs.py), and a
-        compaction, unlike a write of new slots, would change what the captured run reads."""
-        self._undo = []
+        """From now on, keep what each :meth:`compact` and each write into lent slots (:meth:`lend`)
+        overwrites, so that :meth:`undo` can put it back: a CUDA-graph capture runs a scale once
+        before capturing it (engine/graphs.py), and these writes, unlike a write of new slots,
+        would change what the captured run reads."""
+        self._undo, self._undo_lent = [], set()
 
     def undo(self) -> None:
-        """Put back what the compactions since :meth:`keep_undo` overwrote (the fill lengths are
-        host state, restored by the caller) and stop keeping it."""
-        for dst_k, dst_v, dst_pos, k, v, pos in reversed(self._undo or []):
-            dst_k.copy_(k)
-            dst_v.copy_(v)
-            dst_pos.copy_(pos)
+        """Put back what was overwritten since :meth:`keep_undo` (the fill lengths are host state,
+        restored by the caller; lent slots stay lent) and stop keeping it."""
+        for dst, saved in reversed(self._undo or []):
+            dst.copy_(saved)
         self._undo = None
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

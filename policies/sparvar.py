@@ -416,13 +416,13 @@ class SparVARPolicy(Policy):
     @staticmethod
     def _kept_in_cache(layer: int, q_RHld: torch.Tensor, idx_RHGK: torch.Tensor, run):
         """Buffers for a CS4A layer's O_cache (R, H, l, d) and key lists (R, H, G, K) int32 in the next
-        layer's last-scale V and K slots (``KVCache.idle_slots``): the next layer writes them only
+        layer's last-scale V and K slots (``KVCache.lend``): the next layer writes them only
         at the last scale, after this layer's last read, so the decision scale's state costs no
         memory beside the cache. (None, None) where the cache has no such room (a transient tail,
         per-layer capacities, the last layer, another head layout or dtype); the caller allocates."""
         R, H, l, d = q_RHld.shape
         kv = run.workspace.kv if run.workspace is not None else None
-        slots = kv.idle_slots(layer + 1, l) if kv is not None and layer + 1 < kv.num_layers else None
+        slots = kv.lend(layer + 1, l) if kv is not None and layer + 1 < kv.num_layers else None
         if slots is None:
             return None, None
         k_RHld, v_RHld = (t[:R] for t in slots)

@@ -437,29 +437,36 @@ def test_kv_cache_tail_with_layers_out_of_step_and_cond_only_rows():
     assert torch.equal(kv.view(0)[0], k0)                            # layer 0 still reads its own buffer
 
 
-def test_kv_cache_idle_slots_are_the_last_scale_of_a_layer_and_untouched_until_that_layer_writes_it():
-    """``idle_slots``: views of the first slots of a layer's last scale, which earlier scales (pruned
-    or not) never write; None where a tail holds the last scale, where layers have their own
-    capacities, or past the last scale's size."""
+def test_kv_cache_lent_slots_are_a_layers_last_scale_untouched_until_it_writes_it_and_kept_across_a_warm_up():
+    """``lend``: views of the first slots of a layer's last scale, which earlier scales (pruned or
+    not) never write; None where a tail holds the last scale, where layers have their own
+    capacities, or past the last scale's size. While ``keep_undo`` records (a capture's warm-up),
+    the layer's last-scale write keeps the lent contents, and ``undo`` puts them back."""
     kv = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu")
     assert kv.last_scale == (5, 9)
-    k_idle, v_idle = kv.idle_slots(2, 6)
-    assert k_idle.shape == v_idle.shape == (2, 1, 6, 2)
-    assert k_idle.data_ptr() == kv.k_NRHTd[2, :, :, 5:].data_ptr() and v_idle.data_ptr() == kv.v_NRHTd[2, :, :, 5:].data_ptr()
-    k_idle.fill_(7.0)
-    v_idle.fill_(-7.0)
+    k_lent, v_lent = kv.lend(2, 6)
+    assert k_lent.shape == v_lent.shape == (2, 1, 6, 2)
+    assert k_lent.data_ptr() == kv.k_NRHTd[2, :, :, 5:].data_ptr() and v_lent.data_ptr() == kv.v_NRHTd[2, :, :, 5:].data_ptr()
+    k_lent.fill_(7.0)
+    v_lent.fill_(-7.0)
     for layer in range(3):                                    # the first two scales, one layer pruned
         n = 5 if layer != 1 else 3
         kv.append(layer, torch.zeros(2, 1, n, 2), torch.zeros(2, 1, n, 2))
-    assert (k_idle == 7.0).all() and (v_idle == -7.0).all()
-    kv.append(2, torch.ones(2, 1, 9, 2), torch.ones(2, 1, 9, 2))   # layer 2's last scale overwrites them
-    assert (k_idle == 1.0).all()
-    assert kv.idle_slots(0, 10) is None
+    assert (k_lent == 7.0).all() and (v_lent == -7.0).all()
+    kv.keep_undo()                                            # a warm-up of the last scale, then undo
+    kv.append(2, torch.ones(2, 1, 9, 2), torch.ones(2, 1, 9, 2))
+    assert (k_lent == 1.0).all()
+    kv.undo()
+    kv.lengths[2] = 5
+    assert (k_lent == 7.0).all() and (v_lent == -7.0).all()
+    kv.append(2, torch.ones(2, 1, 9, 2), 2 * torch.ones(2, 1, 9, 2))   # the run itself overwrites them
+    assert (k_lent == 1.0).all() and (v_lent == 2.0).all()
+    assert kv.lend(0, 10) is None
     tailed = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu", tail=True)
-    assert tailed.last_scale is None and tailed.idle_slots(2, 1) is None
+    assert tailed.last_scale is None and tailed.lend(2, 1) is None
     compressed = KVCache.for_schedule(3, 2, 1, 2, [1, 4, 9], torch.float32, "cpu",
                                       slots=[[1, 5, 14], [1, 3, 12], [1, 5, 14]])
-    assert compressed.idle_slots(2, 1) is None
+    assert compressed.lend(2, 1) is None
 
 
 def test_kv_cache_append_and_keep_rows():
