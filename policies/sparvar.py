@@ -369,16 +369,18 @@ class SparVARPolicy(Policy):
             colsum_RHGL = sparse_ops.attention_colsum(q_RHld, k_RHLd, 1.0, C, lse_RHl, backend=backend)
             K = max(1, min(Lk, int(round(c.top_keys * Lk))))
             idx_RHGK = colsum_RHGL.topk(K, dim=-1).indices.sort(dim=-1).values.to(torch.int32)   # ascending
-            o_cache, idx_kept = self._kept_in_cache(ctx.layer, q_RHld, idx_RHGK, run)
-            idx_RHGK = idx_kept.copy_(idx_RHGK) if idx_kept is not None else idx_RHGK
+            lent = (ctx.layer, *q_RHld.shape, q_RHld.dtype, *idx_RHGK.shape[2:])
+            o_cache, idx_kept = self._lent(*lent, run)
+            lent = lent if o_cache is not None else None
+            idx_RHGK = idx_kept.copy_(idx_RHGK) if lent is not None else idx_RHGK
             count_RHG = self._full_count(idx_RHGK.shape[:3], K, run, idx_RHGK.device)
             o_sparse = sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0,
                                                          backend=backend)
             # what the unselected keys contributed, (R, H, hS·wS, d) in q's dtype: later scales' sparse pass
             # adds its bilinear resize. bf16/fp16: subtracted in float32, rounded once
-            o_cache = o_cache.copy_(o_dense - o_sparse) if o_cache is not None else (o_dense - o_sparse).to(q_RHld.dtype)
-            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=o_cache, o_hw=run.schedule.hw[si], idx=idx_RHGK, si=si,
-                                                        width=K)}
+            o_cache = o_cache.copy_(o_dense - o_sparse) if lent is not None else (o_dense - o_sparse).to(q_RHld.dtype)
+            st["cs4a"] = {**st["cs4a"], ctx.layer: dict(o_cache=None if lent else o_cache, idx=None if lent else idx_RHGK,
+                                                        lent=lent, o_hw=run.schedule.hw[si], si=si, width=K)}
             # the decision scale's work in keys per query: the dense pass, the column sums (q·kᵀ
             # only: half a pass) and the sparse pass over the kept keys
             st["keys"] = st["keys"] + [1.5 * Lk + K]
@@ -386,23 +388,25 @@ class SparVARPolicy(Policy):
         # "relative" (the paper) follows the decision scale's selection: its entry is never rewritten;
         # "verbatim" (the development code) follows the previous sparse scale's keys
         entry = st["cs4a"][ctx.layer]
+        o_cache, idx_S = self._state(entry, run)
         h, w = run.schedule.hw[si]
         band_G2, sizes_G, band_max = self._band(si, st["decision"], run, q_RHld.device)
-        maps = self._relative_maps(entry["idx"].shape[2], entry["si"], si, run, q_RHld.device) \
+        maps = self._relative_maps(idx_S.shape[2], entry["si"], si, run, q_RHld.device) \
             if c.mapping == "relative" else None
         if maps is not None:
             # the decision scale's lists moved to this scale (still distinct and ascending); each group
             # reads its source group's list, and the kernel counts the keys it read past the ranges
             key_map_P, list_of_G, prefix, ranges_mean = maps
-            idx_RHGK = key_map_P[entry["idx"][:R]]
+            idx_RHGK = key_map_P[idx_S[:R]]
             count_RHG = self._full_count(idx_RHGK.shape[:3], idx_RHGK.shape[-1], run, idx_RHGK.device)
             reads_RHG = torch.empty(R, idx_RHGK.shape[1], band_G2.shape[0], device=q_RHld.device, dtype=torch.int32)
             st["keys"] = st["keys"] + [(ranges_mean, reads_RHG, sizes_G, R * idx_RHGK.shape[1] * h * w)]
             return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, prefix,
-                                                     band_G2, entry["o_cache"], (h, w), entry["o_hw"], list_of_G,
+                                                     band_G2, o_cache, (h, w), entry["o_hw"], list_of_G,
                                                      reads_RHG, backend=backend)
         # masks: verbatim chaining, or a schedule whose scales do not map one to one
-        keys_RHGL, followed_max = self._follow(self._keys_of(entry, R, run), entry["si"], si, run, entry["width"])
+        keys_RHGL, followed_max = self._follow(self._keys_of(entry, idx_S, R, run), entry["si"], si, run,
+                                               entry["width"])
         keys_RHGL = keys_RHGL | self._band_mask(si, st["decision"], run, q_RHld.device)[None, None]
         width = min(Lk, followed_max + band_max)           # a bound on any group's keys, known on the host
         if c.mapping == "verbatim":
@@ -411,29 +415,34 @@ class SparVARPolicy(Policy):
         st["keys"] = st["keys"] + [(count_RHG.float() * sizes_G).sum() / (R * idx_RHGK.shape[1] * h * w)]
         # the sparse pass + upsample(O_cache) (bilinear, in the kernel's epilogue)
         return sparse_ops.group_sparse_attention(q_RHld, k_RHLd, v_RHLd, idx_RHGK, count_RHG, C, 1.0, 0, None,
-                                                 entry["o_cache"], (h, w), entry["o_hw"], backend=backend)
+                                                 o_cache, (h, w), entry["o_hw"], backend=backend)
 
     @staticmethod
-    def _kept_in_cache(layer: int, q_RHld: torch.Tensor, idx_RHGK: torch.Tensor, run):
-        """Buffers for a CS4A layer's O_cache (R, H, l, d) and key lists (R, H, G, K) int32 in the next
-        layer's last-scale V and K slots (``KVCache.lend``): the next layer writes them only
-        at the last scale, after this layer's last read, so the decision scale's state costs no
-        memory beside the cache. (None, None) where the cache has no such room (a transient tail,
-        per-layer capacities, the last layer, another head layout or dtype); the caller allocates."""
-        R, H, l, d = q_RHld.shape
+    def _lent(layer: int, R: int, H: int, l: int, d: int, dtype: torch.dtype, G: int, K: int, run):
+        """A CS4A layer's O_cache (R, H, l, d) and key lists (R, H, G, K) int32 in the next layer's
+        last-scale V and K slots (``KVCache.lend``), which the next layer writes only at the last
+        scale, after this layer's last read: the decision scale's state then costs no memory beside
+        the cache. The same views for the same arguments (the entry keeps the arguments, not the
+        views: a view would keep a freed cache's memory alive). (None, None) where the cache has no
+        such room (a transient tail, per-layer capacities, the last layer, another head layout or
+        dtype); the caller allocates."""
         kv = run.workspace.kv if run.workspace is not None else None
         slots = kv.lend(layer + 1, l) if kv is not None and layer + 1 < kv.num_layers else None
         if slots is None:
             return None, None
         k_RHld, v_RHld = (t[:R] for t in slots)
-        G, K = idx_RHGK.shape[2:]
-        if v_RHld.shape != q_RHld.shape or v_RHld.dtype != q_RHld.dtype or (l * d * v_RHld.element_size()) % 4 \
+        if v_RHld.shape != (R, H, l, d) or v_RHld.dtype != dtype or (l * d * v_RHld.element_size()) % 4 \
                 or G * K * 4 > l * d * k_RHld.element_size():
             return None, None
         # each (image, head) plane of the slots is one contiguous run of l·d elements: seen as int32
         # words, its first G·K hold the lists
-        idx_RHGK_kept = k_RHld.flatten(2).view(torch.int32)[..., :G * K].unflatten(-1, (G, K))
-        return v_RHld, idx_RHGK_kept
+        return v_RHld, k_RHld.flatten(2).view(torch.int32)[..., :G * K].unflatten(-1, (G, K))
+
+    def _state(self, entry: dict, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """A CS4A entry's (O_cache, key lists): its own tensors, or the cache slots lent to it."""
+        if entry["lent"] is None:
+            return entry["o_cache"], entry["idx"]
+        return self._lent(*entry["lent"], run)
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""
@@ -443,11 +452,11 @@ class SparVARPolicy(Policy):
             cache[key] = torch.full(tuple(shape), K, device=device, dtype=torch.int32)
         return cache[key]
 
-    def _keys_of(self, entry, R: int, run) -> torch.Tensor:
+    def _keys_of(self, entry, idx_RHGK: torch.Tensor, R: int, run) -> torch.Tensor:
         """The entry's (R, H, G, L) key mask: stored (verbatim chaining) or made from its index lists."""
         if "keys" in entry:
             return entry["keys"][:R]
-        idx_RHGK = entry["idx"][:R]
+        idx_RHGK = idx_RHGK[:R]
         L = run.schedule.offsets[entry["si"] + 1]
         return torch.zeros(*idx_RHGK.shape[:3], L, device=idx_RHGK.device, dtype=torch.bool).scatter_(
             -1, idx_RHGK.long(), True)

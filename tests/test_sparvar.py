@@ -267,12 +267,13 @@ def test_cs4a_state_in_the_next_layers_last_scale_slots_gives_the_pictures_of_st
             out = super()._cs4a(ctx, q, k, v, run, st)
             entry = run.policy_state[self.name]["cs4a"][ctx.layer]
             storage = run.workspace.kv.k_NRHTd.untyped_storage().data_ptr()
-            held.append((ctx.layer, all(entry[n].untyped_storage().data_ptr() == storage for n in ("o_cache", "idx"))))
+            held.append((ctx.layer, entry["o_cache"] is None and entry["idx"] is None and all(
+                t.untyped_storage().data_ptr() == storage for t in self._state(entry, run))))
             return out
 
     class Beside(SparVARPolicy):
         @staticmethod
-        def _kept_in_cache(layer, q_RHld, idx_RHGK, run):
+        def _lent(*args):
             return None, None
 
     cfg = SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)
@@ -370,7 +371,7 @@ def test_cs4a_output_is_the_sparse_pass_plus_the_bilinear_upsampling_of_the_deci
             out = super()._cs4a(ctx, q, k, v, run, st)
             entry = run.policy_state[self.name]["cs4a"][ctx.layer]
             seen.append((ctx.si, run.schedule.hw[ctx.si], entry["si"], run.schedule.hw[entry["si"]],
-                         entry["o_cache"].clone(), calls[-1], out))
+                         self._state(entry, run)[0].clone(), calls[-1], out))
             return out
 
     pipe.add_policy(Recorder(SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2)))
