@@ -200,8 +200,10 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             kv.keep_undo()                             # a compressing policy rewrites the cache it reads
-            fn()                                       # warm-up (allocations, cuBLAS handles, compiles)
-            kv.undo()
+            try:
+                fn()                                   # warm-up (allocations, cuBLAS handles, compiles)
+            finally:
+                kv.undo()
         torch.cuda.current_stream().wait_stream(stream)
         for t, old in zip(preserve, saved):            # the warm-up's effects are undone: its latent
             t.copy_(old)

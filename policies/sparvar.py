@@ -431,7 +431,7 @@ class SparVARPolicy(Policy):
         if slots is None:
             return None, None
         k_RHld, v_RHld = (t[:R] for t in slots)
-        if v_RHld.shape != (R, H, l, d) or v_RHld.dtype != dtype or (l * d * v_RHld.element_size()) % 4 \
+        if v_RHld.shape != (R, H, l, d) or v_RHld.dtype != dtype or (d * k_RHld.element_size()) % 4 \
                 or G * K * 4 > l * d * k_RHld.element_size():
             return None, None
         # each (image, head) plane of the slots is one contiguous run of l·d elements: seen as int32
@@ -442,7 +442,9 @@ class SparVARPolicy(Policy):
         """A CS4A entry's (O_cache, key lists): its own tensors, or the cache slots lent to it."""
         if entry["lent"] is None:
             return entry["o_cache"], entry["idx"]
-        return self._lent(*entry["lent"], run)
+        o_cache, idx = self._lent(*entry["lent"], run)
+        assert o_cache is not None, "the KV cache changed its layout within a generation"
+        return o_cache, idx
 
     def _full_count(self, shape, K: int, run, device) -> torch.Tensor:
         """An (R, H, G) int32 tensor of K (every list entry counts), kept per shape."""

@@ -266,9 +266,12 @@ def test_cs4a_state_in_the_next_layers_last_scale_slots_gives_the_pictures_of_st
         def _cs4a(self, ctx, q, k, v, run, st):
             out = super()._cs4a(ctx, q, k, v, run, st)
             entry = run.policy_state[self.name]["cs4a"][ctx.layer]
-            storage = run.workspace.kv.k_NRHTd.untyped_storage().data_ptr()
-            held.append((ctx.layer, entry["o_cache"] is None and entry["idx"] is None and all(
-                t.untyped_storage().data_ptr() == storage for t in self._state(entry, run))))
+            kv = run.workspace.kv
+            o_cache, idx = self._state(entry, run)
+            a = kv.last_scale[0]                        # layer i + 1's first last-scale V and K slots
+            held.append((ctx.layer, entry["o_cache"] is None and entry["idx"] is None
+                         and o_cache.data_ptr() == kv.v_NRHTd[ctx.layer + 1, 0, 0, a].data_ptr()
+                         and idx.data_ptr() == kv.k_NRHTd[ctx.layer + 1, 0, 0, a].data_ptr()))
             return out
 
     class Beside(SparVARPolicy):
@@ -284,6 +287,37 @@ def test_cs4a_state_in_the_next_layers_last_scale_slots_gives_the_pictures_of_st
     beside = _run(pipe, [1, 4, 7])
     assert held and all(ok for layer, ok in held), held
     torch.testing.assert_close(inside.images, beside.images, rtol=0, atol=0)
+
+
+def test_a_capture_warm_up_of_the_last_scale_keeps_the_cs4a_state_it_overwrites(pipe, monkeypatch):
+    """A CUDA-graph capture runs a scale once before capturing it (``engine/graphs._capture``: under
+    ``kv.keep_undo()``, then ``kv.undo()`` and the host state put back). Emulated here on the CPU at
+    the last scale, where each layer's writes cover the next-lower layer's lent O_cache and lists:
+    the run after the warm-up gives the pictures of a run without one, bit for bit."""
+    from sparsevar.engine import sampler
+
+    real = sampler.compute_scale
+    warmed = []
+
+    def with_warm_up(adapter, si, plan, run):
+        if si == run.schedule.num_scales - 1:
+            kv, st = run.workspace.kv, run.policy_state["sparvar"]
+            before, saved = kv.host_state(), dict(st)
+            kv.keep_undo()
+            real(adapter, si, plan, run)
+            kv.undo()
+            kv.set_host_state(before)
+            st.clear()
+            st.update(saved)
+            warmed.append(si)
+        return real(adapter, si, plan, run)
+
+    pipe.enable_sparvar(SparVARConfig(top_keys=0.3, query_group=5, local_window=3, sink_scales=2))
+    plain = _run(pipe, [1, 4])
+    monkeypatch.setattr(sampler, "compute_scale", with_warm_up)
+    after = _run(pipe, [1, 4])
+    assert warmed
+    torch.testing.assert_close(after.images, plain.images, rtol=0, atol=0)
 
 
 def test_decision_scale_follows_the_last_computed_scale_and_cond_only_composes(pipe):
