@@ -121,7 +121,9 @@ def _free_bytes(device: torch.device) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)   # torch >= 2.6
-        cap = fraction * total - torch.cuda.memory_reserved(device)
+        # memory_reserved() flattens the allocator's whole statistics tree; the nested form is read as it is
+        reserved = torch.cuda.memory_stats_as_nested_dict(device).get("reserved_bytes", {}).get("all", {}).get("current", 0)
+        cap = fraction * total - reserved
         return int(max(0, min(free, cap)))
     import psutil
     return psutil.virtual_memory().available + psutil.swap_memory().free
@@ -162,14 +164,16 @@ def memory_available(device: torch.device, modules: Sequence[torch.nn.Module] = 
     return int(_free_bytes(device) + max(0, psutil.Process().memory_info().rss - weights))
 
 
-def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str, hw: tuple = (None, None)) -> None:
+def check_memory(pipe, needed: dict, batch_size: int, subject: str, advice: str, hw: tuple = (None, None),
+                 free: Optional[int] = None) -> None:
     """Raise a ValueError before anything is allocated when ``needed`` (bytes by part, a lower bound
     of what ``batch_size`` images allocate, from the pipeline's ``memory_needed``) exceeds
     :func:`memory_available` on the pipeline's device. ``subject`` names what asked for the batch
-    and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags)."""
+    and ``advice`` how to make it smaller, in the caller's terms (Python arguments or CLI flags);
+    ``free``: :func:`_free_bytes` of the device where the caller just read it."""
     device = pipe._execution_device if pipe.model_cpu_offload else pipe.adapter().device
     total = sum(needed.values())
-    if total <= _free_bytes(device):                    # the usual case, without counting the weights
+    if total <= (_free_bytes(device) if free is None else free):    # the usual case, without counting the weights
         return
     available = memory_available(device, [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]) \
         - pipe._buffer_bytes()
@@ -907,16 +911,16 @@ class AcceleratedPipelineMixin:
                 raise TypeError(f"policies must be a list of Policy objects, got {got}; e.g. policies=[{wrap}(config)]")
         parts = needed(B)
         device = self._execution_device if self.model_cpu_offload else self.adapter().device
-        total, held = sum(parts.values()), self._buffer_bytes()
+        total, held, free = sum(parts.values()), self._buffer_bytes(), _free_bytes(device)
         # memory_available walks every weight: asked only where what the driver has free falls short
-        if "KV cache" in parts and total > _free_bytes(device) - held and total > memory_available(
+        if "KV cache" in parts and total > free - held and total > memory_available(
                 device, [c for c in self.components.values() if isinstance(c, torch.nn.Module)]) - held:
             # the bound above counts the whole cache; the exact one (ScaleKV's compression) takes the
             # estimate's work, so only where the bound does not fit
             size_kw = {**({"height": hw[0], "width": hw[1]} if hw[0] is not None else {}), **(layout or {})}
             parts["KV cache"] = self.estimate_memory(B, policies=policies, **size_kw).phases["scale loop"]["KV cache"]
         check_memory(self, parts, B, f"num_images_per_prompt={num_images_per_prompt} × {n} {noun}(s) = {B} images"
-                     f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls", hw)
+                     f"{size}", f"lower num_images_per_prompt, or split the {noun}s over several calls", hw, free)
         return B
 
     def _call_policies(self, policies: Optional[Sequence[Policy]]) -> PolicyStack:
