@@ -5,26 +5,44 @@ never imports ComfyUI; the nodes are registered only when ComfyUI itself loads t
 """
 from __future__ import annotations
 
-from .engine import GenerationStats, SamplingSettings, ScaleSchedule
-from .models import MultiScaleVQVAE, VARTransformer, load_var_transformer, load_var_vqvae
-from .pipelines import VARPipeline, VARPipelineOutput
-from .pipelines import InfinityPipeline, InfinityPipelineOutput
-from .pipelines import HARTPipeline, HARTPipelineOutput
-from .pipelines import FlexVARPipeline, FlexVARPipelineOutput
-from .models.hart import HARTTransformer
-from .models.flexvar import FlexVARTransformer
-from .models.flexvar_vq import FlexVQ16
-from .models.infinity import InfinityTransformer
-from .models.bsq_vae import BSQVAE
-from .models.loading import load_hart_tokenizer, load_hart_transformer, load_infinity_transformer, load_infinity_vae
-from .policies import (FastVARConfig, Policy, PolicyStack, ScaleKVConfig, ScalePlan, ScaleSkipConfig,
-                       SparseVARConfig, SparVARConfig, FASTVAR_PRESETS, SCALEKV_PRESETS, SPARSEVAR_PRESETS,
-                       SPARVAR_PRESETS)
+# the public names, imported at first use (PEP 562): the CLI parses and checks its arguments, and a
+# wrong one gets its error line, before torch and diffusers are imported
+_PUBLIC = {
+    ".engine": ("GenerationStats", "SamplingSettings", "ScaleSchedule"),
+    ".models": ("MultiScaleVQVAE", "VARTransformer", "load_var_transformer", "load_var_vqvae"),
+    ".pipelines": ("VARPipeline", "VARPipelineOutput", "InfinityPipeline", "InfinityPipelineOutput", "HARTPipeline",
+                   "HARTPipelineOutput", "FlexVARPipeline", "FlexVARPipelineOutput"),
+    ".models.hart": ("HARTTransformer",),
+    ".models.flexvar": ("FlexVARTransformer",),
+    ".models.flexvar_vq": ("FlexVQ16",),
+    ".models.infinity": ("InfinityTransformer",),
+    ".models.bsq_vae": ("BSQVAE",),
+    ".models.loading": ("load_hart_tokenizer", "load_hart_transformer", "load_infinity_transformer",
+                        "load_infinity_vae"),
+    ".policies": ("FastVARConfig", "Policy", "PolicyStack", "ScaleKVConfig", "ScalePlan", "ScaleSkipConfig",
+                  "SparseVARConfig", "SparVARConfig", "FASTVAR_PRESETS", "SCALEKV_PRESETS", "SPARSEVAR_PRESETS",
+                  "SPARVAR_PRESETS"),
+    # diffusers resolves saved components by looking up its loading base classes on the library module
+    # named in model_index.json ("sparsevar"); exposing them here keeps such folders loadable by
+    # DiffusionPipeline machinery too (research/ecosystem.md §4.3)
+    "diffusers": ("ConfigMixin", "ModelMixin"),
+}
+_SOURCE = {name: module for module, names in _PUBLIC.items() for name in names}
 
-# diffusers resolves saved components by looking up its loading base classes on the library module
-# named in model_index.json ("sparsevar"); exposing them here keeps such folders loadable by
-# DiffusionPipeline machinery too (research/ecosystem.md §4.3).
-from diffusers import ConfigMixin, ModelMixin  # noqa: E402,F401
+
+def __getattr__(name: str):
+    module = _SOURCE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value                      # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_SOURCE))
+
 
 __version__ = "0.1.0"
 

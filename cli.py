@@ -73,7 +73,7 @@ def _number_in(value, flag: str, ok, what: str) -> None:
 
 
 def _check_cfg(value, neutral: float) -> None:
-    from .engine.state import GUIDANCE_SCALE_MAX
+    from .engine.limits import GUIDANCE_SCALE_MAX
     _number_in(value, "--cfg", lambda v: 0.0 <= v <= GUIDANCE_SCALE_MAX,
                f"give a guidance scale in [0, {GUIDANCE_SCALE_MAX:g}] ({neutral:g} disables guidance)")
 
@@ -443,14 +443,15 @@ def _is_hart(model) -> bool:
 
 def _is_flexvar(args) -> bool:
     """A converted FlexVARPipeline folder (--model) or an official FlexVAR transformer (--var-ckpt)."""
-    from .models.loading import checkpoint_family, pipeline_class_name
     if args.model:
+        from .models.loading import pipeline_class_name
         index = Path(args.model) / "model_index.json"
         try:
             return index.is_file() and pipeline_class_name(json.loads(index.read_text())) == "FlexVARPipeline"
         except (OSError, ValueError, AttributeError):
             return False
     if args.var_ckpt and Path(args.var_ckpt).exists():
+        from .models.loading import checkpoint_family
         try:
             return checkpoint_family(args.var_ckpt) == "flexvar"
         except (OSError, ValueError):
@@ -759,12 +760,12 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     if args.prompts:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
     text = args.prompt is not None
     _check_generate_args(args, text)
+    import torch
     # a finished run of prompts, or of classes (names read from a folder's files): nothing is loaded or started
     items = list(args.prompt) if text else _early_class_ids(args)
     if _folder_out(args.out) and items is not None:
@@ -1241,7 +1242,14 @@ def cmd_train_demo(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The command line's parser. With ``argv``, the options of the benchmark commands that live in
+    modules importing torch (``bench quality``, ``observe``, ``gemm-rows``) are added only when
+    ``argv`` names that command, so that every other command parses, and refuses a wrong argument,
+    before torch and diffusers are imported; without it, every option."""
+    def wanted(what: str) -> bool:
+        return argv is None or list(argv[:2]) == ["bench", what]
+
     p = argparse.ArgumentParser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -1413,13 +1421,15 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="what", required=True)
     q = bsub.add_parser("quality", help="PSNR / SSIM against dense, speed-up and kept ratio per setting; CSV, "
                                          "plot and image grids (default model: the demo)")
-    from .benchmarks.bench_quality import add_arguments as add_quality_arguments
-    add_quality_arguments(q)
+    if wanted("quality"):
+        from .benchmarks.bench_quality import add_arguments as add_quality_arguments
+        add_quality_arguments(q)
     q.set_defaults(func=cmd_bench_quality)
     v = bsub.add_parser("observe", help="capture rate of every layer's change map: which layer SparseVAR should "
                                          "observe (default model: the demo)")
-    from .benchmarks.bench_observe import add_arguments as add_observe_arguments
-    add_observe_arguments(v)
+    if wanted("observe"):
+        from .benchmarks.bench_observe import add_arguments as add_observe_arguments
+        add_observe_arguments(v)
     v.set_defaults(func=cmd_bench_observe)
     o = bsub.add_parser("ops", help="each sparse op (Triton and its torch twin) in GB/s or TFLOP/s against the roof (GPU)")
     o.add_argument("--ops", nargs="+", help="ops to run (default: all)")
@@ -1428,8 +1438,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_bench_ops)
     g = bsub.add_parser("gemm-rows", help="sweep cuBLAS over row counts for the layer products and write this GPU's "
                                           "row padding table (GPU; a few minutes)")
-    from .benchmarks.bench_gemm_rows import add_arguments as add_gemm_rows_arguments
-    add_gemm_rows_arguments(g)
+    if wanted("gemm-rows"):
+        from .benchmarks.bench_gemm_rows import add_arguments as add_gemm_rows_arguments
+        add_gemm_rows_arguments(g)
     g.set_defaults(func=cmd_bench_gemm_rows)
     b = bsub.add_parser("speed", help="per-scale speed of dense and accelerated generation at real model sizes")
     b.add_argument("--models", nargs="+", default=["var-d16", "var-d30"],
@@ -1441,7 +1452,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1])
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=3)
-    from .benchmarks.bench_speed import METHODS as SPEED_METHODS
+    if wanted("speed"):                        # the method names, for the help (bench_speed imports torch)
+        from .benchmarks.bench_speed import METHODS as SPEED_METHODS
+    else:
+        SPEED_METHODS = ("see `sparsevar bench speed --help`",)
     b.add_argument("--methods", nargs="+", default=["dense", "dense-graphs", "dense-eager"],
                    help=", ".join(SPEED_METHODS) + ", or 'all'")
     b.add_argument("--dtype", default="bfloat16", choices=DTYPES[1:])
@@ -1495,8 +1509,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     an error of the system (a full disk, …) the same way with status 1. Ctrl-C and SIGTERM stop the
     command after its clean-up (nothing half-written is left) with status 130 / 143.
     ``SPARSEVAR_DEBUG=1`` shows the traceback instead."""
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)          # the command as given (--num-processes)
+    given = list(sys.argv[1:] if argv is None else argv)               # the command as given (--num-processes)
+    args = build_parser(given).parse_args(given)
+    args.argv = given
     if getattr(args, "low_vram", False) or (args.command == "bench" and getattr(args, "what", None) == "memory"):
         # small cards: segments that grow in place instead of cached blocks of fixed sizes, which a freed
         # KV cache or weight buffer leaves split (read when CUDA starts; a value the user set is kept)

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .contract import NO_HOOKS, PolicyStack, ScaleHooks, ScalePlan
+from .limits import GUIDANCE_SCALE_MAX  # noqa: F401 (re-exported: the engine's callers import it from here)
 from .schedule import ScaleSchedule
 
 GeneratorArg = Union[torch.Generator, list, None]
@@ -36,7 +37,6 @@ class ModelInfo:
         return self.num_layers // self.layer_groups if self.layer_groups else 1
 
 
-GUIDANCE_SCALE_MAX = 100.0
 """The largest guidance scale accepted. Past a few units guidance only sharpens sampling towards
 greedy (``top_k=1`` is greedy outright); far larger values overflow the guided logits to inf, which
 samples garbage."""
