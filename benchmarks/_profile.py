@@ -1,6 +1,8 @@
 """Where one pipeline call's time goes: its phases (the ``sparsevar.*`` ranges the pipelines and the
-engine mark, ``engine.sampler.phase``), the host time of each, the GPU's busy time inside each, and
-the stretches in which the GPU waited for the host. Read from a ``torch.profiler`` trace of one call."""
+engine mark, ``engine.sampler.phase``), the host time of each, split into the torch operators and
+CUDA runtime calls it made (the outermost ones, by name) and the rest (Python), the GPU's busy time
+inside each, and the stretches in which the GPU waited for the host. Read from a ``torch.profiler``
+trace of one call."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,30 @@ from torch.profiler import ProfilerActivity, profile
 
 _CALL = "sparsevar.bench_call"
 _GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CALLS = ("cpu_op", "cuda_runtime", "cuda_driver")       # torch operators, CUDA API calls
+
+
+def _host_calls(spans: list, phase: dict, top: int) -> str:
+    """The host time of ``phase`` (a trace event) in its outermost torch operators and CUDA calls on
+    its thread, the ``top`` names by time, and the rest (Python and whatever the profiler does not
+    name)."""
+    a, b = phase["ts"], phase["ts"] + phase.get("dur", 0)
+    calls = sorted((e for e in spans if e.get("cat") in _HOST_CALLS and e.get("tid") == phase.get("tid")
+                    and e.get("pid") == phase.get("pid") and a <= e["ts"] and e["ts"] + e.get("dur", 0) <= b),
+                   key=lambda e: (e["ts"], -e.get("dur", 0)))
+    by_name, end = {}, a
+    for e in calls:                                   # outermost only: a call inside another is its work
+        if e["ts"] < end:
+            continue
+        end = e["ts"] + e.get("dur", 0)
+        n, ms = by_name.get(e["name"], (0, 0.0))
+        by_name[e["name"]] = (n + 1, ms + e.get("dur", 0) / 1e3)
+    named = sum(ms for _, ms in by_name.values())
+    most = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    listed = ", ".join(f"{name} {ms:.2f} ×{n}" for name, (n, ms) in most)
+    count = sum(n for n, _ in by_name.values())
+    return (f"torch and CUDA calls {named:.2f} ms in {count}" + (f" ({listed})" if listed else "")
+            + f"; Python and the rest {(b - a) / 1e3 - named:.2f} ms")
 
 
 def _busy(intervals: list, start: float, end: float) -> float:
@@ -27,8 +53,9 @@ def _busy(intervals: list, start: float, end: float) -> float:
     return total
 
 
-def profile_call(call: Callable[[], object], device: str, gaps: int = 6) -> str:
-    """Run ``call`` once under the profiler and describe it (times in ms, offsets from the call's start)."""
+def profile_call(call: Callable[[], object], device: str, gaps: int = 6, top: int = 5) -> str:
+    """Run ``call`` once under the profiler and describe it (times in ms, offsets from the call's start;
+    ``top``: the host calls named per phase)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         with record_function(_CALL):
@@ -42,8 +69,8 @@ def profile_call(call: Callable[[], object], device: str, gaps: int = 6) -> str:
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = [e for e in events if e.get("ph") == "X"]
-    ranges = [(e["name"], e["ts"] / 1e3, (e["ts"] + e.get("dur", 0)) / 1e3) for e in spans
-              if e.get("cat") == "user_annotation" and e["name"].startswith("sparsevar.")]
+    marks = [e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith("sparsevar.")]
+    ranges = [(e["name"], e["ts"] / 1e3, (e["ts"] + e.get("dur", 0)) / 1e3) for e in marks]
     call_ranges = [r for r in ranges if r[0] == _CALL]
     if not call_ranges:
         return "no trace of the call (the profiler recorded nothing)"
@@ -53,10 +80,13 @@ def profile_call(call: Callable[[], object], device: str, gaps: int = 6) -> str:
     busy = _busy(work, t0, t1)
     lines = [f"call {t1 - t0:.2f} ms, " + (f"GPU busy {busy:.2f} ms (waiting {t1 - t0 - busy:.2f} ms)" if gpu
                                           else "on the CPU (no GPU timeline)")]
-    phases = sorted((r for r in ranges if r[0] != _CALL and t0 <= r[1] and r[2] <= t1), key=lambda r: r[1])
-    for name, a, b in phases:
+    marked = sorted((m for m, r in zip(marks, ranges) if r[0] != _CALL and t0 <= r[1] and r[2] <= t1),
+                    key=lambda m: m["ts"])
+    phases = [(m["name"], m["ts"] / 1e3, (m["ts"] + m.get("dur", 0)) / 1e3) for m in marked]
+    for m, (name, a, b) in zip(marked, phases):
         inside = f"  GPU busy inside {_busy(work, a, b):8.2f} ms" if gpu else ""
         lines.append(f"  {name:<24} at +{a - t0:8.2f}  host {b - a:8.2f} ms{inside}")
+        lines.append(f"      {_host_calls(spans, m, top)}")
     if gpu and work:
         idle, cursor = [], t0
         for a, b in work:

@@ -249,6 +249,15 @@ def test_bench_speed_reports_the_rest_of_a_call_for_pil_output_and_a_prompt_enco
         call_ms = float(p.splitlines()[1].split()[1])
         host = [float(line.split("host")[1].split()[0]) for line in p.splitlines() if line.startswith("  sparsevar.")]
         assert all(h >= 0 for h in host) and 0 < sum(host) <= call_ms
+        # under each phase its host time split: the outermost torch operators / CUDA calls, and the rest
+        lines = p.splitlines()
+        splits = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("  sparsevar.")]
+        assert len(splits) == len(host) and all(x.startswith("      torch and CUDA calls ") for x in splits)
+        for h, x in zip(host, splits):
+            named, python = float(x.split()[4]), float(x.split("the rest ")[1].split()[0])
+            assert named >= 0 and python >= -0.02 and named + python == pytest.approx(h, abs=0.02), x
+        scales = splits[phases.index("sparsevar.scales")]
+        assert "aten::linear" in scales or "aten::addmm" in scales or "aten::mm" in scales, scales   # the layers' products
 
 
 def test_roofline_floor_counts_the_tokens_a_method_computed():
