@@ -891,11 +891,6 @@ def cmd_convert(args) -> int:
     end, so a failure, Ctrl-C or SIGTERM leaves nothing behind. The family is read off the checkpoint's keys."""
     import shutil
 
-    import torch
-    from .models.loading import checkpoint_family
-
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
-    dtype_name = str(dtype).replace("torch.", "")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} is a file; give a folder name")
@@ -903,6 +898,15 @@ def cmd_convert(args) -> int:
         raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
     _check_writable(out, "--out", folder=True)
     _check_beside(out)
+    for flag, path in (("--ckpt", args.ckpt), ("--vae-ckpt", args.vae_ckpt)):   # before torch is imported
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{flag} {path} not found — pass the official file (HART: its release folder)")
+
+    import torch
+    from .models.loading import checkpoint_family
+
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    dtype_name = str(dtype).replace("torch.", "")
     from .models.loading import hart_folders
     hart = hart_folders(args.ckpt) if Path(args.ckpt).is_dir() else None
     family = "hart" if hart else checkpoint_family(args.ckpt)
@@ -1028,6 +1032,8 @@ def cmd_info(args) -> int:
     if not args.path:
         raise CLIError("info needs a checkpoint file or model folder (or --backends, or --labels for the demo "
                        "model's class names)")
+    if not Path(args.path).exists():                   # (before the loaders import torch)
+        raise FileNotFoundError(f"{args.path} not found — pass the path of a checkpoint file or a model folder")
     from .models.loading import describe_checkpoint
     info = describe_checkpoint(args.path)
     if args.json:

@@ -325,11 +325,14 @@ def test_repeated_class_and_prompt_flags_add_up(tmp_path, capsys):
     assert {"p_0.png", "p_1.png"} <= _files(tmp_path) and "p.png" not in _files(tmp_path)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--class", "1", "--cfg", "500", "--out", "x.png"], "--cfg 500.0: give a guidance scale in [0, 100]"),
-    (["generate", "--class", "1", "--out", "x.txt"], "--out x.txt: use a .png, .jpg or .webp file name"),
+@pytest.mark.parametrize("argv, command, message", [
+    (["generate", "--class", "1", "--cfg", "500", "--out", "x.png"], "generate",
+     "--cfg 500.0: give a guidance scale in [0, 100]"),
+    (["generate", "--class", "1", "--out", "x.txt"], "generate", "--out x.txt: use a .png, .jpg or .webp file name"),
+    (["info", "missing.pth"], "info", "missing.pth not found"),
+    (["convert", "--ckpt", "missing.pth", "--out", "model"], "convert", "--ckpt missing.pth not found"),
 ])
-def test_a_wrong_flag_is_refused_before_torch_and_diffusers_are_imported(argv, message, tmp_path):
+def test_a_wrong_flag_is_refused_before_torch_and_diffusers_are_imported(argv, command, message, tmp_path):
     """In a fresh interpreter, `python -m sparsevar` refuses a flag it can check alone with its error
     line, and neither torch nor diffusers has been imported by then (the package's public names,
     the engine's and the pipelines' load at first use)."""
@@ -339,6 +342,6 @@ def test_a_wrong_flag_is_refused_before_torch_and_diffusers_are_imported(argv, m
              "except SystemExit as e:\n    code = e.code\n"
              "print('EXIT', code, 'torch' in sys.modules, 'diffusers' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert f"sparsevar generate: error: {message}" in done.stderr, done.stderr
+    assert f"sparsevar {command}: error: {message}" in done.stderr, done.stderr
     assert done.stdout.split()[-4:] == ["EXIT", "2", "False", "False"], (done.stdout, done.stderr)
     assert _files(tmp_path) == set()
