@@ -5,6 +5,8 @@ never imports ComfyUI; the nodes are registered only when ComfyUI itself loads t
 """
 from __future__ import annotations
 
+from ._lazy import lazy_exports
+
 # the public names, imported at first use (PEP 562): the CLI parses and checks its arguments, and a
 # wrong one gets its error line, before torch and diffusers are imported
 _PUBLIC = {
@@ -30,18 +32,7 @@ _PUBLIC = {
 _SOURCE = {name: module for module, names in _PUBLIC.items() for name in names}
 
 
-def __getattr__(name: str):
-    module = _SOURCE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value                      # later lookups find it without this function
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_SOURCE))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCE)
 
 
 __version__ = "0.1.0"

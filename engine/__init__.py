@@ -2,6 +2,8 @@
 (PEP 562), so that a light submodule (``engine.limits``) does not import torch."""
 from __future__ import annotations
 
+from .._lazy import lazy_exports
+
 _SOURCE = {"KVCache": ".kv_cache", "GenerationResult": ".sampler", "generate": ".sampler",
            "ScaleSchedule": ".schedule", "GenerationStats": ".state", "ModelInfo": ".state", "RunState": ".state",
            "SamplingSettings": ".state", "ScaleStats": ".state"}
@@ -10,15 +12,4 @@ __all__ = ["generate", "GenerationResult", "KVCache", "ScaleSchedule", "Generati
            "SamplingSettings", "ScaleStats", "ModelInfo"]
 
 
-def __getattr__(name: str):
-    module = _SOURCE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_SOURCE))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCE)

@@ -2,6 +2,8 @@
 submodule such as ``pipelines.defaults`` does not import every pipeline, torch and diffusers."""
 from __future__ import annotations
 
+from .._lazy import lazy_exports
+
 _SOURCE = {"VARPipeline": ".var_pipeline", "VARPipelineOutput": ".var_pipeline",
            "InfinityPipeline": ".infinity_pipeline", "InfinityPipelineOutput": ".infinity_pipeline",
            "HARTPipeline": ".hart_pipeline", "HARTPipelineOutput": ".hart_pipeline",
@@ -10,15 +12,4 @@ _SOURCE = {"VARPipeline": ".var_pipeline", "VARPipelineOutput": ".var_pipeline",
 __all__ = list(_SOURCE)
 
 
-def __getattr__(name: str):
-    module = _SOURCE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_SOURCE))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCE)
