@@ -898,9 +898,10 @@ def cmd_convert(args) -> int:
         raise CLIError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
     _check_writable(out, "--out", folder=True)
     _check_beside(out)
-    for flag, path in (("--ckpt", args.ckpt), ("--vae-ckpt", args.vae_ckpt)):   # before torch is imported
-        if path is not None and not Path(path).exists():
-            raise FileNotFoundError(f"{flag} {path} not found — pass the official file (HART: its release folder)")
+    for flag, path, what in (("--ckpt", args.ckpt, "the official transformer file (HART: its release folder)"),
+                             ("--vae-ckpt", args.vae_ckpt, "the official VAE file (HART takes none)")):
+        if path is not None and not Path(path).exists():               # before torch is imported
+            raise FileNotFoundError(f"{flag} {path} not found — pass {what}")
 
     import torch
     from .models.loading import checkpoint_family

@@ -37,10 +37,6 @@ class ModelInfo:
         return self.num_layers // self.layer_groups if self.layer_groups else 1
 
 
-"""The largest guidance scale accepted. Past a few units guidance only sharpens sampling towards
-greedy (``top_k=1`` is greedy outright); far larger values overflow the guided logits to inf, which
-samples garbage."""
-
 
 @dataclass(frozen=True)
 class SamplingSettings:
