@@ -3,7 +3,8 @@
     python run_prompt.py http://127.0.0.1:PORT prompt.json [--interrupt-after N]
 
 Listens on the WebSocket for progress messages, optionally POSTs /interrupt after the N-th
-progress message, and polls /history until the prompt finished. Needs aiohttp (the ComfyUI venv
+progress message, and polls /history until the prompt finished. It reads the socket until its own
+end-of-prompt message (or 5 s after /history says finished), so that no progress message is lost. Needs aiohttp (the ComfyUI venv
 has it). Bounded: gives up after 300 s.
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ async def main(base: str, prompt_path: str, interrupt_after: int | None) -> dict
         pid = body["prompt_id"]
         deadline = time.time() + 300
         interrupted = False
+        ws_done = False                      # the socket said the prompt ended
+        finished = None                      # when /history first said so
+        polled = 0.0
         while time.time() < deadline:
             try:
                 msg = await ws.receive(timeout=1.0)
@@ -46,9 +50,19 @@ async def main(base: str, prompt_path: str, interrupt_after: int | None) -> dict
                         interrupted = True
                 elif data.get("type") == "executed" and data["data"].get("prompt_id") == pid:
                     report["executed"].append(data["data"]["node"])
+                elif (data.get("data") or {}).get("prompt_id") == pid and (
+                        data.get("type") in ("execution_success", "execution_error", "execution_interrupted")
+                        or (data.get("type") == "executing" and data["data"].get("node") is None)):
+                    ws_done = True
+            if not ws_done and msg is not None and time.time() - polled < 0.5:
+                continue                     # read the socket first: history can finish before it is read
+            polled = time.time()
             h = await (await s.get(f"{base}/history/{pid}")).json()
             if pid in h and h[pid].get("status", {}).get("completed") is not None:
                 st = h[pid]["status"]
+                finished = finished or time.time()
+                if not ws_done and time.time() - finished < 5.0:
+                    continue                 # the socket's last messages may still be on their way
                 if st.get("status_str") in ("success", "error"):
                     report["status"] = st["status_str"]
                     report["messages"] = [m[0] for m in st.get("messages", [])]
