@@ -83,6 +83,21 @@ def flexvar_fixture_dir() -> Path:
     return family_dir("flexvar")
 
 
+def flexvar_ar_runs() -> list:
+    """The names of the KV-cached runs the FlexVAR fixture set's ``config.json`` lists (``ar_runs``), or
+    [] when there is no set (its tests then skip through ``flexvar_fixture_dir``)."""
+    cfg = fixtures_root() / "flexvar" / "config.json"
+    return [r["name"] for r in json.loads(cfg.read_text())["ar_runs"]] if cfg.is_file() else []
+
+
+def pytest_generate_tests(metafunc):
+    # ``flexvar_ar_run``: one test per run of the set in use, read from its config, not a fixed list;
+    # None (one case) when the set lists none or is absent: the test names that or skips
+    if "flexvar_ar_run" in metafunc.fixturenames:
+        runs = flexvar_ar_runs()
+        metafunc.parametrize("flexvar_ar_run", runs or [None], ids=runs or ["no-runs"])
+
+
 @pytest.fixture(scope="session")
 def flexvar_state_dicts(flexvar_fixture_dir) -> dict[str, dict[str, torch.Tensor]]:
     """The fixture's official state dicts: {'vae': FlexVAE.pth['model'], 'flexvar': the transformer's}."""
