@@ -1346,7 +1346,11 @@ def load_flexvar_transformer(path, dtype: torch.dtype = torch.float32):
     _expect_family(sd, "flexvar", p, "FlexVAR transformer")
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
     for k in FlexVARTransformer.official_extra_keys(depth):
-        sd.pop(k, None)
+        v = sd.pop(k, None)
+        if k.endswith(".zero_k_bias") and v is not None and (n := int(torch.count_nonzero(v))):
+            raise ValueError(f"FlexVAR transformer {p}: {k} must be zero (FlexVAR's key bias is fixed at 0, the model "
+                             f"has none to load it into) but {n:,} of its {v.numel():,} values are not; the file "
+                             f"is not an official FlexVAR checkpoint")
     C = sd["class_emb.weight"].shape[1]
     cfg = dict(vocab_size=sd["head.weight"].shape[0], z_channels=sd["word_embed.weight"].shape[1],
                num_classes=sd["class_emb.weight"].shape[0] - 1, depth=depth, embed_dim=C, num_heads=max(1, C // 64),

@@ -3,13 +3,20 @@ transformer flat or as a training checkpoint) through the project's loaders, the
 picture at the default schedule, other schedules (13 steps, and a shorter one), policies, and bad input."""
 from __future__ import annotations
 
+import ast
 import json
+import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
+from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from sparsevar import FlexVARPipeline
+
+KEYS_DIR = Path(__file__).resolve().parent / "fixtures" / "flexvar" / "keys"
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +90,87 @@ def test_bad_calls_name_the_argument(pipe, kw, match):
 def test_wrong_files_are_named(files):
     with pytest.raises(ValueError, match=r"is a FlexVAR transformer \(FlexVARd\*.pth\), not FlexVAR's tokenizer"):
         FlexVARPipeline.from_single_file(files / "FlexVARd2.pth", files / "FlexVARd2.pth")
+
+
+def _key_file(name: str) -> tuple[dict, dict]:
+    """An official key list (``key<TAB>(shape)<TAB>dtype<TAB>param|buffer`` rows, ``#`` header) as
+    {key: ([shape], dtype)} and {key: kind}. Its header is checked against its rows (key count, and the
+    parameter elements = the elements of the ``param`` rows), so a truncated or edited copy fails here
+    rather than agreeing with a model that lost the same keys."""
+    rows, kinds, header = {}, {}, None
+    for line in (KEYS_DIR / name).read_text().splitlines():
+        if line.startswith("#"):
+            if m := re.fullmatch(r"# (\d+) keys, (\d+) parameter elements \(.*\)", line):
+                header = int(m.group(1)), int(m.group(2))
+            continue
+        if line.strip():
+            key, shape, dtype, kind = line.split("\t")
+            rows[key], kinds[key] = (list(ast.literal_eval(shape)), dtype), kind
+    assert header is not None and len(rows) == header[0] > 0, name
+    assert sum(math.prod(s) for k, (s, _) in rows.items() if kinds[k] == "param") == header[1], name
+    return rows, kinds
+
+
+def _layout(module: torch.nn.Module) -> dict:
+    return {k: (list(p.shape), str(p.dtype).removeprefix("torch.")) for k, p in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("model", ["d16", "d20", "d24", "vae"])
+def test_official_key_lists_load_through_the_loaders_and_match_the_presets(model, tmp_path):
+    """Each released file's keys and shapes (``fixtures/flexvar/keys/``, from the official constructors)
+    written in the release's container (shapes only: meta tensors; the zero key biases real zeros) and
+    read by ``load_flexvar_transformer`` / ``load_flexvar_vq``: the model they infer holds every official
+    key with its shape and dtype except the derived buffers (``attn_bias_for_masking`` and one
+    ``zero_k_bias`` per block; the tokenizer's ``quantize.codebook_used``), has the released sizes, and
+    equals what the "flexvar-d*" preset builds."""
+    from sparsevar.models.flexvar import FLEXVAR_PRESETS, FlexVARTransformer
+    from sparsevar.models.flexvar_vq import FlexVQ16
+    from sparsevar.models.loading import load_flexvar_transformer, load_flexvar_vq
+    rows, kinds = _key_file(f"flexvar_{model}_keys.txt")
+    sd = {k: torch.zeros(s) if k.endswith(".zero_k_bias") else torch.empty(s, device="meta")
+          for k, (s, _) in rows.items()}
+    if model == "vae":
+        torch.save({"model": sd}, tmp_path / "FlexVAE.pth")
+        loaded = load_flexvar_vq(tmp_path / "FlexVAE.pth")
+        with init_empty_weights():
+            preset = FlexVQ16(**FLEXVAR_PRESETS["flexvar-d16"]["vqvae"])
+        derived = {"quantize.codebook_used"}
+        assert (loaded.config.vocab_size, loaded.config.embed_dim, loaded.config.ch) == (8912, 32, 128)
+    else:
+        depth = int(model[1:])
+        torch.save(sd, tmp_path / f"FlexVAR{model}.pth")
+        loaded = load_flexvar_transformer(tmp_path / f"FlexVAR{model}.pth")
+        with init_empty_weights():
+            preset = FlexVARTransformer(**FLEXVAR_PRESETS[f"flexvar-{model}"]["transformer"])
+        derived = {"attn_bias_for_masking"} | {f"blocks.{i}.attn.zero_k_bias" for i in range(depth)}
+        c = loaded.config
+        assert (c.depth, c.embed_dim, c.num_heads, c.vocab_size, c.num_classes, c.shared_aln) == \
+            (depth, 64 * depth, depth, 8912, 1000, False)
+    assert derived <= set(rows) and all(kinds[k] == "buffer" for k in derived)
+    official = {k: v for k, v in rows.items() if k not in derived}
+    assert _layout(loaded) == official
+    assert _layout(preset) == official
+    assert sum(p.numel() for p in loaded.parameters()) == \
+        sum(math.prod(s) for k, (s, _) in rows.items() if kinds[k] == "param")
+
+
+def test_a_nonzero_key_bias_is_refused(flexvar_state_dicts, tmp_path):
+    """FlexVAR has no key bias (q and v biases only): a checkpoint whose ``zero_k_bias`` is not zero
+    would generate otherwise than it claims, so the loader refuses it (as VAR's does) in one line that
+    names the file, the key and why."""
+    from sparsevar.models.loading import load_flexvar_transformer
+    sd = dict(flexvar_state_dicts["flexvar"])
+    key = next(k for k in sd if k.endswith(".zero_k_bias") and not k.startswith("blocks.0."))
+    sd[key] = sd[key].clone()
+    sd[key][3] = 0.5
+    path = tmp_path / "FlexVARd2.pth"
+    torch.save(sd, path)
+    with pytest.raises(ValueError) as e:
+        load_flexvar_transformer(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and key in msg
+    assert re.search(rf"{re.escape(key)} must be zero \(FlexVAR's key bias is fixed at 0.* but 1 of its "
+                     rf"{sd[key].numel()} values are not", msg), msg
 
 
 def test_random_presets_build():
