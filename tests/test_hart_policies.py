@@ -16,7 +16,7 @@ from sparsevar.policies.fastvar import FastVARPolicy
 from sparsevar.policies.scale_skip import ScaleSkipPolicy
 from sparsevar.policies.sparsevar import SparseVARPolicy
 from sparsevar.policies.scalekv import ScaleKVConfig, ScaleKVPolicy
-from sparsevar.policies.sparvar import SparVARPolicy
+from sparsevar.policies.sparvar import SPARVAR_PRESETS, SparVARPolicy
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,15 @@ def inputs(hart_fixture_dir):
     return load_file(hart_fixture_dir / "inputs.safetensors")
 
 
-def _run(adapter, inputs, *policies):
+def _run(adapter, inputs, *policies, rows=None, seeds=None):
+    """The fixture's prompts (or those of ``rows``), greedy; one generator (seed 0), or one per image
+    (``seeds``: the diffusion head's noise then does not depend on the batch)."""
     codes = []
-    cond = HARTConditioning(inputs["context"], inputs["context_position_ids"], inputs["context_mask"])
-    out = generate(adapter, cond, 2, settings=SamplingSettings(guidance_scale=4.5, top_k=1, top_p=0.0),
-                   generator=torch.Generator().manual_seed(0), policies=PolicyStack(policies),
-                   callback=lambda si, d: codes.append(d["codes"]))
+    rows = list(range(inputs["context"].shape[0])) if rows is None else rows
+    cond = HARTConditioning(inputs["context"][rows], inputs["context_position_ids"][rows], inputs["context_mask"][rows])
+    gen = torch.Generator().manual_seed(0) if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+    out = generate(adapter, cond, len(rows), settings=SamplingSettings(guidance_scale=4.5, top_k=1, top_p=0.0),
+                   generator=gen, policies=PolicyStack(policies), callback=lambda si, d: codes.append(d["codes"].clone()))
     return out, codes
 
 
@@ -128,3 +131,48 @@ def test_sparvar_relative_lists_serve_hart_whose_first_scale_is_its_text(adapter
     masks, _ = _run(adapter, inputs, MaskPath(cfg))
     assert seen and all(seen)
     torch.testing.assert_close(lists.images, masks.images, rtol=0, atol=1e-6)
+
+
+def test_sparvar_preset_batch_reproduces_its_images_generated_one_by_one(adapter, inputs):
+    """Per-image index lists on HART with the family preset: each image of the batch of two has the
+    codes of its solo run (same prompt, same generator) and its pixels up to the float rounding of
+    the batched matmuls (measured ≤ 1.0e-6, dense batch against solo 7.7e-7: atol 5e-6). The
+    preset changes every image (codes and pixels), so the comparison is not of dense runs."""
+    seeds = [0, 1]
+    dense, dense_codes = _run(adapter, inputs, rows=[0, 1], seeds=seeds)
+    both, codes = _run(adapter, inputs, SparVARPolicy(SPARVAR_PRESETS["hart"]), rows=[0, 1], seeds=seeds)
+    assert len(codes) == len(dense_codes) == adapter.schedule.num_scales
+    for i, seed in enumerate(seeds):
+        assert any(not torch.equal(a[i], b[i]) for a, b in zip(codes, dense_codes)), i          # not a no-op
+        assert (both.images[i] - dense.images[i]).abs().amax() > 1e-2, i
+        one, one_codes = _run(adapter, inputs, SparVARPolicy(SPARVAR_PRESETS["hart"]), rows=[i], seeds=[seed])
+        assert len(one_codes) == len(codes)
+        for si, (a, b) in enumerate(zip(codes, one_codes)):
+            assert torch.equal(a[i:i + 1], b), f"image {i}: codes differ at scale {si}"
+        torch.testing.assert_close(both.images[i:i + 1], one.images, rtol=0, atol=5e-6,
+                                   msg=lambda m: f"image {i}: {m}")
+
+
+def test_enable_sparvar_without_arguments_takes_harts_preset_decision_scale():
+    """HART's preset (issue #30: decision scale 11 of the 14 scales, counted from 1) is the
+    fourth-last scale: at 1024² (text slots, then 2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64) the
+    engine's run state resolves it to index 10, the 27×27 map, leaving 36, 48 and 64 sparse; on the
+    tiny model's 6 scales to index 2, from which on (and not before) a generation reads fewer keys."""
+    from sparsevar import HARTPipeline
+    from sparsevar.engine.state import RunState
+
+    big = HARTPipeline.from_random("hart-0.7b", device="meta", dtype="bfloat16")       # release size, no weights
+    big.enable_sparvar()
+    info = big.adapter().model_info()
+    assert info.schedule.hw == ((1, 300),) + tuple((p, p) for p in (2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 48, 64))
+    run = RunState(schedule=info.schedule, batch_size=1, settings=SamplingSettings(4.5, 1, 0.0), info=info,
+                   generator=None, policies=big.policies, device=torch.device("cpu"), dtype=torch.float32)
+    big.policies.begin(run)                                                              # what generate() calls
+    assert run.policy_state["sparvar"]["decision"] == 10 and info.schedule.hw[10] == (27, 27)
+
+    tiny = HARTPipeline.from_random("hart-tiny", seed=0)
+    tiny.set_progress_bar_config(disable=True)
+    assert tiny.adapter().schedule.num_scales == 6
+    tiny.enable_sparvar()
+    out = tiny("w1 w2", generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert [s.keys_read is None for s in out.stats[0].scales] == [True, True, False, False, False, False]

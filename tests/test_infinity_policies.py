@@ -35,11 +35,14 @@ def _assert_same_codes(got, want, scales):
         assert torch.equal(a, b), f"codes differ at scale {si}"
 
 
-def _run(pipe, **kw):
+PROMPTS = ("w3 w4 w5", "w9")
+
+
+def _run(pipe, prompts=PROMPTS, generator=None, height=256, width=256, **kw):
     codes = []
-    out = pipe(["w3 w4 w5", "w9"], height=256, width=256, guidance_scale=3.0, top_k=1,
-               generator=torch.Generator().manual_seed(0), output_type="pt",
-               callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"]) or d, **kw)
+    out = pipe(list(prompts), height=height, width=width, guidance_scale=3.0, top_k=1,
+               generator=generator or torch.Generator().manual_seed(0), output_type="pt",
+               callback_on_step_end=lambda p, si, t, d: codes.append(d["codes"].clone()) or d, **kw)
     return out, codes
 
 
@@ -116,6 +119,50 @@ def test_sparvar_on_infinity_neutral_matches_dense_and_the_preset_reads_fewer_ke
     assert [s.keys_read is None for s in stats] == [True] * (len(SCALES) - 3) + [False] * 3
     assert all(s.keys_read < p for s, p in zip(stats[-2:], prefix[-2:]))
     assert pipe.flop_speedup(out.stats[0], height=256, width=256) > 1.0
+
+
+def test_sparvar_preset_batch_reproduces_its_images_generated_one_by_one(pipe):
+    """Per-image index lists on Infinity with the family preset: each image of the batch has the
+    codes of its solo run (same prompt, same generator) and its pixels up to the VAE's batched
+    float rounding (measured ≤ 2.3e-5: atol 5e-5). The preset changes each image's codes (at the
+    last two scales), so the comparison is not of dense runs."""
+    def gens(seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    dense, dense_codes = _run(pipe, generator=gens([0, 1]))
+    pipe.enable_sparvar()
+    both, codes = _run(pipe, generator=gens([0, 1]))
+    assert len(codes) == len(dense_codes) == len(SCALES)
+    for i, prompt in enumerate(PROMPTS):
+        assert any(not torch.equal(a[i], b[i]) for a, b in zip(codes, dense_codes)), i          # not a no-op
+        one, one_codes = _run(pipe, [prompt], generator=gens([i]))
+        _assert_same_codes([c[i:i + 1] for c in codes], one_codes, len(SCALES))
+        torch.testing.assert_close(both.images[i:i + 1], one.images, rtol=0, atol=5e-5,
+                                   msg=lambda m: f"image {i}: {m}")
+
+
+@pytest.mark.parametrize("height, width", [(176, 352), (352, 176)], ids=["1:2", "2:1"])
+def test_sparvar_on_a_non_square_schedule_neutral_is_dense_and_the_preset_acts(pipe, height, width):
+    """The 0.06M size of the 1:2 and 2:1 templates (maps 1×1, 2×2, 2×4, 3×6, 5×10, 8×16, 11×22 or
+    their transposes): ``SparVARConfig.dense()`` draws dense's codes, so the decoded pictures are
+    equal bit for bit; the preset (decision scale -3, the 5×10 map; scales before it attend densely)
+    changes the codes from there on and the picture."""
+    from sparsevar import SparVARConfig
+    dense, dense_codes = _run(pipe, height=height, width=width)
+    assert dense.images.shape == (2, 3, height, width)
+    tall = height > width
+    assert [c.shape[1] for c in dense_codes] == [1, 4, 8, 18, 50, 128, 242]             # tokens per scale
+    assert [(s.h, s.w) for s in dense.stats[0].scales][-1] == ((22, 11) if tall else (11, 22))
+    pipe.enable_sparvar(SparVARConfig.dense())
+    out, codes = _run(pipe, height=height, width=width)
+    _assert_same_codes(codes, dense_codes, 7)
+    assert torch.equal(out.images, dense.images)
+    pipe.disable_sparvar()
+    pipe.enable_sparvar()
+    out, codes = _run(pipe, height=height, width=width)
+    _assert_same_codes(codes[:4], dense_codes[:4], 4)                                  # dense before the decision
+    assert any(not torch.equal(a, b) for a, b in zip(codes[4:], dense_codes[4:]))
+    assert (out.images - dense.images).abs().amax() > 0.1
 
 
 def test_scalekv_on_infinity_neutral_is_dense_and_a_budget_keeps_the_last_scale_in_the_tail(pipe):

@@ -16,9 +16,9 @@ def pipe(var_pipe):
     return var_pipe
 
 
-def _run(pipe, labels, **kw):
-    """One generator per image (seeds 3, 4, …), so an image does not depend on its batch."""
-    gens = [torch.Generator().manual_seed(3 + i) for i in range(len(labels))]
+def _run(pipe, labels, seeds=None, **kw):
+    """One generator per image (seeds 3, 4, … unless ``seeds``), so an image does not depend on its batch."""
+    gens = [torch.Generator().manual_seed(s) for s in (seeds or range(3, 3 + len(labels)))]
     return pipe(labels, generator=gens, output_type="pt", **kw)
 
 
@@ -218,13 +218,19 @@ def test_neutral_setting_reads_every_key_and_matches_dense(pipe):
     torch.testing.assert_close(out.images, dense.images, rtol=0, atol=1e-4)
 
 
-def test_preset_changes_the_picture_and_a_batch_equals_its_images(pipe):
-    dense = _run(pipe, [1, 4])
+def test_preset_changes_the_picture_and_a_batch_reproduces_its_images_generated_one_by_one(pipe):
+    """Per-image index lists: every image of a batch is its solo run (same label, same seed) up to
+    float rounding of the batched matmuls (measured ≤ 3.3e-6; lists shared across the batch move
+    images 1… by ~0.8). Each image differs from dense, so the comparison is not of dense runs."""
+    labels, seeds = [1, 4], [3, 4]
+    dense = _run(pipe, labels, seeds)
     pipe.enable_sparvar()
-    both = _run(pipe, [1, 4])
-    assert (both.images - dense.images).abs().amax() > 1e-3                              # not a no-op
-    one = _run(pipe, [1])
-    torch.testing.assert_close(both.images[:1], one.images, rtol=0, atol=1e-5)
+    both = _run(pipe, labels, seeds)
+    for i, (label, seed) in enumerate(zip(labels, seeds)):
+        assert (both.images[i] - dense.images[i]).abs().amax() > 1e-3, i                   # not a no-op
+        one = _run(pipe, [label], [seed])
+        torch.testing.assert_close(both.images[i:i + 1], one.images, rtol=0, atol=1e-5,
+                                   msg=lambda m: f"image {i}: {m}")
     pipe.disable_sparvar()
     pipe.enable_sparvar(top_keys=0.5, mapping="verbatim", windows=(3, 1), cs4a_layers=0.5)
     assert (_run(pipe, [1, 4]).images - both.images).abs().amax() > 1e-4                 # settings matter
