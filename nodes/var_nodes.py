@@ -381,6 +381,14 @@ class SparVARChoice:
         return out if self.decision_scale is None else {**out, "decision_scale": self.decision_scale}
 
 
+def _sparvar_presets(name: str) -> str:
+    """Each model family's preset value of SparVAR setting ``name``, as ``enable_sparvar()`` picks it
+    (``SPARVAR_PRESETS`` by the pipeline's family, else the config's default): "VAR -3, …, HART -4"."""
+    pipes = (VARPipeline, FlexVARPipeline, InfinityPipeline, HARTPipeline)
+    return ", ".join(f"{p.__name__.removesuffix('Pipeline')} "
+                     f"{getattr(SPARVAR_PRESETS.get(p.PRESET_FAMILY, SparVARConfig()), name)}" for p in pipes)
+
+
 class SparVARSettingsNode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -396,7 +404,8 @@ class SparVARSettingsNode(io.ComfyNode):
                 io.Float.Input("cs4a_layers", default=d.cs4a_layers, min=0.0, max=1.0, step=0.05,
                                tooltip=field_doc(SparVARConfig, "cs4a_layers")),
                 io.Int.Input("decision_scale", default=0, min=-16, max=16,
-                             tooltip="0 = the model family's preset (-3). " + field_doc(SparVARConfig, "decision_scale")),
+                             tooltip=f"0 = the model family's preset ({_sparvar_presets('decision_scale')}). "
+                                     + field_doc(SparVARConfig, "decision_scale")),
                 io.Combo.Input("mapping", options=list(MAPPINGS), default=d.mapping,
                                tooltip=field_doc(SparVARConfig, "mapping")),
             ],
