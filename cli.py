@@ -222,7 +222,8 @@ def _check_generate_args(args, text: bool) -> None:
                     ("--text-encoder", "text_encoder"), ("--save-token-maps", "save_token_maps"))
     if not 0 <= args.seed <= SEED_MAX:
         raise CLIError(f"--seed {args.seed}: seeds are 0 … {SEED_MAX} (64 bits)")
-    _at_least(args.num, 1, "--num", f"give the number of images per {'prompt' if text else 'class'}, 1 or more")
+    num_flag = "--num-per-prompt" if any(a.startswith("--num-per") for a in getattr(args, "argv", ())) else "--num"
+    _at_least(args.num, 1, num_flag, f"give the number of images per {'prompt' if text else 'class'}, 1 or more")
     _at_least(args.top_k, 0, "--top-k", "give 0 (no limit) or more codes per token (1 = greedy)")
     _number_in(args.top_p, "--top-p", lambda v: 0.0 <= v <= 1.0, "give a probability in [0, 1] (0 disables "
                                                                     "nucleus sampling)")
@@ -686,7 +687,8 @@ def _folder_run(args, items, writers: int = 0):
     from .pipelines.batch import FolderRun
     key = "prompt" if args.prompt is not None else "class"
     settings = {"model": str(args.model or args.var_ckpt or "demo"), {"class": "classes"}.get(key, key + "s"): list(items),
-                "seed": args.seed,
+                "seed": args.seed, "dtype": str(_dtype(args.dtype, _device(args.device))).removeprefix("torch."),
+                **{k: str(getattr(args, k)) for k in ("vae_ckpt", "text_encoder") if getattr(args, k, None)},
                 **{k: getattr(args, k) for k in ("cfg", "top_k", "top_p", "temperature", "height", "width", "steps",
                                                  "negative_prompt", "sparsevar", "tau", "keep_ratio", "start_scale",
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
@@ -707,7 +709,8 @@ def _nothing_to_do(args, order) -> None:
 
 def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
     """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
-    several processes each takes every n-th image left, the main one prepares the folder first."""
+    several processes each takes every n-th batch of what is left (one batch size for all, the main
+    process's), so the files are those of one process; the main one prepares the folder first."""
     import torch
     from tqdm.auto import tqdm
 
@@ -723,26 +726,33 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
             _nothing_to_do(args, order)
         return 0
     batch = _batch_size(pipe, args, device, needed_for)
+    if state.num_processes > 1:                        # one batch size for all: the main process's
+        from accelerate.utils import broadcast_object_list
+        batch = broadcast_object_list([batch], from_process=0)[0]
     if state.is_main_process:
         run.start()
     state.wait_for_everyone()                          # the folder is ready before anyone writes into it
     left = len(todo)
-    todo = todo[state.process_index::state.num_processes]
-    bar = tqdm(total=len(todo), unit="image", disable=args.quiet or not state.is_main_process, desc="images")
+    # whole batches in turn: every batch is the one a single process draws, so are the pictures
+    batches = [todo[k:k + batch] for k in range(0, len(todo), batch)][state.process_index::state.num_processes]
+    mine = sum(len(part) for part in batches)
+    desc = "images" if state.num_processes == 1 else f"images (process 0's {mine} of {left})"
+    bar = tqdm(total=mine, unit="image", disable=args.quiet or not state.is_main_process, desc=desc)
     t0 = time.perf_counter()
     try:
-        for start in range(0, len(todo), batch):
-            part = todo[start:start + batch]
+        for part in batches:
             idx = [i for i, _ in part]
             chosen = [items[n] for _, (j, n) in part]
             seeds = [image_seed(args.seed, i) for i in idx]
             gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+            t_call = time.perf_counter()
             res = pipe(**call_for(chosen), num_images_per_prompt=1, generator=gens)
+            call_ms = (time.perf_counter() - t_call) * 1e3
             st = res.stats[0]
-            stats = {"batch_size": len(part), "scale_loop_ms": round(st.transformer_ms, 3),
+            stats = {"batch_size": len(part), "call_ms": round(call_ms, 3), "scale_loop_ms": round(st.transformer_ms, 3),
                      "decode_ms": round(st.decode_ms, 3), "tokens_computed": st.tokens_computed, "tokens": st.tokens}
-            rows = [{key: item, "seed": s, "process_index": state.process_index, "batch": stats}
-                    for item, s in zip(chosen, seeds)]
+            rows = [{key: item, "seed": s, "process_index": state.process_index,
+                     "image_ms": round(call_ms / len(part), 3), "batch": stats} for item, s in zip(chosen, seeds)]
             run.save(idx, res.images, rows, "PNG")
             bar.update(len(part))
         run.flush()
@@ -754,7 +764,7 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         procs = f", {state.num_processes} processes" if state.num_processes > 1 else ""
-        print(f"{left} image(s) → {out} ({len(order) - left} already there) | {dt / max(len(todo), 1) * 1e3:.0f} ms "
+        print(f"{left} image(s) → {out} ({len(order) - left} already there) | {dt / max(mine, 1) * 1e3:.0f} ms "
               f"per image and process, batch {batch}{procs} | {out / MANIFEST}")
     return 0
 
@@ -1249,6 +1259,48 @@ def cmd_train_demo(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the command line's one-line errors: ``sparsevar generate: error: --num two: give
+    a whole number`` (status 2), not the usage block; ``--help`` is unchanged."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_argparse_fix(message, self.prog)}\n")
+
+
+def _argparse_fix(message: str, prog: str) -> str:
+    """argparse's message as the flag, the value and what to give instead."""
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float) value: '(.*)'", message)
+    if m:
+        return f"{m[1]} {m[3]}: give {'a whole number' if m[2] == 'int' else 'a number'}"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*?)' \(choose from (.*)\)", message)
+    if m and not m[1].startswith("-"):               # the (sub-)command itself
+        return f"{m[2]}: not a command; choose from {m[3]}"
+    if m:
+        return f"{m[1]} {m[2]}: not one of the choices; choose from {m[3]}"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected (.*)", message)
+    if m:
+        return f"{m[1]}: expected {m[2]}; `{prog} --help` says what it takes"
+    return f"{message}; `{prog} --help` lists the options"
+
+
+def _unknown_options(parser: argparse.ArgumentParser, args, extra: Sequence[str]) -> str:
+    """The error line for arguments no option takes: the command's prog, the first unknown one and
+    the nearest option name."""
+    import difflib
+    sub = parser
+    for dest in ("command", "what"):                 # down to the (sub-)command that was parsed
+        action = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or getattr(args, dest, None) not in action.choices:
+            break
+        sub = action.choices[getattr(args, dest)]
+    flags = [o for a in sub._actions for o in a.option_strings]
+    first = next((e for e in extra if e.startswith("-")), extra[0])
+    near = difflib.get_close_matches(first.split("=")[0], flags, n=1, cutoff=0.6)
+    fix = f"did you mean {near[0]}?" if near else f"`{sub.prog} --help` lists the options"
+    what = "unknown option" if first.startswith("-") else "an argument no option takes"
+    return f"{sub.prog}: error: {first}: {what}; {fix}"
+
+
 def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     """The command line's parser. With ``argv``, the options of the benchmark commands that live in
     modules importing torch (``bench quality``, ``observe``, ``gemm-rows``) are added only when
@@ -1257,7 +1309,7 @@ def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
     def wanted(what: str) -> bool:
         return argv is None or list(argv[:2]) == ["bench", what]
 
-    p = argparse.ArgumentParser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
+    p = _Parser(prog="sparsevar", description="Fast next-scale-prediction image generation.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images (class-conditional VAR, or text-to-image Infinity)")
@@ -1290,7 +1342,8 @@ def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
     g.add_argument("--cfg", type=float, help=f"guidance scale ({said('guidance_scale')}; VAR's ramped over scales)")
     g.add_argument("--top-k", type=int, help=f"codes kept per token ({said('top_k')}; 0: all, 1: greedy)")
     g.add_argument("--top-p", type=float, help=f"nucleus sampling in [0, 1] ({said('top_p')}; 0: off)")
-    g.add_argument("--num", type=int, default=1, help="images per class (per prompt)")
+    g.add_argument("--num", "--num-per-prompt", dest="num", type=int, default=1,
+                   help="images per class (per prompt); --num-per-prompt is the same flag")
     g.add_argument("--out", default="out.png", help="image path; several images get _0, _1, …. A folder (a name "
                                                     "ending in /, or an existing folder) gets numbered images, run.json "
                                                     "and manifest.jsonl, and a rerun finishes what is missing")
@@ -1517,7 +1570,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command after its clean-up (nothing half-written is left) with status 130 / 143.
     ``SPARSEVAR_DEBUG=1`` shows the traceback instead."""
     given = list(sys.argv[1:] if argv is None else argv)               # the command as given (--num-processes)
-    args = build_parser(given).parse_args(given)
+    parser = build_parser(given)
+    args, extra = parser.parse_known_args(given)
+    if extra:
+        print(_unknown_options(parser, args, extra), file=sys.stderr)
+        raise SystemExit(2)
     args.argv = given
     if getattr(args, "low_vram", False) or (args.command == "bench" and getattr(args, "what", None) == "memory"):
         # small cards: segments that grow in place instead of cached blocks of fixed sizes, which a freed

@@ -14,10 +14,11 @@
 Image ``i`` of a run is drawn from its own generator seeded by :func:`image_seed` (base seed, i), so
 what lands in ``{i:05d}.png`` does not depend on the batch size or on which process drew it (a
 batch draws each image's codes from that image's generator; pictures agree to float rounding).
-Several processes (``accelerate launch``, or ``--num-processes``) each take every n-th image of
-what is left and append to the same manifest. A folder holds one run: ``run.json`` records its settings and a rerun with other settings is refused
-naming the first that differs; ``manifest.jsonl`` gets one row per image (its item, seed, file,
-the process that wrote it and the stats of its batch), appended after the image is on disk, so an
+Several processes (``accelerate launch``, or ``--num-processes``) each take every n-th batch of
+what is left and append to the same manifest. A folder holds one run: ``run.json`` records its
+settings and a rerun with other settings is refused naming the first that differs;
+``manifest.jsonl`` gets one row per image (its item, seed, file and what the caller adds: the CLI
+records the process, the image's share of the call's time and its batch's stats), appended after the image is on disk, so an
 image counts as done when both its file and its row are there. Rerunning the same command skips
 what is done and writes nothing for it.
 """
