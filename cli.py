@@ -215,9 +215,8 @@ def _check_generate_args(args, text: bool) -> None:
         try:
             FlexVARPipeline.resolve_schedule(args.height, args.width, args.steps)
         except ValueError as e:
-            flag = {"height": "--height", "width": "--width", "num_scales": "--steps"}
-            name, _, rest = str(e).partition("=")
-            raise CLIError(f"{flag.get(name.split(', ')[0], name)} {rest}".replace("num_scales", "--steps")) from None
+            flags = {"height": "--height ", "width": "--width ", "num_scales": "--steps "}
+            raise CLIError(re.sub(r"\b(height|width|num_scales)=", lambda m: flags[m[1]], str(e))) from None
     _no_empty_paths(args, ("--model", "model"), ("--var-ckpt", "var_ckpt"), ("--vae-ckpt", "vae_ckpt"),
                     ("--text-encoder", "text_encoder"), ("--save-token-maps", "save_token_maps"))
     if not 0 <= args.seed <= SEED_MAX:

@@ -44,7 +44,7 @@ def test_size_and_steps_from_the_official_files_then_the_converted_folder(tmp_pa
     (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--height", "250"],
      "--height 250: FlexVAR draws pictures whose sides are multiples of 16 px"),
     (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--height", "256", "--width", "512"],
-     "square pictures"),
+     "--height 256, --width 512: the released FlexVAR models draw square pictures"),
     (["--var-ckpt", "{var}", "--vae-ckpt", "{vae}", "--height", "128", "--steps", "9"],
      "--steps 9: a schedule ending at side 8 (128 px) takes 2 to 8 steps"),
     (["--var-ckpt", "{var}"], "also pass --vae-ckpt FlexVAE.pth"),
