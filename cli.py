@@ -930,8 +930,10 @@ def cmd_convert(args) -> int:
         what = f"HART {cfg.depth} layers × {cfg.embed_dim}, {dtype_name}, with its Qwen2 text encoder"
         usage = f"HARTPipeline.from_pretrained({str(out)!r}) or `sparsevar generate --model {out} --prompt \"...\"`"
     elif not args.vae_ckpt:
-        raise CLIError(f"--ckpt {args.ckpt}: also pass --vae-ckpt, its VAE file (vae_ch160v4096z32.pth for VAR, "
-                       f"FlexVAE.pth for FlexVAR, infinity_vae_d32reg.pth for Infinity)")
+        vae_file = {"var": "VAR's vae_ch160v4096z32.pth", "flexvar": "FlexVAR's FlexVAE.pth",
+                    "infinity": "Infinity's infinity_vae_d32reg.pth"}.get(
+            family, "vae_ch160v4096z32.pth for VAR, FlexVAE.pth for FlexVAR, infinity_vae_d32reg.pth for Infinity")
+        raise CLIError(f"--ckpt {args.ckpt}: also pass --vae-ckpt, its VAE file ({vae_file})")
     elif family == "var":
         from .pipelines.var_pipeline import VARPipeline
         if args.text_encoder:

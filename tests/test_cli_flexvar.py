@@ -72,3 +72,12 @@ def test_bench_speed_runs_flexvar_on_cpu(tmp_path):
     for r in rows:                                   # per image: the end-to-end time over the batch, and its inverse
         assert float(r["e2e_ms_per_image"]) == pytest.approx(float(r["e2e_ms_median"]), rel=1e-3)
         assert float(r["images_per_s"]) == pytest.approx(1e3 / float(r["e2e_ms_median"]), rel=1e-3)
+
+
+def test_convert_without_its_vae_names_flexvars_own_file(tmp_path, files, capsys):
+    """convert reads the transformer's family first, so a missing --vae-ckpt names FlexVAR's VAE
+    file only (not VAR's and Infinity's too), and nothing is written."""
+    assert main(["convert", "--ckpt", files["var"], "--out", str(tmp_path / "folder")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("also pass --vae-ckpt, its VAE file (FlexVAR's FlexVAE.pth)"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "folder").exists()
