@@ -213,8 +213,9 @@ SETTING_FORMS: tuple = (
     (re.compile(rf"fastvar-r({_NUM[1:-1]}(?:-{_NUM[1:-1]})*)"), "fastvar-r<R1>-<R2>…",
      "FastVAR with prune ratios of the last scales, earliest first (fastvar-r0.5-0.75 = the preset)",
      _fastvar_ratios),
-    (re.compile(r"sparvar-preset"), "sparvar-preset",
-     "SparVAR, the VAR family preset (SPARVAR_PRESETS['var']: decision scale third-last, top_keys 0.2)",
+    (re.compile(r"sparvar(?:-preset)?"), "sparvar-preset | sparvar",
+     "SparVAR, the VAR family preset (SPARVAR_PRESETS['var']: decision scale third-last, top_keys 0.2); "
+     "'sparvar' alone names it too, as in `bench speed`'s sparvar+skip-last-2",
      lambda m: {"sparvar": SPARVAR_PRESETS[FAMILY]}),
     (re.compile(rf"sparvar-top{_NUM}"), "sparvar-top<K>",
      "SparVAR preset keeping the share K in (0, 1] of the keys at the decision scale (CS4A's top_keys)",
@@ -239,7 +240,7 @@ SETTINGS: tuple[str, ...] = (
     "fastvar-preset", "fastvar-r0.25-0.5", "fastvar-r0.75-0.9",
     "skip-last-1", "skip-last-2", "cond-only-last-1", "cond-only-last-2",
     "sparsevar-keep0.5+skip-last-1", "sparsevar-preset+cond-only-last-2", "fastvar-preset+cond-only-last-2",
-    "sparvar-preset", "sparvar-top0.05", "sparvar-preset+skip-last-1",
+    "sparvar-preset", "sparvar-top0.05", "sparvar-preset+skip-last-1", "sparvar-preset+skip-last-2",
 )
 
 # The sweep behind the README's quality / speed curves: every method near 1.3x, 1.8x and 2.3x FLOP

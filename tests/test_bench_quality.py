@@ -467,3 +467,23 @@ def test_sparvar_settings_parse_and_run_without_a_teacher_forced_measure(tiny, t
     assert not math.isnan(by["skip-last-1"]["teacher_psnr_db"])
     seeds = list(csv.DictReader(open(tmp_path / "quality_seeds.csv")))
     assert {r["setting"]: r["teacher_psnr_db"] for r in seeds}["sparvar-preset"] == "nan"
+
+
+def test_sparvar_names_agree_with_bench_speed():
+    """`bench speed`'s SparVAR methods parse as quality settings with the same meaning (issue #30):
+    'sparvar' alone names the preset, as in speed's sparvar+skip-last-2, and means what
+    sparvar-preset does; speed's sparvar-neutral (``SparVARConfig.dense()``) has no quality form."""
+    from sparsevar.benchmarks import bench_speed
+    preset = bq.SPARVAR_PRESETS["var"]
+    assert "sparvar+skip-last-2" in bench_speed.METHODS and "sparvar-preset+skip-last-2" in bq.SETTINGS
+    for name in ("sparvar+skip-last-2", "sparvar-preset+skip-last-2"):
+        s = bq.parse_setting(name)
+        assert s.name == name and s.family == "combo" and s.sparvar == preset and s.scale_skip.skip_last == 2
+        assert [type(p).__name__ for p in s.policies()] == ["SparVARPolicy", "ScaleSkipPolicy"]
+    alone = bq.parse_setting("sparvar")
+    assert alone.family == "sparvar" and alone.sparvar == preset and alone.scale_skip is None
+    for name in bench_speed.METHODS:
+        if name.startswith("sparvar") and name != "sparvar-neutral":
+            assert bq.parse_setting(name).sparvar == preset, name
+    with pytest.raises(ValueError, match=r"unknown setting 'sparvar-prest' \(in 'sparvar-prest\+skip-last-2'\)"):
+        bq.parse_setting("sparvar-prest+skip-last-2")
