@@ -138,7 +138,8 @@ def _window_ok(w) -> bool:
 SPARVAR_PRESETS: dict[str, SparVARConfig] = {
     # Infinity-2B 1024² (paper): decision scale 40×40, sparse on 48 and 64, sinks the first 5 scales.
     "infinity-2b": SparVARConfig(),
-    # HART-0.7B (issue #30): decision scale 11 of 14 (36×36), no skipping.
+    # HART-0.7B: the supplement's "Scale 11" of 14, counted from 1 as its Infinity "Scale 11 (40×40)"
+    # is: index 10, 27×27 at 1024²; no skipping.
     "hart": SparVARConfig(decision_scale=-4),
     # VAR (class-conditional; no published setting): the paper's rule at 256 px, unmeasured.
     "var": SparVARConfig(),
