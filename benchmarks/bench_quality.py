@@ -220,11 +220,14 @@ SETTING_FORMS: tuple = (
     (re.compile(rf"sparvar-top{_NUM}"), "sparvar-top<K>",
      "SparVAR preset keeping the share K in (0, 1] of the keys at the decision scale (CS4A's top_keys)",
      lambda m: {"sparvar": replace(SPARVAR_PRESETS[FAMILY], top_keys=float(m[1]))}),
-    (re.compile(r"scalekv-preset"), "scalekv-preset",
+    (re.compile(r"sparvar-neutral"), "sparvar-neutral",
+     "SparVAR reading every key (SparVARConfig.dense(): all keys, full windows): dense attention through "
+     "SparVAR's path", lambda m: {"sparvar": SparVARConfig.dense()}),
+    (re.compile(r"scalekv(?:-preset)?"), "scalekv-preset | scalekv",
      "ScaleKV, the VAR family preset (SCALEKV_PRESETS['var']: Infinity-2B's released budgets on the last five "
      "scale boundaries, the first layer a drafter)",
      lambda m: {"scalekv": SCALEKV_PRESETS[FAMILY]}),
-    (re.compile(rf"scalekv-b{_NUM}"), "scalekv-b<B>",
+    (re.compile(rf"scalekv-b?{_NUM}"), "scalekv-b<B> | scalekv-<B>",
      "ScaleKV keeping the share B in (0, 1] of the cached tokens after every scale past 650 cached tokens "
      "(1.0 = neutral)", lambda m: {"scalekv": replace(SCALEKV_PRESETS[FAMILY], budget=float(m[1]))}),
     (re.compile(r"skip-last-(\d+)"), "skip-last-<N>", "skip the last N scales", _skip_last),

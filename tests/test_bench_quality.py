@@ -472,7 +472,7 @@ def test_sparvar_settings_parse_and_run_without_a_teacher_forced_measure(tiny, t
 def test_sparvar_names_agree_with_bench_speed():
     """`bench speed`'s SparVAR methods parse as quality settings with the same meaning (issue #30):
     'sparvar' alone names the preset, as in speed's sparvar+skip-last-2, and means what
-    sparvar-preset does; speed's sparvar-neutral (``SparVARConfig.dense()``) has no quality form."""
+    sparvar-preset does; speed's sparvar-neutral is ``SparVARConfig.dense()`` here too."""
     from sparsevar.benchmarks import bench_speed
     preset = bq.SPARVAR_PRESETS["var"]
     assert "sparvar+skip-last-2" in bench_speed.METHODS and "sparvar-preset+skip-last-2" in bq.SETTINGS
@@ -485,5 +485,22 @@ def test_sparvar_names_agree_with_bench_speed():
     for name in bench_speed.METHODS:
         if name.startswith("sparvar") and name != "sparvar-neutral":
             assert bq.parse_setting(name).sparvar == preset, name
+    assert bq.parse_setting("sparvar-neutral").sparvar == bq.SparVARConfig.dense()
     with pytest.raises(ValueError, match=r"unknown setting 'sparvar-prest' \(in 'sparvar-prest\+skip-last-2'\)"):
         bq.parse_setting("sparvar-prest+skip-last-2")
+
+
+def test_every_bench_speed_method_but_the_kernel_variants_parses_as_a_quality_setting():
+    """A researcher names a setting once for both harnesses: every `bench speed` method is a quality
+    setting with the same configs, except dense and its kernel backends (speed-only: quality always
+    compares with dense). ScaleKV's 'scalekv' and 'scalekv-<B>' read as scalekv-preset and -b<B>."""
+    from sparsevar.benchmarks import bench_speed
+    for name in bench_speed.METHODS:
+        if name == "dense" or name.startswith("dense-"):
+            continue
+        bq.parse_setting(name)                                   # raises for a name quality does not know
+    kv = bq.SCALEKV_PRESETS["var"]
+    assert bq.parse_setting("scalekv-0.1").scalekv == bq.parse_setting("scalekv-b0.1").scalekv
+    assert bq.parse_setting("scalekv-0.1").scalekv.budget == 0.1 and kv.budget != 0.1
+    combo = bq.parse_setting("scalekv+cond-only-last-3")
+    assert combo.scalekv == kv and combo.scale_skip.cond_only_from == -3
