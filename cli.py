@@ -680,6 +680,9 @@ def _generate_in_process(args) -> None:
 IMAGE_WRITERS = 4                 # background threads writing a folder run's images on a GPU
 
 
+RUN_FORMAT_2 = ("dtype", "vae_ckpt", "text_encoder")   # settings run.json records since its "format": 2
+
+
 def _folder_run(args, items, writers: int = 0):
     """(the folder run of ``--out`` for these items and settings, every (copy, item) in order, what is
     left of them); another run's folder: CLIError naming the setting."""
@@ -693,6 +696,15 @@ def _folder_run(args, items, writers: int = 0):
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
                                                  "scalekv", "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
     out = Path(args.out)
+    from .pipelines.batch import RUN_FILE
+    try:
+        saved = json.loads((out / RUN_FILE).read_text()) if (out / RUN_FILE).is_file() else {}
+    except (OSError, ValueError):
+        saved = {}                                       # (FolderRun says what is wrong with it)
+    if saved and "format" not in saved:                  # a run begun before run.json recorded these
+        settings = {k: v for k, v in settings.items() if k not in RUN_FORMAT_2}
+    else:
+        settings["format"] = 2
     try:
         run = FolderRun(out, settings, writers=writers)
     except ValueError as e:
@@ -708,8 +720,9 @@ def _nothing_to_do(args, order) -> None:
 
 def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
     """Folder output: every (item, copy) as a numbered image, resumable (pipelines/batch.py); under
-    several processes each takes every n-th batch of what is left (one batch size for all, the main
-    process's), so the files are those of one process; the main one prepares the folder first."""
+    several processes each takes every n-th batch of what is left (one batch size for all, the
+    smallest any process can fit), so the files are those of one process at that batch size; the
+    main one prepares the folder first."""
     import torch
     from tqdm.auto import tqdm
 
@@ -725,9 +738,9 @@ def _generate_folder(args, pipe, device, items, call_for, needed_for) -> int:
             _nothing_to_do(args, order)
         return 0
     batch = _batch_size(pipe, args, device, needed_for)
-    if state.num_processes > 1:                        # one batch size for all: the main process's
-        from accelerate.utils import broadcast_object_list
-        batch = broadcast_object_list([batch], from_process=0)[0]
+    if state.num_processes > 1:                        # one batch size for all: the smallest that fits
+        from accelerate.utils import gather_object
+        batch = min(gather_object([batch]))
     if state.is_main_process:
         run.start()
     state.wait_for_everyone()                          # the folder is ready before anyone writes into it
@@ -772,6 +785,7 @@ def cmd_generate(args) -> int:
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     if args.prompts:
         args.prompt = (args.prompt or []) + _read_prompts(args.prompts)
+        args.prompts = None                                # read once (--num-processes on the CPU forks with args)
     text = args.prompt is not None
     _check_generate_args(args, text)
     import torch
@@ -1270,15 +1284,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _argparse_fix(message: str, prog: str) -> str:
     """argparse's message as the flag, the value and what to give instead."""
-    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float) value: '(.*)'", message)
+    m = re.fullmatch(r"argument (\S+): invalid (int|float) value: '(.*)'", message)
     if m:
         return f"{m[1]} {m[3]}: give {'a whole number' if m[2] == 'int' else 'a number'}"
-    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*?)' \(choose from (.*)\)", message)
+    m = re.fullmatch(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)", message)
     if m and not m[1].startswith("-"):               # the (sub-)command itself
         return f"{m[2]}: not a command; choose from {m[3]}"
     if m:
         return f"{m[1]} {m[2]}: not one of the choices; choose from {m[3]}"
-    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected (.*)", message)
+    m = re.fullmatch(r"argument (\S+): expected (.*)", message)
     if m:
         return f"{m[1]}: expected {m[2]}; `{prog} --help` says what it takes"
     return f"{message}; `{prog} --help` lists the options"
@@ -1295,10 +1309,11 @@ def _unknown_options(parser: argparse.ArgumentParser, args, extra: Sequence[str]
             break
         sub = action.choices[getattr(args, dest)]
     flags = [o for a in sub._actions for o in a.option_strings]
-    first = next((e for e in extra if e.startswith("-")), extra[0])
+    given = [e for e in extra if e != "--"] or extra
+    first = next((e for e in given if e.startswith("-")), given[0])
     near = difflib.get_close_matches(first.split("=")[0], flags, n=1, cutoff=0.6)
     fix = f"did you mean {near[0]}?" if near else f"`{sub.prog} --help` lists the options"
-    what = "unknown option" if first.startswith("-") else "an argument no option takes"
+    what = "unknown option" if first.startswith("-") and first != "--" else "an argument no option takes"
     return f"{sub.prog}: error: {first}: {what}; {fix}"
 
 

@@ -102,14 +102,20 @@ class QualitySetting:
     sparvar: Optional[SparVARConfig] = None
     scalekv: Optional[ScaleKVConfig] = None
     sparsevar_fields: tuple = ()             # the SparseVAR fields the name sets; the rest are the preset's
+    scalekv_fields: tuple = ()               # likewise for ScaleKV
 
     def on_model(self, pipe) -> "QualitySetting":
-        """This setting over ``pipe``'s own SparseVAR preset (``pipe.sparsevar_preset``: the family's,
-        with the checkpoint's calibrated layer), keeping the fields the name sets."""
-        if self.sparsevar is None:
-            return self
-        chosen = {f: getattr(self.sparsevar, f) for f in self.sparsevar_fields}
-        return replace(self, sparsevar=replace(pipe.sparsevar_preset, **chosen))
+        """This setting over ``pipe``'s own SparseVAR and ScaleKV presets (``pipe.sparsevar_preset``,
+        ``pipe.scalekv_preset``: the family's, with what the checkpoint's calibration chose — the
+        observed layer, the drafter layers), keeping the fields the name sets."""
+        out = self
+        if self.sparsevar is not None:
+            chosen = {f: getattr(self.sparsevar, f) for f in self.sparsevar_fields}
+            out = replace(out, sparsevar=replace(pipe.sparsevar_preset, **chosen))
+        if self.scalekv is not None:
+            chosen = {f: getattr(self.scalekv, f) for f in self.scalekv_fields}
+            out = replace(out, scalekv=replace(pipe.scalekv_preset, **chosen))
+        return out
 
     def policies(self) -> list[Policy]:
         """Fresh policy objects for the pipeline's per-call ``policies=`` argument."""
@@ -155,6 +161,12 @@ def _sparsevar(**chosen) -> dict:
     """A SparseVAR part: the family preset with ``chosen`` fields, and their names (``on_model`` puts
     them over the loaded model's own preset)."""
     return {"sparsevar": replace(SPARSEVAR_PRESETS[FAMILY], **chosen), "sparsevar_fields": tuple(chosen)}
+
+
+def _scalekv(**chosen) -> dict:
+    """A ScaleKV part: the family preset with ``chosen`` fields, and their names (``on_model`` puts them
+    over the loaded model's own preset, whose drafter layers its calibration chose)."""
+    return {"scalekv": replace(SCALEKV_PRESETS[FAMILY], **chosen), "scalekv_fields": tuple(chosen)}
 
 
 def _alpha(m) -> dict:
@@ -224,12 +236,13 @@ SETTING_FORMS: tuple = (
      "SparVAR reading every key (SparVARConfig.dense(): all keys, full windows): dense attention through "
      "SparVAR's path", lambda m: {"sparvar": SparVARConfig.dense()}),
     (re.compile(r"scalekv(?:-preset)?"), "scalekv-preset | scalekv",
-     "ScaleKV, the VAR family preset (SCALEKV_PRESETS['var']: Infinity-2B's released budgets on the last five "
-     "scale boundaries, the first layer a drafter)",
-     lambda m: {"scalekv": SCALEKV_PRESETS[FAMILY]}),
+     "ScaleKV, the model's preset (pipe.scalekv_preset: the VAR family's, Infinity-2B's released budgets on the "
+     "last five scale boundaries, with the drafter layers `sparsevar calibrate --scalekv` chose for the checkpoint, "
+     "else the first layer)",
+     lambda m: _scalekv()),
     (re.compile(rf"scalekv-b?{_NUM}"), "scalekv-b<B> | scalekv-<B>",
      "ScaleKV keeping the share B in (0, 1] of the cached tokens after every scale past 650 cached tokens "
-     "(1.0 = neutral)", lambda m: {"scalekv": replace(SCALEKV_PRESETS[FAMILY], budget=float(m[1]))}),
+     "(1.0 = neutral)", lambda m: _scalekv(budget=float(m[1]))),
     (re.compile(r"skip-last-(\d+)"), "skip-last-<N>", "skip the last N scales", _skip_last),
     (re.compile(r"cond-only-last-(\d+)"), "cond-only-last-<N>",
      "run the last N scales without the unconditional CFG half", _cond_only_last),
@@ -309,7 +322,7 @@ def parse_setting(name: str) -> QualitySetting:
     if "sparsevar" in configs and "fastvar" in configs:
         raise ValueError(f"setting {name!r} combines SparseVAR with FastVAR, which prune the same tokens and cannot "
                          f"be stacked; combine either with skip-last-N or cond-only-last-N")
-    if "scalekv" in configs and len(configs) > 1:
+    if "scalekv" in configs and len({k for k in configs if not k.endswith("_fields")}) > 1:
         raise ValueError(f"setting {name!r} combines ScaleKV with another method; ScaleKV combines with skip-last-N "
                          f"and cond-only-last-N only")
     if "sparvar" in configs and ("sparsevar" in configs or "fastvar" in configs):
@@ -321,7 +334,8 @@ def parse_setting(name: str) -> QualitySetting:
     return QualitySetting(name=name, family=family, sparsevar=configs.get("sparsevar"),
                           fastvar=configs.get("fastvar"), scale_skip=scale_skip, sparvar=configs.get("sparvar"),
                           scalekv=configs.get("scalekv"),
-                          sparsevar_fields=configs.get("sparsevar_fields", ()))
+                          sparsevar_fields=configs.get("sparsevar_fields", ()),
+                          scalekv_fields=configs.get("scalekv_fields", ()))
 
 
 def parse_settings(settings: Optional[Sequence[str]]) -> list[QualitySetting]:
@@ -741,7 +755,7 @@ def run_quality(model=None, settings: Optional[Sequence[str]] = None, seeds: Seq
     judge = load_classifier(classifier, model, pipe)
 
     info = pipe.adapter().model_info()
-    parsed = [s.on_model(pipe) for s in parsed]        # SparseVAR over the model's preset (its calibrated layer)
+    parsed = [s.on_model(pipe) for s in parsed]        # over the model's presets (what its calibration chose)
     policies: dict[str, list] = {}
     for s in parsed:                                   # every setting checked against the model first
         ps = s.policies()

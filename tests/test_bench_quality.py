@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 
 import PIL.Image
 import pytest
@@ -491,16 +492,38 @@ def test_sparvar_names_agree_with_bench_speed():
 
 
 def test_every_bench_speed_method_but_the_kernel_variants_parses_as_a_quality_setting():
-    """A researcher names a setting once for both harnesses: every `bench speed` method is a quality
-    setting with the same configs, except dense and its kernel backends (speed-only: quality always
-    compares with dense). ScaleKV's 'scalekv' and 'scalekv-<B>' read as scalekv-preset and -b<B>."""
+    """A researcher names a setting once for both harnesses: every `bench speed` method but dense and
+    its kernel backends (speed-only: quality always compares with dense) parses as a quality setting
+    of the same methods. ScaleKV's 'scalekv' and 'scalekv-<B>' read as scalekv-preset and -b<B>.
+    (Not the same configs everywhere: speed's sparsevar-keep<R> start at the third-last scale, as
+    its README rows say; quality's at the preset's start scale unless -from-3 says so.)"""
     from sparsevar.benchmarks import bench_speed
+    kinds = ("sparsevar", "fastvar", "sparvar", "scalekv", "skip", "cond-only")
     for name in bench_speed.METHODS:
         if name == "dense" or name.startswith("dense-"):
             continue
-        bq.parse_setting(name)                                   # raises for a name quality does not know
+        s = bq.parse_setting(name)                               # raises for a name quality does not know
+        made = {k for k in ("sparsevar", "fastvar", "sparvar", "scalekv") if getattr(s, k) is not None}
+        named = {k for k in kinds[:4] if k in name}
+        assert made == named, (name, made)
     kv = bq.SCALEKV_PRESETS["var"]
     assert bq.parse_setting("scalekv-0.1").scalekv == bq.parse_setting("scalekv-b0.1").scalekv
     assert bq.parse_setting("scalekv-0.1").scalekv.budget == 0.1 and kv.budget != 0.1
     combo = bq.parse_setting("scalekv+cond-only-last-3")
     assert combo.scalekv == kv and combo.scale_skip.cond_only_from == -3
+
+
+def test_scalekv_settings_take_the_models_calibrated_drafters(tiny):
+    """On a model whose calibration chose its ScaleKV drafter layers, quality's ScaleKV settings use
+    them (as enable_scalekv() does), keeping the budget a name sets."""
+    pipe = tiny
+    before = pipe.scalekv_preset
+    pipe.set_scalekv_calibration({"drafters": [1]})
+    try:
+        assert pipe.scalekv_preset != before                    # the calibration changes the preset
+        for name, budget in (("scalekv-preset", pipe.scalekv_preset.budget), ("scalekv-b0.3", 0.3),
+                             ("scalekv+cond-only-last-2", pipe.scalekv_preset.budget)):
+            s = bq.parse_setting(name).on_model(pipe)
+            assert s.scalekv == replace(pipe.scalekv_preset, budget=budget), name
+    finally:
+        pipe.set_scalekv_calibration(None)

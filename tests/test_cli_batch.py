@@ -210,7 +210,10 @@ def test_folder_mode_errors_are_one_line(tmp_path, capsys, args, message):
     (["generate", "--seed"], "sparsevar generate: error: --seed: expected one argument; `sparsevar generate --help`"),
     (["generate", "seven"], "sparsevar generate: error: seven: an argument no option takes"),
     (["bench", "speed", "--runz", "3"], "sparsevar bench speed: error: --runz: unknown option; did you mean --runs?"),
-    (["generat"], "sparsevar: error: generat: not a command; choose from 'generate'"),
+    (["generat"], "sparsevar: error: generat: not a command; choose from "),     # (quoted or not by Python version)
+    (["generate", "--num-per-prompt", "two"], "sparsevar generate: error: --num/--num-per-prompt two: give a whole "
+                                              "number"),
+    (["generate", "--class", "1", "--", "x"], "sparsevar generate: error: x: an argument no option takes"),
 ])
 def test_argument_errors_are_one_line_with_a_fix(capsys, argv, message):
     """Mistakes that argparse itself finds get the command line's one-line form (no usage block),
@@ -235,6 +238,12 @@ def test_a_folder_of_another_run_is_refused_naming_the_setting(tmp_path, capsys)
     assert "holds a run with dtype='float32', this one has dtype='bfloat16'" in capsys.readouterr().err
     assert main(["generate", "--class", "tree", "--dtype", "float32", "--out", f"{out}/", "--quiet"]) == 0
     assert len(list(out.glob("*.png"))) == 1
+    # a run begun before run.json recorded the precision (no "format") still resumes
+    saved = json.loads((out / "run.json").read_text())
+    old = {k: v for k, v in saved.items() if k not in ("format", "dtype")}
+    (out / "run.json").write_text(json.dumps(old))
+    assert main(["generate", "--class", "tree", "--num", "2", "--out", f"{out}/", "--quiet"]) == 0
+    assert len(list(out.glob("*.png"))) == 2 and json.loads((out / "run.json").read_text()) == old
 
 
 def test_two_processes_share_the_folder_and_draw_the_same_images(tmp_path, tiny):

@@ -41,6 +41,10 @@ async def main(base: str, prompt_path: str, interrupt_after: int | None) -> dict
                 msg = await ws.receive(timeout=1.0)
             except asyncio.TimeoutError:
                 msg = None
+            if msg is not None and msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
+                                                aiohttp.WSMsgType.ERROR):
+                ws_done, msg = True, None        # the socket is gone: /history alone says when it ended
+                await asyncio.sleep(0.2)
             if msg is not None and msg.type == aiohttp.WSMsgType.TEXT:
                 data = json.loads(msg.data)
                 if data.get("type") == "progress" and data["data"].get("prompt_id") == pid:
