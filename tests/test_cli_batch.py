@@ -268,3 +268,21 @@ def test_two_processes_share_the_folder_and_draw_the_same_images(tmp_path, tiny)
     assert sorted(rows) == [0, 1, 2, 3] and [rows[i]["process_index"] for i in range(4)] == [0, 0, 1, 1]
     for i in range(4):
         assert (two / f"0000{i}.png").read_bytes() == (one / f"0000{i}.png").read_bytes(), i
+
+
+def test_a_prompts_file_under_two_cpu_processes_is_read_once(tmp_path):
+    """--prompts with --num-processes on the CPU: the processes are forked with the parsed arguments,
+    and each draws the file's prompts once (it had appended the file to the prompts again)."""
+    import os
+    import subprocess
+    import sys
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w4\nw5 w6\n")
+    out = tmp_path / "t"
+    res = subprocess.run([sys.executable, "-m", "sparsevar", "generate", "--prompts", str(prompts), "--height", "256",
+                          "--width", "256", "--batch-size", "1", "--num-processes", "2", "--out", f"{out}/", "--quiet"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((out / "run.json").read_text())["prompts"] == ["w3 w4", "w5 w6"]
+    rows = sorted(_rows(out), key=lambda r: r["index"])
+    assert [(r["index"], r["prompt"], r["process_index"]) for r in rows] == [(0, "w3 w4", 0), (1, "w5 w6", 1)]
