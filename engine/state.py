@@ -9,7 +9,6 @@ from typing import Any, Optional, Union
 import torch
 
 from .contract import NO_HOOKS, PolicyStack, ScaleHooks, ScalePlan
-from .limits import GUIDANCE_SCALE_MAX  # noqa: F401 (re-exported: the engine's callers import it from here)
 from .schedule import ScaleSchedule
 
 GeneratorArg = Union[torch.Generator, list, None]
@@ -35,7 +34,6 @@ class ModelInfo:
     @property
     def layers_per_group(self) -> int:
         return self.num_layers // self.layer_groups if self.layer_groups else 1
-
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,12 @@ def weight_ptrs(module: nn.Module) -> tuple[int, ...]:
 DECODE_GRAPH_PIXELS = 1 << 20
 
 
-def decode_graph_key(batch: int, height: int, width: int) -> Optional[tuple]:
-    """A ``ModelAdapter.decode_key`` for a decoder that reads only workspace buffers and whose weights
+def decode_graph_key(latent_BChw: torch.Tensor, downsample_factor: int) -> Optional[tuple]:
+    """A ``ModelAdapter.decode_key`` for a decoder of ``latent_BChw`` (a workspace buffer) whose weights
     the workspace's own key holds (a moved decoder makes a new workspace): ``()``, or None (decode
     eagerly) past ``DECODE_GRAPH_PIXELS`` output pixels."""
-    return None if batch * height * width > DECODE_GRAPH_PIXELS else ()
+    B, _, h, w = latent_BChw.shape
+    return None if B * h * w * downsample_factor ** 2 > DECODE_GRAPH_PIXELS else ()
 
 
 def weights_key(module: nn.Module) -> tuple[tuple, bool]:

@@ -916,9 +916,8 @@ class HARTAdapter(ModelAdapter):
         return (self.vqvae.fhat_to_img(run.workspace.f_hat).float() + 1) * 0.5
 
     def decode_key(self, run: RunState) -> Optional[tuple]:
-        B, _, h, w = run.workspace.f_hat.shape
-        f = self.vqvae.downsample_factor
-        return decode_graph_key(B, h * f, w * f)      # the workspace key holds the VQVAE's weights
+        """A graph up to one 1024² picture (the workspace key holds the VQVAE's weights)."""
+        return decode_graph_key(run.workspace.f_hat, self.vqvae.downsample_factor)
 
 
 def hart_loop_flops(cfg, batch: int = 1, cfg_rows: int = 2, tokens_per_scale: Optional[Sequence[float]] = None,

@@ -552,7 +552,6 @@ class VARAdapter(ModelAdapter):
         return (img + 1) * 0.5                                                         # [-1, 1] → [0, 1]
 
     def decode_key(self, run: RunState) -> Optional[tuple]:
-        B, _, h, w = run.workspace.f_hat_BChw.shape
-        f = self.vqvae.downsample_factor
-        return decode_graph_key(B, h * f, w * f)      # the workspace key holds the VQVAE's weights
+        """A graph up to one 1024² picture (the workspace key holds the VQVAE's weights)."""
+        return decode_graph_key(run.workspace.f_hat_BChw, self.vqvae.downsample_factor)
 

@@ -17,8 +17,9 @@ import PIL.Image
 import torch
 
 from ..engine.contract import Policy, PolicyStack
+from ..engine.limits import GUIDANCE_SCALE_MAX
 from ..engine.sampler import generate, phase
-from ..engine.state import GUIDANCE_SCALE_MAX, SamplingSettings
+from ..engine.state import SamplingSettings
 from ..policies.fastvar import FASTVAR_PRESETS, FastVARConfig, FastVARPolicy
 from ..policies.scale_skip import ScaleSkipConfig, ScaleSkipPolicy
 from ..policies.scalekv import ScaleKVConfig, ScaleKVPolicy, check_scalekv_calibration, scalekv_preset

@@ -363,5 +363,8 @@ def test_the_decode_graph_key_stops_past_one_megapixel():
     its activations' memory between calls); the decoder's weights are in the workspace's key."""
     from sparsevar.models._blocks import DECODE_GRAPH_PIXELS, decode_graph_key
     assert DECODE_GRAPH_PIXELS == 1024 * 1024
-    assert decode_graph_key(1, 1024, 1024) == () and decode_graph_key(4, 512, 512) == ()
-    assert decode_graph_key(2, 1024, 1024) is None and decode_graph_key(1, 1024, 1040) is None
+    def latent(b, h, w):                                    # (B, C, h, w), as the workspaces hold it
+        return torch.empty(b, 32, h, w, device="meta")
+    assert decode_graph_key(latent(1, 64, 64), 16) == () and decode_graph_key(latent(4, 32, 32), 16) == ()
+    assert decode_graph_key(latent(2, 64, 64), 16) is None and decode_graph_key(latent(1, 64, 65), 16) is None
+    assert decode_graph_key(latent(1, 128, 128), 8) == () and decode_graph_key(latent(1, 128, 129), 8) is None
