@@ -686,7 +686,7 @@ RUN_FORMAT_2 = ("dtype", "vae_ckpt", "text_encoder")   # settings run.json recor
 def _folder_run(args, items, writers: int = 0):
     """(the folder run of ``--out`` for these items and settings, every (copy, item) in order, what is
     left of them); another run's folder: CLIError naming the setting."""
-    from .pipelines.batch import FolderRun
+    from .pipelines.batch import RUN_FILE, FolderRun
     key = "prompt" if args.prompt is not None else "class"
     settings = {"model": str(args.model or args.var_ckpt or "demo"), {"class": "classes"}.get(key, key + "s"): list(items),
                 "seed": args.seed, "dtype": str(_dtype(args.dtype, _device(args.device))).removeprefix("torch."),
@@ -696,7 +696,6 @@ def _folder_run(args, items, writers: int = 0):
                                                  "block", "alpha", "beta", "fastvar", "fastvar_layers", "sparvar",
                                                  "scalekv", "skip_last", "cond_only_from") if getattr(args, k, None) is not None}}
     out = Path(args.out)
-    from .pipelines.batch import RUN_FILE
     try:
         saved = json.loads((out / RUN_FILE).read_text()) if (out / RUN_FILE).is_file() else {}
     except (OSError, ValueError):

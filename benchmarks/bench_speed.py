@@ -197,6 +197,10 @@ def _time_runs(call, kw, warmup, runs, device, loop_ms, e2e_ms, decode_ms, per_s
         floors.append(floor_of(st))
 
 
+# the text-to-image models' timed prompt: words of the tiny random tokenizers' vocabulary
+PROMPT = "w3 w4 w5 w6"
+
+
 def _prompt(pipe, prompt: str, encode_once: bool) -> dict:
     """The text arguments of a text-to-image call: the prompt itself (encoded in every call), or with
     ``encode_once`` its features, encoded here once (the official samplers' timings leave the text
@@ -236,7 +240,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
         from ..pipelines.hart_pipeline import HARTPipeline
 
         pipe = HARTPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
-        prompt = "w3 w4 w5 w6"
+        prompt = PROMPT
         features = _prompt(pipe, prompt, encode_once)
 
         def call(gen, kw, batch):
@@ -270,7 +274,7 @@ def _model(name: str, device: str, dtype: torch.dtype, resolution: Optional[int]
 
         pipe = InfinityPipeline.from_random(name, device=device, dtype=dtype, vae_dtype=vae_dtype)
         res = resolution or 1024
-        prompt = "w3 w4 w5 w6"
+        prompt = PROMPT
         features = _prompt(pipe, prompt, encode_once)
 
         def call(gen, kw, batch):
@@ -365,7 +369,7 @@ def run_speed(models: Sequence[str], batches: Sequence[int], runs: int = 10, war
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 rest = [e - lo - d for e, lo, d in zip(e2e_ms, loop_ms, decode_ms)]
                 if text_model and batch not in encoder_ms:            # the encoder's time does not depend on the method
-                    encoder_ms[batch] = round(text_encoder_ms(pipe, "w3 w4 w5 w6", batch, runs, device), 3)
+                    encoder_ms[batch] = round(text_encoder_ms(pipe, PROMPT, batch, runs, device), 3)
                 encoder = encoder_ms.get(batch, "")
                 scale_med = [statistics.median(col) for col in zip(*per_scale)]
                 tok_mean = [statistics.fmean(col) for col in zip(*tokens)]

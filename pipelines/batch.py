@@ -18,8 +18,8 @@ Several processes (``accelerate launch``, or ``--num-processes``) each take ever
 what is left and append to the same manifest. A folder holds one run: ``run.json`` records its
 settings and a rerun with other settings is refused naming the first that differs;
 ``manifest.jsonl`` gets one row per image (its item, seed, file and what the caller adds: the CLI
-records the process, the image's share of the call's time and its batch's stats), appended after the image is on disk, so an
-image counts as done when both its file and its row are there. Rerunning the same command skips
+records the process, the image's share of the call's time and its batch's stats), appended after
+the image is on disk, so an image counts as done when both its file and its row are there. Rerunning the same command skips
 what is done and writes nothing for it.
 """
 from __future__ import annotations
